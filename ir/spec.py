@@ -1,0 +1,238 @@
+"""The spec-level IR: what a user asked for, after parsing, before planning.
+
+A ``KernelSpec`` is an immutable value built by the front end
+(``fp4gen.frontend``) from one ``attention NAME { ... }`` block. The planning
+passes (``fp4gen.ir.passes``) turn it into a ``KernelPlan``. Nothing here
+imports the front end, jinja2 or torch.
+
+Every field that came from the spec text carries a ``SourceLoc`` in
+``KernelSpec.locs`` (keyed by a dotted field path such as ``"Q"``,
+``"mask"``, ``"schedule.tile"``, ``"backward.dO"``), so that later passes can
+report errors at the right place and generated kernels can say which spec
+line produced each choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+
+class Target(str, Enum):
+    SM100A = "sm100a"
+    SM90A = "sm90a"
+    REFERENCE = "reference"
+
+
+class Format(str, Enum):
+    """Element formats of operands and of block scales."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8E4M3 = "fp8e4m3"  # OCP E4M3FN: no Inf, one NaN pattern, max 448
+    FP8E5M2 = "fp8e5m2"  # OCP E5M2: IEEE-like, max 57344
+    NVFP4 = "nvfp4"  # E2M1 payload, 1x16 blocks, E4M3 block scales
+    MXFP4 = "mxfp4"  # E2M1 payload, 1x32 blocks, E8M0 block scales
+    # scale-only formats
+    E8M0 = "e8m0"  # power-of-two scale (OCP MX), 127 bias, 0xFF = NaN
+    E4M3 = "e4m3"  # E4M3 used as a block scale (NVFP4)
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8e4m3": 8, "fp8e5m2": 8,
+                "nvfp4": 4, "mxfp4": 4, "e8m0": 8, "e4m3": 8}[self.value]
+
+    @property
+    def is_fp4(self) -> bool:
+        return self in (Format.NVFP4, Format.MXFP4)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self in (Format.FP8E4M3, Format.FP8E5M2)
+
+    @property
+    def is_high_precision(self) -> bool:
+        return self in (Format.FP32, Format.BF16, Format.FP16)
+
+
+class ScaleGranularity(str, Enum):
+    """How an operand's scale factors are shared."""
+
+    NONE = "none"  # no scale (bf16, fp16, fp32)
+    TENSOR = "tensor"  # one fp32 scale per (batch, head) tensor slice
+    TOKEN = "token"  # one fp32 scale per row (token)
+    BLOCK = "block"  # one scale per `block` contiguous elements along the reduction dim
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    file: str
+    line: int  # 1-based
+    col: int  # 1-based
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class OperandFormat:
+    """The number format of one operand.
+
+    ``block`` is the number of consecutive elements (along the dimension the
+    consuming MMA reduces over) that share one scale; ``scale`` is that
+    scale's format. For nvfp4 the defaults are block=16, scale=e4m3; for mxfp4
+    block=32, scale=e8m0; for fp8 the default is a per-block fp32 scale
+    (Hopper) unless the spec says otherwise.
+    """
+
+    format: Format
+    granularity: ScaleGranularity = ScaleGranularity.NONE
+    block: Optional[int] = None
+    scale: Optional[Format] = None
+
+    def __str__(self) -> str:
+        s = self.format.value
+        if self.granularity is ScaleGranularity.BLOCK:
+            s += f"(block={self.block}, scale={self.scale.value if self.scale else 'fp32'})"
+        elif self.granularity in (ScaleGranularity.TENSOR, ScaleGranularity.TOKEN):
+            s += f"(scale={self.granularity.value})"
+        return s
+
+
+def default_operand_format(fmt: Format) -> OperandFormat:
+    """The format with its conventional scaling (what a bare `Q : nvfp4` means)."""
+    if fmt is Format.NVFP4:
+        return OperandFormat(fmt, ScaleGranularity.BLOCK, 16, Format.E4M3)
+    if fmt is Format.MXFP4:
+        return OperandFormat(fmt, ScaleGranularity.BLOCK, 32, Format.E8M0)
+    if fmt.is_fp8:
+        return OperandFormat(fmt, ScaleGranularity.TENSOR, None, Format.FP32)
+    return OperandFormat(fmt)
+
+
+class PKind(str, Enum):
+    EXP = "exp"  # p = exp2(s*log2e - m), then converted to P's format
+    DIRECT_P = "direct_p"  # scores straight to P's codes (paper's Direct-P)
+    TWO_LEVEL = "two_level"  # SageAttention3: per-row rescale to [0, 448*6], then fp4
+
+
+class DirectPPolicy(str, Enum):
+    FAST = "fast"  # affine classifier max(0, a*x + b)
+    ACCURATE = "accurate"  # hardware ex2 on part of the path
+
+
+@dataclass(frozen=True)
+class PProduction:
+    kind: PKind = PKind.EXP
+    policy: DirectPPolicy = DirectPPolicy.FAST
+    a: float = 1.50
+    b: float = 1.20
+
+
+class GuardKind(str, Enum):
+    NONE = "none"
+    SAMPLE = "sample"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The paper's extreme-logit guard (Algorithm 3), constants (M, L)."""
+
+    kind: GuardKind = GuardKind.NONE
+    m: int = 0
+    l: int = 0
+
+
+class Mask(str, Enum):
+    NONE = "none"
+    CAUSAL = "causal"
+
+
+class PPublish(str, Enum):
+    WHOLE = "whole"
+    HALVES = "halves"
+
+
+@dataclass(frozen=True)
+class TmemRegionRequest:
+    """An explicit TMEM region from `tmem { NAME cols A..B }` (inclusive)."""
+
+    name: str
+    first_col: int
+    last_col: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    tile_m: int = 128
+    tile_n: int = 128
+    q_stages: int = 2
+    p_publish: PPublish = PPublish.HALVES
+    # None = automatic; otherwise the explicit regions, checked by the planner
+    tmem_regions: Optional[tuple[TmemRegionRequest, ...]] = None
+    kv_stages: Optional[int] = None  # None = planner decides
+
+
+BACKWARD_OPERANDS = ("dO", "dS", "dP", "dQ", "dK", "dV")
+FORWARD_OPERANDS = ("Q", "K", "P", "V", "O")
+REUSABLE_STATE = ("q", "k", "lse", "scales")
+
+
+@dataclass(frozen=True)
+class Backward:
+    """The causal training path: which forward state is reused, gradient formats."""
+
+    reuse: frozenset[str] = frozenset({"q", "k", "lse"})
+    formats: Mapping[str, OperandFormat] = field(default_factory=lambda: MappingProxyType({}))
+    deterministic: bool = False
+
+    def format_of(self, name: str) -> OperandFormat:
+        """Gradient operands the spec leaves out default to bf16."""
+        return self.formats.get(name, OperandFormat(Format.BF16))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    target: Target
+    head_dim: int
+    mask: Mask = Mask.NONE
+    softmax_scale: Optional[float] = None  # None = 1/sqrt(head_dim)
+    q: OperandFormat = OperandFormat(Format.BF16)
+    k: OperandFormat = OperandFormat(Format.BF16)
+    p: OperandFormat = OperandFormat(Format.BF16)
+    v: OperandFormat = OperandFormat(Format.BF16)
+    o: OperandFormat = OperandFormat(Format.BF16)
+    p_production: PProduction = PProduction()
+    guard: Guard = Guard()
+    schedule: Schedule = Schedule()
+    backward: Optional[Backward] = None
+    # where each field came from (dotted path -> location); see module docstring
+    locs: Mapping[str, SourceLoc] = field(default_factory=lambda: MappingProxyType({}), compare=False)
+    source_file: str = "<spec>"
+    # the spec's source lines, 1-based via source_lines[line - 1], for comments in generated code
+    source_lines: tuple[str, ...] = field(default=(), compare=False)
+
+    def operand(self, name: str) -> OperandFormat:
+        """Format of a forward operand by its spec name (Q, K, P, V, O)."""
+        return {"Q": self.q, "K": self.k, "P": self.p, "V": self.v, "O": self.o}[name]
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5
+
+    def loc(self, path: str) -> Optional[SourceLoc]:
+        return self.locs.get(path)
+
+    def origin(self, path: str) -> str:
+        """'spec.attn:12: P : mxfp4 via direct_p(...)' for comments in generated code."""
+        loc = self.locs.get(path)
+        if loc is None:
+            return f"{self.source_file}: (default for {path})"
+        text = self.source_lines[loc.line - 1].strip() if 0 < loc.line <= len(self.source_lines) else ""
+        return f"{loc.file}:{loc.line}: {text}"
+
+    def with_target(self, target: Target) -> "KernelSpec":
+        return replace(self, target=target)
