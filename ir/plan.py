@@ -5,14 +5,180 @@ receive a finished plan and nothing else: any choice a generated kernel makes
 must be recorded here first.
 
 Target-specific sections: ``tmem`` exists only for sm100a; ``sm90`` only for
-sm90a. The reference target has neither.
+sm90a. The reference target has neither (and no pipeline, events or cost).
+
+All values are frozen dataclasses holding tuples, so a plan can be hashed,
+compared and shared between passes without copying. ``docs/plan.md`` documents
+every field and the JSON form (``fp4gen.ir.dump.to_json``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
-from .spec import KernelSpec
+from .spec import KernelSpec, SourceLoc
+
+# TMEM of one SM (sm100a): 128 lanes x 512 columns of 32 bits.
+TMEM_LANES = 128
+TMEM_COLUMNS = 512
+# Dynamic shared memory one CTA may use (sm90a and sm100a): 227 KiB.
+SMEM_LIMIT_BYTES = 227 * 1024
+# 64K 32-bit registers per SM.
+REGISTERS_PER_SM = 65536
+
+
+class PlanError(Exception):
+    """A spec the planner cannot turn into a kernel for its target.
+
+    ``loc`` points at the spec field that caused it (``spec.loc("Q")`` ...);
+    ``notes`` are extra lines (strings) such as the fix or the numbers involved.
+    The CLI renders it like a front-end diagnostic (file:line:col, caret).
+    """
+
+    def __init__(self, message: str, loc: Optional[SourceLoc] = None, notes: Sequence[str] = ()):
+        self.message = message
+        self.loc = loc
+        self.notes = tuple(notes)
+        super().__init__(self.render())
+
+    def render(self, source_lines: Sequence[str] = ()) -> str:
+        head = f"{self.loc}: error: {self.message}" if self.loc else f"error: {self.message}"
+        out = [head]
+        if self.loc is not None and 0 < self.loc.line <= len(source_lines):
+            text = source_lines[self.loc.line - 1].rstrip("\r\n")
+            pad = "".join("\t" if ch == "\t" else " " for ch in text[: max(self.loc.col - 1, 0)])
+            out += ["    " + text, "    " + pad + "^"]
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- legalize
+
+
+@dataclass(frozen=True)
+class MmaChoice:
+    """One matrix product of the forward (``QK`` = Q K^T, ``PV`` = P V) and how it is issued.
+
+    ``kind`` is the tcgen05 kind on sm100a (e.g. ``kind::mxf4nvf4.block_scale.block16``),
+    the wgmma input type on sm90a (``wgmma.f8`` / ``wgmma.bf16``), or ``torch`` for reference.
+    ``block_scaled``: the instruction consumes per-block scale factors (from TMEM on sm100a).
+    ``a_source``/``b_source``: where the operands come from (smem, tmem, registers).
+    """
+
+    name: str
+    a: str
+    b: str
+    kind: str
+    block_scaled: bool
+    sf_block: Optional[int]
+    sf_dtype: Optional[str]
+    a_source: str
+    b_source: str
+    a_major: str
+    b_major: str
+    flops_per_clk_sm: int  # dense tensor-core rate the cost model uses for this kind
+
+
+# --------------------------------------------------------------------------- contracts
+
+
+@dataclass(frozen=True)
+class OperandContract:
+    """What the kernel expects of one operand and who produces it."""
+
+    operand: str  # Q K P V O
+    payload: str  # element format (Format value)
+    bits: int
+    block: Optional[int]  # elements sharing one scale (None: no block scale)
+    scale_dtype: Optional[str]  # e4m3 e8m0 fp32, None when unscaled
+    granularity: str  # none tensor token block token_block
+    scale_layout: str  # human readable layout of the scale factors
+    major: str  # K-major / MN-major for the consuming MMA
+    storage: str  # where the consuming MMA reads it: smem, tmem, registers, global
+    quantized_by: str  # offline/host quantizer, producer warp, softmax warps, epilogue
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- TMEM
+
+
+@dataclass(frozen=True)
+class LiveInterval:
+    """When a region holds data that someone will still read, within one KV iteration.
+
+    ``opens``/``closes`` are event names (see ``KernelPlan.events``); ``loop`` says
+    whether the region is re-opened every KV tile (``per_tile``) or lives across the
+    whole loop (``whole_loop``, accumulators).
+    """
+
+    opens: str
+    closes: str
+    loop: str = "per_tile"
+
+
+@dataclass(frozen=True)
+class TmemRegion:
+    name: str
+    first_col: int
+    last_col: int  # inclusive
+    first_lane: int
+    last_lane: int  # inclusive
+    dtype: str  # fp32, e2m1x8 (8 codes per 32-bit column), e8m0x4, ...
+    purpose: str
+    stage: Optional[int]
+    live: LiveInterval
+    alias_of: Optional[str] = None  # name of the region whose columns this one reuses
+    explicit: bool = False  # placed by the spec's `tmem { }` block
+
+    @property
+    def columns(self) -> int:
+        return self.last_col - self.first_col + 1
+
+    def overlaps(self, other: "TmemRegion") -> bool:
+        return not (self.last_col < other.first_col or other.last_col < self.first_col) and not (
+            self.last_lane < other.first_lane or other.last_lane < self.first_lane)
+
+
+@dataclass(frozen=True)
+class TmemPlan:
+    regions: tuple[TmemRegion, ...]
+    total_columns: int  # columns the top-level regions span (S0..O1)
+    alloc_columns: int  # tcgen05.alloc size: power of two >= 32 covering every region
+    limit_columns: int = TMEM_COLUMNS
+    notes: tuple[str, ...] = ()
+
+    def region(self, name: str) -> TmemRegion:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.regions)
+
+
+# --------------------------------------------------------------------------- P publish
+
+
+@dataclass(frozen=True)
+class PublishPart:
+    index: int  # 1-based
+    keys: tuple[int, int]  # key columns of the tile covered, inclusive
+    p_columns: Optional[tuple[int, int]]  # TMEM columns written (sm100a), relative to P's region
+    with_scales: bool  # the block scales of the whole tile are written with this part
+    barrier: str  # barrier the softmax warps arrive on after writing it (stage suffix added per stage)
+    unblocks: str
+
+
+@dataclass(frozen=True)
+class PublishPlan:
+    mode: str  # whole | halves
+    parts: tuple[PublishPart, ...]
+    s_free_after: str  # what must happen before the next QK^T may write this stage's S
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- pipeline
 
 
 @dataclass(frozen=True)
@@ -42,14 +208,157 @@ class Sm90Plan:
 
 
 @dataclass(frozen=True)
+class WarpRole:
+    name: str  # load, mma, softmax0, softmax1, correction, epilogue, producer, consumer0, ...
+    warps: int
+    registers: int  # per thread (after setmaxnreg)
+    does: str
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+
+@dataclass(frozen=True)
+class SmemItem:
+    name: str
+    bytes: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    tile_m: int  # query rows per stage (sm100a) / per CTA (sm90a)
+    tile_n: int
+    q_stages: int  # query tiles in flight per CTA (sm90a: consumer warpgroups)
+    kv_stages: int
+    roles: tuple[WarpRole, ...]
+    smem: tuple[SmemItem, ...]
+    smem_bytes: int
+    smem_limit: int
+    registers_total: int
+    registers_limit: int
+    mma_order: str  # the MMA issue order of one KV iteration, in words
+    notes: tuple[str, ...] = ()
+
+    def role(self, name: str) -> WarpRole:
+        for r in self.roles:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class BarrierRef:
+    """Wait on ``barrier``'s arrival from KV tile ``j + dj`` (dj < 0: an earlier tile).
+
+    A reference to a tile before the first counts as already arrived (barriers
+    start in the "empty/free" phase).
+    """
+
+    barrier: str
+    dj: int = 0
+
+
+@dataclass(frozen=True)
+class Access:
+    """A TMEM access: region name and which part (0 whole, 1 first half, 2 second half)."""
+
+    region: str
+    part: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step of one warp role for KV tile ``j + dj`` of one query stage.
+
+    A role runs its events in the order they appear in ``KernelPlan.events``
+    (its loop body); ``dj`` lets the MMA warp issue PV of tile j-1 before QK^T of
+    tile j, as FA4 does. ``resource``: a unit shared between roles (the tensor
+    core on sm90a) that serialises the events using it.
+    """
+
+    name: str
+    role: str
+    stage: Optional[int]
+    waits: tuple[BarrierRef, ...]
+    signals: tuple[str, ...]
+    reads: tuple[Access, ...] = ()
+    writes: tuple[Access, ...] = ()
+    dj: int = 0
+    cost: str = ""  # key into the cost model's per-event cycles
+    resource: Optional[str] = None
+    last_tile_only: bool = False
+    what: str = ""
+
+
+# --------------------------------------------------------------------------- cost
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    unit: str  # mma, mufu, fma, cvt, tmem, smem
+    cycles: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Predicted cycles per KV tile per SM (all query stages of one CTA) for one P path."""
+
+    path: str  # exp | direct_p_fast | direct_p_accurate | two_level
+    units: tuple[UnitCost, ...]
+    bottleneck: str
+    cycles_per_tile: float  # max over units: everything overlapped perfectly
+    serial_cycles: float  # sum over units: nothing overlapped
+
+    def unit(self, name: str) -> UnitCost:
+        for u in self.units:
+            if u.unit == name:
+                return u
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    target: str
+    chosen: str  # the path the spec asks for
+    paths: tuple[PathCost, ...]
+    event_cycles: tuple[tuple[str, float], ...]  # per-event durations for simulate()
+    assumptions: tuple[str, ...]
+
+    def path(self, name: str) -> PathCost:
+        for p in self.paths:
+            if p.path == name:
+                return p
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     spec: KernelSpec
     sm90: Optional[Sm90Plan] = None
     # Sections below are filled by the planning passes (see fp4gen.ir.passes).
-    # Each is an immutable value defined next to the pass that builds it.
-    contracts: tuple = field(default=())
-    tmem: Optional[object] = None
-    publish: Optional[object] = None
-    pipeline: Optional[object] = None
-    events: tuple = field(default=())
-    cost: Optional[object] = None
+    contracts: tuple = field(default=())  # tuple[OperandContract, ...]
+    tmem: Optional[object] = None  # TmemPlan (sm100a)
+    publish: Optional[object] = None  # PublishPlan
+    pipeline: Optional[object] = None  # PipelinePlan
+    events: tuple = field(default=())  # tuple[Event, ...]
+    cost: Optional[object] = None  # CostModel
+    mma: tuple = field(default=())  # tuple[MmaChoice, ...] (from legalize)
+    notes: tuple = field(default=())  # planner remarks worth showing the user
+
+    def contract(self, operand: str) -> OperandContract:
+        for c in self.contracts:
+            if c.operand == operand:
+                return c
+        raise KeyError(operand)
+
+    def mma_choice(self, name: str) -> MmaChoice:
+        for m in self.mma:
+            if m.name == name:
+                return m
+        raise KeyError(name)

@@ -80,11 +80,13 @@ class SourceLoc:
 class OperandFormat:
     """The number format of one operand.
 
-    ``block`` is the number of consecutive elements (along the dimension the
-    consuming MMA reduces over) that share one scale; ``scale`` is that
-    scale's format. For nvfp4 the defaults are block=16, scale=e4m3; for mxfp4
-    block=32, scale=e8m0; for fp8 the default is a per-block fp32 scale
-    (Hopper) unless the spec says otherwise.
+    ``block`` is the number of elements that share one scale; ``scale`` is
+    that scale's format. For the microscaling formats (nvfp4: block=16,
+    scale=e4m3; mxfp4: block=32, scale=e8m0) the block runs along the
+    dimension the consuming MMA reduces over. For fp8 with
+    ``granularity=block`` the block is a run of ``block`` tokens (a whole
+    ``block x head_dim`` tile shares one fp32 scale, as the Hopper kernels
+    consume it). A bare fp8 format means one fp32 scale per (batch, head).
     """
 
     format: Format

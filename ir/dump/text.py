@@ -1,0 +1,143 @@
+"""to_text(plan): the human-readable schedule that ``fp4gen schedule`` prints."""
+from __future__ import annotations
+
+from ..plan import KernelPlan
+from .jsonform import SIM_TILES, event_id
+
+
+def _tile(dj: int) -> str:
+    return "j" if dj == 0 else f"j{dj:+d}"
+
+
+def _tmem_bar(plan: KernelPlan, width: int = 64) -> list[str]:
+    """One character per 512/width columns; top-level regions only, aliases listed below."""
+    tm = plan.tmem
+    per = tm.limit_columns // width
+    row = ["."] * width
+    for r in tm.regions:
+        if r.alias_of is None:
+            for c in range(r.first_col // per, min(width, r.last_col // per + 1)):
+                row[c] = "="
+            label = r.name
+            a = r.first_col // per
+            for i, ch in enumerate(label):
+                if a + 1 + i <= r.last_col // per:
+                    row[a + 1 + i] = ch
+            row[a] = "|"
+    ticks = "".join(f"{c:<{width // 4}}" for c in range(0, tm.limit_columns, tm.limit_columns // 4))
+    return ["    " + "".join(row) + "|", "    " + ticks + str(tm.limit_columns)]
+
+
+def to_text(plan: KernelPlan) -> str:
+    s = plan.spec
+    sch = s.schedule
+    L: list[str] = []
+    L.append(f"kernel {s.name}  target {s.target.value}  ({s.source_file})")
+    L.append(f"  head_dim {s.head_dim}, mask {s.mask.value}, tile {sch.tile_m} x {sch.tile_n}, "
+             f"q_stages {plan.pipeline.q_stages if plan.pipeline else sch.q_stages}, "
+             f"kv_stages {plan.pipeline.kv_stages if plan.pipeline else sch.kv_stages or '-'}, "
+             f"P via {s.p_production.kind.value}"
+             + (f"({s.p_production.policy.value}, a={s.p_production.a}, b={s.p_production.b})"
+                if s.p_production.kind.value == "direct_p" else ""))
+    L.append("")
+    L.append("MMA")
+    for m in plan.mma:
+        L.append(f"  {m.name}  {m.a} x {m.b}")
+        L.append(f"      {m.kind}; A {m.a_source} {m.a_major}, B {m.b_source} {m.b_major}"
+                 + (f"; {m.sf_dtype} scales per {m.sf_block}" if m.block_scaled else "")
+                 + (f"; {m.flops_per_clk_sm} FLOP/clk/SM" if m.flops_per_clk_sm else ""))
+    L.append("")
+    L.append("Operand contracts")
+    for c in plan.contracts:
+        blk = f"block {c.block}, " if c.block else ""
+        sc = f"scale {c.scale_dtype} ({c.granularity})" if c.scale_dtype else f"scale {c.granularity}"
+        L.append(f"  {c.operand}  {c.payload} ({c.bits} bit), {blk}{sc}; {c.major}; in {c.storage}")
+        L.append(f"      scales: {c.scale_layout}")
+        L.append(f"      quantized by: {c.quantized_by}")
+        for n in c.notes:
+            L.append(f"      note: {n}")
+    if plan.tmem is not None:
+        tm = plan.tmem
+        L.append("")
+        L.append(f"TMEM: {tm.total_columns} of {tm.limit_columns} columns, tcgen05.alloc {tm.alloc_columns}, "
+                 f"lanes 0..127 (one query row per lane)")
+        L += _tmem_bar(plan)
+        L.append(f"  {'columns':>11}  {'region':8} {'dtype':34} live (per KV tile)")
+        top = [r for r in tm.regions if r.alias_of is None]
+        for r in sorted(top, key=lambda r: r.first_col):
+            L.append(f"  [{r.first_col:3d}, {r.last_col:3d}]  {r.name:8} {r.dtype:34} {r.live.opens} .. {r.live.closes}"
+                     + (" (whole loop)" if r.live.loop == "whole_loop" else ""))
+            for a in sorted((x for x in tm.regions if x.alias_of == r.name), key=lambda x: x.first_col):
+                L.append(f"    [{a.first_col:3d}, {a.last_col:3d}]  {a.name:6} {a.dtype:34} {a.live.opens} .. {a.live.closes}")
+                L.append(f"    {'':10}  {'':6} inside {r.name}: {a.purpose}")
+        for n in tm.notes:
+            L.append(f"  note: {n}")
+    if plan.publish is not None:
+        pb = plan.publish
+        L.append("")
+        L.append(f"P publish: {pb.mode}")
+        for p in pb.parts:
+            cols = f", P columns +{p.p_columns[0]}..+{p.p_columns[1]}" if p.p_columns else ""
+            sc = " + all block scales" if p.with_scales else ""
+            L.append(f"  part {p.index}: keys {p.keys[0]}..{p.keys[1]}{cols}{sc} -> arrive {p.barrier}[s]; "
+                     f"unblocks {p.unblocks}")
+        L.append(f"  S of the stage is free for the next QK^T after: {pb.s_free_after}")
+        for n in pb.notes:
+            L.append(f"  note: {n}")
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        L.append("")
+        L.append("Warp roles (registers per thread after setmaxnreg)")
+        for r in pp.roles:
+            L.append(f"  {r.name:11} {r.warps} warp(s) x {r.registers:3d} regs  {r.does}")
+        L.append(f"  registers: {pp.registers_total} of {pp.registers_limit} per SM")
+        L.append(f"Shared memory: {pp.smem_bytes} of {pp.smem_limit} bytes")
+        for i in pp.smem:
+            L.append(f"  {i.name:9} {i.bytes:7d}  {i.detail}")
+        L.append(f"MMA issue order: {pp.mma_order}")
+        for n in pp.notes:
+            L.append(f"  note: {n}")
+    if plan.sm90 is not None:
+        s9 = plan.sm90
+        L.append(f"Sm90Plan: tile {s9.tile_m} x {s9.tile_n}, {s9.consumer_warpgroups} consumer warpgroup(s), "
+                 f"kv_stages {s9.kv_stages}, v_transposed {s9.v_transposed}, "
+                 f"intra_warpgroup_overlap {s9.intra_warpgroup_overlap}, pingpong {s9.pingpong}, "
+                 f"producer {s9.producer_registers} / consumer {s9.consumer_registers} regs")
+    if plan.events:
+        L.append("")
+        L.append("Events of KV tile j (each role runs its lines top to bottom; j-1 = previous tile)")
+        stages = sorted({e.stage for e in plan.events if e.stage is not None})
+        for key in [None] + stages:
+            evs = [e for e in plan.events if e.stage == key]
+            L.append("  shared:" if key is None else f"  stage {key}:")
+            for e in evs:
+                waits = ", ".join(f"{w.barrier}({_tile(e.dj + w.dj)})" for w in e.waits) or "-"
+                sig = ", ".join(e.signals) or "-"
+                acc = []
+                if e.reads:
+                    acc.append("reads " + " ".join(a.region + ("" if not a.part else f".h{a.part}") for a in e.reads))
+                if e.writes:
+                    acc.append("writes " + " ".join(a.region + ("" if not a.part else f".h{a.part}") for a in e.writes))
+                last = " [last tile]" if e.last_tile_only else ""
+                L.append(f"    {e.role:10} {event_id(e) + '(' + _tile(e.dj) + ')':18} wait {waits}; signal {sig}"
+                         + (f"; {'; '.join(acc)}" if acc else "") + last)
+    if plan.cost is not None:
+        c = plan.cost
+        L.append("")
+        rows = (plan.pipeline.q_stages * sch.tile_m) if s.target.value == "sm100a" else sch.tile_m
+        L.append(f"Cost model: cycles per KV tile per SM ({rows} query rows x {sch.tile_n} keys)")
+        units = [u.unit for u in c.paths[0].units]
+        L.append("  " + f"{'path':19}" + "".join(f"{u:>8}" for u in units) + "   bottleneck")
+        for p in c.paths:
+            mark = "*" if p.path == c.chosen else " "
+            L.append(f" {mark}{p.path:19}" + "".join(f"{u.cycles:8.0f}" for u in p.units)
+                     + f"   {p.bottleneck} ({p.cycles_per_tile:.0f})")
+        L.append("  (* = the path this spec asks for; assumptions in docs/plan.md and the JSON dump)")
+        from ..passes.events import simulate
+        sim = simulate(plan, SIM_TILES)
+        L.append(f"Simulated: {SIM_TILES} KV tiles in {sim.makespan:.0f} cycles (no deadlock, no TMEM hazard)")
+    if plan.notes:
+        L.append("")
+        for n in plan.notes:
+            L.append(f"note: {n}")
+    return "\n".join(L) + "\n"

@@ -1,0 +1,137 @@
+"""plan_pipeline: warp roles, register budgets (setmaxnreg) and the shared-memory budget.
+
+sm100a (FA4's warp specialization, 16 warps = 4 warpgroups):
+  softmax0, softmax1 (one warpgroup per query stage), correction (rescales O, epilogue
+  TMEM reads), and one warpgroup of single warps: load (TMA), mma (issues tcgen05.mma /
+  tcgen05.cp), epilogue (TMA store), one spare.
+sm90a (FA3's): one producer warpgroup (TMA loads; setmaxnreg down) and tile_m/64
+  consumer warpgroups (wgmma + softmax in registers; setmaxnreg up).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..plan import (
+    REGISTERS_PER_SM, SMEM_LIMIT_BYTES, KernelPlan, PipelinePlan, PlanError, SmemItem, Sm90Plan, WarpRole,
+)
+from ..spec import Target
+from .contracts import sf_atoms
+
+SF_ATOM_BYTES = 512  # 128 rows x 4 one-byte scales
+MBARRIER_BYTES = 8
+
+
+def _bytes(rows: int, cols: int, bits: int) -> int:
+    return rows * cols * bits // 8
+
+
+def _loc(spec):
+    return spec.loc("schedule.kv_stages") or spec.loc("schedule.tile") or spec.loc("schedule")
+
+
+def _sm100(plan: KernelPlan) -> PipelinePlan:
+    spec = plan.spec
+    s, d = spec.schedule, spec.head_dim
+    q, m, n = s.q_stages, s.tile_m, s.tile_n
+    qk, pv = plan.mma_choice("QK"), plan.mma_choice("PV")
+    # FA4's D128 split: 2 x 192 (softmax) + 80 (correction) + 48 (others) = 512 per thread-slot of 4 WGs.
+    roles = [WarpRole(f"softmax{st}", 4, 192, f"loads S{st}, row max, P (exp or Direct-P), publishes P{st}")
+             for st in range(q)]
+    roles += [WarpRole("correction", 4, 80, "rescales O when the row max moves; reads O for the epilogue"),
+              WarpRole("mma", 1, 48, "issues tcgen05.mma (QK^T, PV) and tcgen05.cp (scale factors)"),
+              WarpRole("load", 1, 48, "TMA loads of Q, K, V and their scale factors"),
+              WarpRole("epilogue", 1, 48, "TMA store of O"),
+              WarpRole("spare", 1, 48, "idle (keeps the warpgroup whole for setmaxnreg)")]
+
+    def smem(kv: int, o_in_q: bool) -> list[SmemItem]:
+        items = [SmemItem("Q", q * _bytes(m, d, spec.q.format.bits), f"{q} x {m}x{d} {spec.q.format.value}"),
+                 SmemItem("K", kv * _bytes(n, d, spec.k.format.bits), f"{kv} x {n}x{d} {spec.k.format.value}"),
+                 SmemItem("V", kv * _bytes(n, d, spec.v.format.bits), f"{kv} x {n}x{d} {spec.v.format.value}")]
+        if qk.block_scaled:
+            items.append(SmemItem("SFQ+SFK", (q * sf_atoms(m, d, qk.sf_block) + kv * sf_atoms(n, d, qk.sf_block))
+                                  * SF_ATOM_BYTES, "scale-factor atoms staged for tcgen05.cp"))
+        if pv.block_scaled:
+            items.append(SmemItem("SFV", kv * sf_atoms(d, n, pv.sf_block) * SF_ATOM_BYTES,
+                                  "scale-factor atoms staged for tcgen05.cp"))
+        if not o_in_q:
+            items.append(SmemItem("O", q * _bytes(m, d, spec.o.format.bits), f"{q} x {m}x{d} {spec.o.format.value} (epilogue staging)"))
+        nbar = 4 * kv + 8 * q + 2
+        items.append(SmemItem("barriers", nbar * MBARRIER_BYTES, f"{nbar} mbarriers"))
+        return items
+
+    return _finish(spec, roles, smem, (4, 3, 2), q, m, n,
+                   "per KV tile j, for each stage s: PV_s(j-1) then QK_s(j) (FA4 order: P's columns are "
+                   "consumed before QK^T rewrites S; the tensor pipe runs tcgen05 ops in issue order)")
+
+
+def _finish(spec, roles, smem, kv_choices, q, m, n, order, extra_notes=()) -> PipelinePlan:
+    s = spec.schedule
+    notes = list(extra_notes)
+    choice = None
+    candidates = [(s.kv_stages, False), (s.kv_stages, True)] if s.kv_stages else \
+        [(kv, False) for kv in kv_choices] + [(kv, True) for kv in kv_choices]
+    for kv, o_in_q in candidates:
+        items = smem(kv, o_in_q)
+        if sum(i.bytes for i in items) <= SMEM_LIMIT_BYTES:
+            choice = (kv, o_in_q, items)
+            break
+    if choice is None:
+        kv = s.kv_stages or kv_choices[-1]
+        items = smem(kv, True)
+        total = sum(i.bytes for i in items)
+        raise PlanError(f"shared memory plan needs {total} bytes ({', '.join(f'{i.name} {i.bytes}' for i in items)}) "
+                        f"but a CTA may use {SMEM_LIMIT_BYTES}", _loc(spec),
+                        ["use fewer kv_stages, a smaller tile, or narrower K/V formats"])
+    kv, o_in_q, items = choice
+    if o_in_q:
+        notes.append("O is staged for the epilogue in Q's shared memory (Q is dead after the last QK^T)")
+    regs = sum(r.threads * r.registers for r in roles)
+    if regs > REGISTERS_PER_SM:
+        raise PlanError(f"register plan needs {regs} registers but an SM has {REGISTERS_PER_SM}", _loc(spec))
+    return PipelinePlan(m, n, q, kv, tuple(roles), tuple(items), sum(i.bytes for i in items), SMEM_LIMIT_BYTES,
+                        regs, REGISTERS_PER_SM, order, tuple(notes))
+
+
+def _sm90(plan: KernelPlan) -> tuple[PipelinePlan, Sm90Plan]:
+    spec = plan.spec
+    s, d = spec.schedule, spec.head_dim
+    m, n = s.tile_m, s.tile_n
+    wgs = m // 64
+    # FA3's setmaxnreg splits per consumer count (total <= 64K registers).
+    producer, consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[wgs]
+    roles = [WarpRole("producer", 4, producer, "one warp issues TMA loads of Q, K, V (the others idle)")]
+    roles += [WarpRole(f"consumer{w}", 4, consumer, f"wgmma QK^T / PV on query rows {64 * w}..{64 * w + 63}, "
+                                                    f"softmax and P in registers") for w in range(wgs)]
+
+    def smem(kv: int, o_in_q: bool) -> list[SmemItem]:
+        items = [SmemItem("Q", _bytes(m, d, spec.q.format.bits), f"{m}x{d} {spec.q.format.value}"),
+                 SmemItem("K", kv * _bytes(n, d, spec.k.format.bits), f"{kv} x {n}x{d} {spec.k.format.value}"),
+                 SmemItem("V", kv * _bytes(n, d, spec.v.format.bits),
+                          f"{kv} x {d}x{n} {spec.v.format.value} (transposed)" if spec.v.format.is_fp8
+                          else f"{kv} x {n}x{d} {spec.v.format.value}")]
+        if not o_in_q:
+            items.append(SmemItem("O", _bytes(m, d, spec.o.format.bits), f"{m}x{d} {spec.o.format.value} (epilogue staging)"))
+        nbar = 4 * kv + 2
+        items.append(SmemItem("barriers", nbar * MBARRIER_BYTES, f"{nbar} mbarriers"))
+        return items
+
+    pingpong = wgs == 2 and d == 128
+    order = ("per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) "
+             "(intra-warpgroup overlap)" + ("; the two consumers take turns on the tensor core (ping-pong)"
+                                             if pingpong else ""))
+    kv_default = (s.kv_stages or 2,)
+    pp = _finish(spec, roles, smem, kv_default, wgs, m, n, order)
+    sm90 = Sm90Plan(tile_m=m, tile_n=n, consumer_warpgroups=wgs, kv_stages=pp.kv_stages,
+                    v_transposed=spec.v.format.is_fp8, intra_warpgroup_overlap=True, pingpong=pingpong,
+                    smem_bytes=pp.smem_bytes, producer_registers=producer, consumer_registers=consumer)
+    return pp, sm90
+
+
+def plan_pipeline(plan: KernelPlan) -> KernelPlan:
+    t = plan.spec.target
+    if t is Target.SM100A:
+        return replace(plan, pipeline=_sm100(plan))
+    if t is Target.SM90A:
+        pp, sm90 = _sm90(plan)
+        return replace(plan, pipeline=pp, sm90=sm90)
+    return plan
