@@ -1,1 +1,68 @@
+"""fp4gen: compiles attention specs (*.attn) into FP4/FP8 FlashAttention kernels.
 
+    import fp4gen
+    specs = fp4gen.parse_file("examples/fa4_fp4_d128.attn")
+    plan = fp4gen.plan(specs[0])
+    paths = fp4gen.compile_spec("examples/fa4_fp4_d128.attn", "out/", target="reference")
+    mod = fp4gen.load("examples/fa4_fp4_d128.attn", target="reference")
+
+Everything here is imported lazily: ``import fp4gen`` loads only this file, so
+generated kernels (which import ``fp4gen.runtime``) never pull in lark, jinja2
+or the planner.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["parse_file", "parse_text", "SpecError", "plan", "compile_spec", "load", "__version__"]
+
+
+def parse_file(path):
+    """Parse a spec file -> list of ``KernelSpec`` (raises ``SpecError``)."""
+    from fp4gen.frontend import parse_file as _parse_file
+
+    return _parse_file(path)
+
+
+def parse_text(text, filename="<string>"):
+    """Parse spec text -> list of ``KernelSpec`` (raises ``SpecError``)."""
+    from fp4gen.frontend import parse_text as _parse_text
+
+    return _parse_text(text, filename)
+
+
+def plan(spec):
+    """Plan one ``KernelSpec`` -> ``KernelPlan`` (raises ``fp4gen.ir.passes.PlanError``)."""
+    from fp4gen.ir.passes import plan_kernel
+
+    return plan_kernel(spec)
+
+
+def compile_spec(spec, out_dir, *, target=None, kernel=None):
+    """Compile a spec (a path, or a ``KernelSpec`` / list of them) into ``out_dir``.
+
+    Writes one importable module per kernel (atomically) and returns their paths.
+    ``target`` overrides the spec's own target; ``kernel`` picks one kernel by name.
+    """
+    from fp4gen.cli.compile import compile_specs, select_specs
+
+    specs = parse_file(spec) if isinstance(spec, (str, bytes)) or hasattr(spec, "__fspath__") else spec
+    if not isinstance(specs, (list, tuple)):
+        specs = [specs]
+    return compile_specs(select_specs(specs, kernel), out_dir, target=target)
+
+
+def load(spec_or_module, **kwargs):
+    """Import a generated kernel module (see ``fp4gen.runtime.load``)."""
+    from fp4gen.runtime import load as _load
+
+    return _load(spec_or_module, **kwargs)
+
+
+def __getattr__(name):
+    # SpecError is a class users catch; import the front end only when asked for it.
+    if name == "SpecError":
+        from fp4gen.frontend.diagnostics import SpecError
+
+        return SpecError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

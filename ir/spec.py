@@ -187,7 +187,8 @@ class Backward:
     """The causal training path: which forward state is reused, gradient formats."""
 
     reuse: frozenset[str] = frozenset({"q", "k", "lse"})
-    formats: Mapping[str, OperandFormat] = field(default_factory=lambda: MappingProxyType({}))
+    # hash=False: a mapping is not hashable; equal specs still compare equal
+    formats: Mapping[str, OperandFormat] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     deterministic: bool = False
 
     def format_of(self, name: str) -> OperandFormat:

@@ -1,0 +1,177 @@
+"""Spec -> plan -> generated module files; shared by ``fp4gen compile``,
+``fp4gen regenerate`` and ``fp4gen.compile_spec``.
+
+Errors a user can cause come out as ``UserError`` (one line, exit 1) or as
+``SpecError`` with diagnostics (exit 1); anything else is an internal error.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from fp4gen.frontend import Diagnostic, Note, SpecError
+from fp4gen.ir.spec import KernelSpec, SourceLoc, Target
+
+
+class UserError(Exception):
+    """A mistake on the command line or in the environment: printed as one line, exit 1."""
+
+
+def parse_target(name: Optional[str]) -> Optional[Target]:
+    if name is None:
+        return None
+    norm = name.strip().lower().replace("_", "")  # accept sm_90a
+    try:
+        return Target(norm)
+    except ValueError:
+        known = ", ".join(t.value for t in Target)
+        raise UserError(f"unknown target '{name}'; known targets: {known}") from None
+
+
+def select_specs(specs: Sequence[KernelSpec], kernel: Optional[str]) -> list[KernelSpec]:
+    if kernel is None:
+        return list(specs)
+    found = [s for s in specs if s.name == kernel]
+    if not found:
+        from fp4gen.frontend import did_you_mean
+
+        names = ", ".join(s.name for s in specs)
+        hint = did_you_mean(kernel, [s.name for s in specs])
+        raise UserError(f"no kernel '{kernel}' in the spec (it defines: {names})" + (f"; {hint}" if hint else ""))
+    return found
+
+
+def _note(n) -> "Note | str":
+    """Planner notes may be strings, (message, loc) pairs or objects with .message/.loc."""
+    if isinstance(n, (Note, str)):
+        return n
+    if isinstance(n, tuple) and len(n) == 2:
+        a, b = n
+        if isinstance(a, SourceLoc):
+            a, b = b, a
+        return Note(str(a), b if isinstance(b, SourceLoc) else None)
+    msg = getattr(n, "message", None)
+    if msg is not None:
+        loc = getattr(n, "loc", None)
+        return Note(str(msg), loc if isinstance(loc, SourceLoc) else None)
+    return str(n)
+
+
+def plan_error_to_spec_error(err, spec: KernelSpec) -> SpecError:
+    """A planner ``PlanError`` rendered like a spec diagnostic (file:line:col + caret)."""
+    loc = getattr(err, "loc", None)
+    message = getattr(err, "message", None) or str(err)
+    notes = tuple(_note(n) for n in (getattr(err, "notes", None) or ()))
+    hint = getattr(err, "hint", None)
+    span = 1
+    if isinstance(loc, SourceLoc) and 0 < loc.line <= len(spec.source_lines):
+        # underline the word the planner points at
+        rest = spec.source_lines[loc.line - 1][loc.col - 1:]
+        word = rest.split()[0] if rest.split() else ""
+        span = max(1, len(word.split("(")[0]))
+    prefix = f"kernel '{spec.name}' ({spec.target.value}): "
+    return SpecError([Diagnostic(loc if isinstance(loc, SourceLoc) else None, prefix + message, notes, hint, span)],
+                     spec.source_lines)
+
+
+def plan_spec(spec: KernelSpec):
+    """``fp4gen.ir.passes.plan_kernel`` with PlanError turned into a SpecError."""
+    try:
+        from fp4gen.ir.passes import PlanError, plan_kernel
+    except ImportError as e:
+        raise RuntimeError(f"the planner (fp4gen.ir.passes.plan_kernel) is not available: {e}") from e
+    try:
+        plan = plan_kernel(spec)
+    except PlanError as e:
+        raise plan_error_to_spec_error(e, spec) from None
+    return plan
+
+
+def verify_plan(plan) -> None:
+    """Run the planner's verifier when it exists (its failures are internal errors)."""
+    try:
+        from fp4gen.ir.passes import verify
+    except ImportError:
+        return
+    verify(plan)
+
+
+def retarget(spec: KernelSpec, target: Optional[Target]) -> KernelSpec:
+    return spec if target is None or target is spec.target else spec.with_target(target)
+
+
+def render_module(plan) -> str:
+    from fp4gen.lowering import render
+
+    return render(plan)
+
+
+def atomic_write(path: Path, data: "str | bytes") -> Path:
+    from fp4gen.runtime.cache import atomic_write as _atomic_write
+
+    return _atomic_write(path, data)
+
+
+def compile_specs(specs: Iterable[KernelSpec], out_dir, *, target=None) -> list[Path]:
+    """Plan and render every spec (for ``target`` or its own) into ``out_dir``; returns the files."""
+    from fp4gen.lowering import LoweringError, module_name
+
+    tgt = parse_target(target) if isinstance(target, str) else target
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output path '{out}' exists and is not a directory")
+    rendered = []
+    # Plan and render everything first, so a bad kernel leaves no partial output.
+    for spec in specs:
+        spec = retarget(spec, tgt)
+        plan = plan_spec(spec)
+        try:
+            source = render_module(plan)
+        except LoweringError as e:
+            raise UserError(f"kernel '{spec.name}': cannot compile for {spec.target.value}: {e}") from None
+        rendered.append((out / f"{module_name(spec.name, spec.target.value)}.py", source))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return [atomic_write(p, src) for p, src in rendered]
+    except OSError as e:
+        raise UserError(f"cannot write to '{out}': {e.strerror or e}") from None
+
+
+_ARCH = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
+
+
+def emit_artifacts(module_path: Path, target: str, kinds: Sequence[str], timeout: float = 1800.0) -> Path:
+    """Compile a generated CuTe DSL module without a GPU and keep its PTX/cubin.
+
+    Runs the module's ``compile_only`` in a child process with CuTe DSL's
+    ``CUTE_DSL_KEEP``/``CUTE_DSL_DUMP_DIR`` set, so the artifacts land in
+    ``<module>.artifacts/`` beside the module.
+    """
+    arch = _ARCH.get(target)
+    if arch is None:
+        raise UserError(f"target {target} produces no {'/'.join(kinds)} (only sm90a and sm100a are compiled)")
+    dump = module_path.with_suffix(".artifacts")
+    dump.mkdir(parents=True, exist_ok=True)
+    # CuTe DSL names artifacts per compiled object; drop the previous run's so they do not pile up
+    for old in dump.iterdir():
+        if old.is_file() and old.suffix.lstrip(".") in ("ptx", "cubin"):
+            old.unlink(missing_ok=True)
+    env = dict(os.environ, CUTE_DSL_KEEP=",".join(kinds), CUTE_DSL_DUMP_DIR=str(dump.resolve()),
+               CUTE_DSL_ARCH=arch)
+    code = ("import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('fp4gen_emit_module', sys.argv[1])\n"
+            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+            "if not hasattr(mod, 'compile_only'): sys.exit('the module has no compile_only()')\n"
+            "print('\\n'.join(mod.compile_only(sys.argv[2])))\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code, str(module_path), arch], env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"compiling {module_path.name} for {arch} took longer than {timeout:.0f} s") from None
+    if res.returncode != 0:
+        tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-15:])
+        raise UserError(f"compiling {module_path.name} for {arch} failed:\n{tail}")
+    return dump

@@ -1,0 +1,614 @@
+"""Parse tree -> ``KernelSpec`` values, checking every word the grammar let through.
+
+Each kernel is checked on its own and every problem is collected, so one run
+reports all the bad values of a file. Checks here are about the language
+(a format name exists, nvfp4 means 1x16 blocks with e4m3 scales, P is the only
+operand with `via`); what a target can run is the planner's business.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Optional
+
+from lark import Token, Tree
+
+from fp4gen.ir.spec import (
+    BACKWARD_OPERANDS, FORWARD_OPERANDS, REUSABLE_STATE, Backward, DirectPPolicy, Format, Guard,
+    GuardKind, KernelSpec, Mask, OperandFormat, PKind, PProduction, PPublish, ScaleGranularity,
+    Schedule, SourceLoc, Target, TmemRegionRequest, default_operand_format,
+)
+
+from .diagnostics import Diagnostic, Note, did_you_mean, one_of
+
+ELEMENT_FORMATS = tuple(f.value for f in Format if f not in (Format.E8M0, Format.E4M3))
+TARGETS = tuple(t.value for t in Target)
+MASKS = tuple(m.value for m in Mask)
+P_KINDS = tuple(k.value for k in PKind)
+POLICIES = tuple(p.value for p in DirectPPolicy)
+PUBLISH = tuple(p.value for p in PPublish)
+GUARDS = tuple(g.value for g in GuardKind)
+# words accepted by `scale=` inside a format's parentheses
+SCALE_WORDS = ("tensor", "token", "none", "fp32", "e8m0", "e4m3")
+
+KERNEL_KEYWORDS = ("target", "head_dim", "mask", "scale", "guard", "schedule", "backward")
+SCHEDULE_KEYWORDS = ("tile", "q_stages", "kv_stages", "p_publish", "tmem")
+BACKWARD_KEYWORDS = ("reuse", "deterministic")
+BLOCK_HOME = {**{k: "schedule" for k in SCHEDULE_KEYWORDS}, **{k: "backward" for k in BACKWARD_KEYWORDS}}
+
+EXAMPLE_FORMAT = {"bf16": "bf16", "fp8": "fp8e4m3(scale=tensor)"}
+
+
+class _Errors:
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.diags: list[Diagnostic] = []
+
+    def loc(self, item) -> SourceLoc:
+        if isinstance(item, Token):
+            return SourceLoc(self.filename, item.line, item.column)
+        return SourceLoc(self.filename, item.meta.line, item.meta.column)
+
+    def error(self, item, message: str, hint: Optional[str] = None, notes=(), span: Optional[int] = None):
+        if span is None:
+            span = len(str(item)) if isinstance(item, Token) else 1
+        self.diags.append(Diagnostic(self.loc(item), message, tuple(notes), hint, span))
+
+
+@dataclass
+class _Arg:
+    name: str
+    key: Token  # the argument's name token (or its value for positional args)
+    value: Token  # NAME or SIGNED_NUMBER token
+
+    @property
+    def is_number(self) -> bool:
+        return self.value.type == "SIGNED_NUMBER"
+
+
+def _value_token(value_tree: Tree) -> Token:
+    (child,) = value_tree.children
+    return child.children[0] if isinstance(child, Tree) else child
+
+
+def _trees(node: Tree):
+    return [c for c in node.children if isinstance(c, Tree)]
+
+
+class KernelBuilder:
+    """Builds one KernelSpec from one `kernel` tree; problems go to ``errors``."""
+
+    def __init__(self, tree: Tree, errors: _Errors, source_lines: tuple[str, ...]):
+        self.tree = tree
+        self.err = errors
+        self.lines = source_lines
+        self.locs: dict[str, SourceLoc] = {}
+        self.seen: dict[str, Tree] = {}  # dotted field -> statement, for duplicate notes
+        self.ok = True
+        self.had_unknown = False
+
+    # ---- helpers -------------------------------------------------------
+    def error(self, item, message, **kw):
+        self.ok = False
+        self.err.error(item, message, **kw)
+
+    def first_time(self, key: str, stmt: Tree, what: str) -> bool:
+        """False (and an error) when ``key`` was already set in this kernel."""
+        if key in self.seen:
+            prev = self.seen[key]
+            self.error(stmt, f"{what} is set twice",
+                       notes=[Note("first set here", self.err.loc(prev))],
+                       hint="remove one of them")
+            return False
+        self.seen[key] = stmt
+        return True
+
+    def word(self, tok: Token, choices, what: str) -> Optional[str]:
+        """``tok`` if it is one of ``choices``; otherwise an error with a suggestion."""
+        if tok in choices:
+            return str(tok)
+        hint = did_you_mean(str(tok), choices)
+        self.error(tok, f"unknown {what} '{tok}'; expected {one_of(choices)}", hint=hint)
+        return None
+
+    def integer(self, tok: Token, what: str, minimum: int = 1) -> Optional[int]:
+        if not re.fullmatch(r"\+?[0-9]+", str(tok)):
+            self.error(tok, f"{what} must be an integer, got '{tok}'")
+            return None
+        v = int(tok)
+        if v < minimum:
+            self.error(tok, f"{what} must be at least {minimum}, got {v}")
+            return None
+        return v
+
+    def real(self, tok: Token, what: str, positive: bool = False) -> Optional[float]:
+        if tok.type != "SIGNED_NUMBER":
+            self.error(tok, f"{what} must be a number, got '{tok}'")
+            return None
+        v = float(tok)
+        if not math.isfinite(v) or (positive and v <= 0):
+            self.error(tok, f"{what} must be a {'positive ' if positive else ''}finite number, got {tok}")
+            return None
+        return v
+
+    def args(self, call: Tree, params: tuple[str, ...], what: str) -> Optional[dict[str, _Arg]]:
+        """Bind a call's arguments to ``params`` (positional in that order, or by name)."""
+        out: dict[str, _Arg] = {}
+        good = True
+        named_seen = False
+        positional = 0
+        for a in _trees(call):
+            if a.data == "named_arg":
+                key, value = a.children
+                named_seen = True
+                if key not in params:
+                    if params:
+                        self.error(key, f"{what} has no parameter '{key}'; its parameters are {one_of(params)}",
+                                   hint=did_you_mean(str(key), params))
+                    else:
+                        self.error(key, f"{what} takes no arguments")
+                    good = False
+                    continue
+                name = str(key)
+            else:
+                (value,) = a.children
+                key = _value_token(value)
+                if named_seen:
+                    self.error(key, f"positional argument after a named one in {what}")
+                    good = False
+                    continue
+                if positional >= len(params):
+                    msg = (f"{what} takes no arguments" if not params else
+                           f"{what} takes at most {len(params)} argument{'s' * (len(params) > 1)} "
+                           f"({', '.join(params)})")
+                    self.error(key, msg)
+                    good = False
+                    continue
+                name = params[positional]
+                positional += 1
+            if name in out:
+                self.error(key, f"argument '{name}' of {what} is given twice")
+                good = False
+                continue
+            out[name] = _Arg(name, key, _value_token(value))
+        return out if good else None
+
+    def name_arg(self, arg: _Arg, choices, what: str) -> Optional[str]:
+        if arg.is_number:
+            self.error(arg.value, f"{what} must be one of {one_of(choices)}, got '{arg.value}'")
+            return None
+        return self.word(arg.value, choices, what)
+
+    # ---- kernel ---------------------------------------------------------
+    def build(self) -> Optional[KernelSpec]:
+        name_tok = self.tree.children[0]
+        self.locs["name"] = self.err.loc(name_tok)
+        f: dict[str, object] = {}
+        operands: dict[str, OperandFormat] = {}
+        p_via: Optional[tuple[Tree, PProduction]] = None
+        schedule = None
+        backward = None
+
+        for st in _trees(self.tree):
+            kind = st.data
+            if kind == "target_stmt":
+                if self.first_time("target", st, "the target"):
+                    (tok,) = st.children
+                    v = self.word(tok, TARGETS, "target")
+                    if v is not None:
+                        f["target"] = Target(v)
+                        self.locs["target"] = self.err.loc(tok)
+            elif kind == "head_dim_stmt":
+                if self.first_time("head_dim", st, "head_dim"):
+                    (tok,) = st.children
+                    v = self.integer(tok, "head_dim")
+                    if v is not None:
+                        f["head_dim"] = v
+                        self.locs["head_dim"] = self.err.loc(tok)
+            elif kind == "mask_stmt":
+                if self.first_time("mask", st, "the mask"):
+                    (tok,) = st.children
+                    v = self.word(tok, MASKS, "mask")
+                    if v is not None:
+                        f["mask"] = Mask(v)
+                        self.locs["mask"] = self.err.loc(tok)
+            elif kind == "scale_stmt":
+                if self.first_time("scale", st, "the softmax scale"):
+                    (child,) = st.children
+                    tok = child.children[0] if isinstance(child, Tree) else child
+                    if tok.type == "NAME":
+                        if self.word(tok, ("auto",), "softmax scale") is not None:
+                            f["softmax_scale"] = None
+                            self.locs["scale"] = self.err.loc(tok)
+                    else:
+                        v = self.real(tok, "the softmax scale", positive=True)
+                        if v is not None:
+                            f["softmax_scale"] = v
+                            self.locs["scale"] = self.err.loc(tok)
+            elif kind == "guard_stmt":
+                if self.first_time("guard", st, "the guard"):
+                    g = self.guard(st)  # shaped like a call: NAME, then arguments
+                    if g is not None:
+                        f["guard"] = g
+            elif kind == "operand_stmt":
+                res = self.operand(st, FORWARD_OPERANDS, "", where="kernel")
+                if res is not None:
+                    nm, fmt, via = res
+                    operands[nm] = fmt
+                    if via is not None:
+                        p_via = via
+            elif kind == "schedule_block":
+                if self.first_time("schedule", st, "the schedule block"):
+                    self.locs["schedule"] = self.err.loc(st)
+                    schedule = self.schedule(st)
+            elif kind == "backward_block":
+                if self.first_time("backward", st, "the backward block"):
+                    self.locs["backward"] = self.err.loc(st)
+                    backward = self.backward(st)
+            elif kind in ("unknown_stmt", "unknown_block"):
+                self.unknown(st, KERNEL_KEYWORDS, FORWARD_OPERANDS, "kernel")
+            else:  # pragma: no cover - grammar and builder out of sync
+                raise AssertionError(f"unhandled statement {kind}")
+
+        # P's production needs P's format, wherever the two were written.
+        if p_via is not None and "P" in operands:
+            via_tree, prod = p_via
+            pfmt = operands["P"].format
+            if prod.kind is PKind.DIRECT_P and pfmt.is_high_precision:
+                self.error(via_tree, f"direct_p produces quantized codes, but P is {pfmt.value}",
+                           hint="make P fp8e4m3, nvfp4 or mxfp4, or use 'via exp'")
+            elif prod.kind is PKind.TWO_LEVEL and not pfmt.is_fp4:
+                self.error(via_tree, f"two_level quantizes P to FP4, but P is {pfmt.value}",
+                           hint="make P nvfp4 or mxfp4, or use 'via exp'")
+            f["p_production"] = prod
+
+        missing = [(r, ex) for r, ex in (("target", "target sm100a"), ("head_dim", "head_dim 128"))
+                   if r not in self.seen]
+        if missing and not self.had_unknown:  # a misspelled 'targt' already said it
+            self.error(name_tok, f"kernel '{name_tok}' does not set {' or '.join(r for r, _ in missing)}",
+                       hint="add " + " and ".join(f"a line like '{ex}'" for _, ex in missing))
+        if not self.ok:
+            return None
+        for nm, fmt in operands.items():
+            f[nm.lower()] = fmt
+        if schedule is not None:
+            f["schedule"] = schedule
+        if backward is not None:
+            f["backward"] = backward
+        return KernelSpec(
+            name=str(name_tok), locs=MappingProxyType(dict(self.locs)),
+            source_file=self.err.filename, source_lines=self.lines, **f)
+
+    # ---- pieces -----------------------------------------------------------
+    def unknown(self, st: Tree, keywords, operands, where: str):
+        self.had_unknown = True
+        tok = st.children[0]
+        word = str(tok)
+        is_block = st.data == "unknown_block"
+        if word in operands and not is_block:
+            self.error(tok, f"expected ':' after operand name '{word}'", hint=f"write '{word} : bf16'")
+            return
+        if word == "attention":
+            self.error(tok, "kernels cannot be nested: is a '}' missing above?")
+            return
+        home = BLOCK_HOME.get(word)
+        if word in KERNEL_KEYWORDS and where != "kernel":
+            self.error(tok, f"'{word}' belongs directly in the attention block, not in {where}")
+            return
+        if home is not None and home != where:
+            self.error(tok, f"'{word}' belongs in a {home} {{ }} block")
+            return
+        if word in BACKWARD_OPERANDS and where == "kernel":
+            self.error(tok, f"gradient operand '{word}' belongs in a backward {{ }} block")
+            return
+        if word in FORWARD_OPERANDS and where == "backward":
+            self.error(tok, f"forward operand '{word}' belongs directly in the attention block")
+            return
+        if where == "schedule" and word == "tmem":
+            self.error(tok, "tmem takes 'auto' or a block of regions like 'tmem { S0 cols 0..127 }'")
+            return
+        choices = list(keywords) + list(operands)
+        what = "block" if is_block else "statement"
+        blocks = {"kernel": "attention", "schedule": "schedule", "backward": "backward"}.get(where, where)
+        self.error(tok, f"unknown {what} '{word}' in {blocks} block",
+                   hint=did_you_mean(word, choices) or f"expected {one_of(choices)}")
+
+    def operand(self, st: Tree, allowed, prefix: str, where: str):
+        name_tok, call, via = st.children
+        name = str(name_tok)
+        key = prefix + name
+        if name not in allowed:
+            if where == "kernel" and name in BACKWARD_OPERANDS:
+                self.error(name_tok, f"gradient operand '{name}' belongs in a backward {{ }} block")
+            elif where == "backward" and name in FORWARD_OPERANDS:
+                self.error(name_tok, f"forward operand '{name}' is set in the attention block, "
+                           "not in backward")
+            else:
+                kind = "gradient operand" if where == "backward" else "operand"
+                self.error(name_tok, f"unknown {kind} '{name}'; expected {one_of(allowed)}",
+                           hint=did_you_mean(name, allowed))
+            return None
+        if not self.first_time(key, st, f"the format of {name}"):
+            return None
+        fmt = self.format(call, key)
+        prod = None
+        if via is not None:
+            via_call = via.children[0]
+            if name != "P":
+                self.error(via, f"only P takes 'via' (how P is produced), not {name}")
+                fmt = None
+            else:
+                prod = self.production(via_call)
+                if prod is None:
+                    fmt = None
+                else:
+                    self.locs["P.via"] = self.err.loc(via_call.children[0])
+        if fmt is None:
+            return None
+        self.locs[key] = self.err.loc(call.children[0])
+        return name, fmt, ((via, prod) if prod is not None else None)
+
+    def format(self, call: Tree, key: str) -> Optional[OperandFormat]:
+        tok = call.children[0]
+        fname = self.word(tok, ELEMENT_FORMATS, "format")
+        if fname is None:
+            return None
+        fmt = Format(fname)
+        args = self.args(call, ("block", "scale"), fname)
+        if args is None:
+            return None
+        block = args.get("block")
+        scale = args.get("scale")
+        for a in args.values():
+            self.locs[f"{key}.{a.name}"] = self.err.loc(a.key)
+        if fmt.is_high_precision:
+            if args:
+                first = next(iter(args.values()))
+                self.error(first.key, f"{fname} takes no block or scale: it is not scaled")
+                return None
+            return OperandFormat(fmt)
+        block_n = self.integer(block.value, "block") if block is not None else None
+        scale_w = self.name_arg(scale, SCALE_WORDS, "scale") if scale is not None else None
+        if (block is not None and block_n is None) or (scale is not None and scale_w is None):
+            return None
+        if fmt.is_fp4:
+            # The two FP4 formats are defined by their block size and scale type.
+            std = default_operand_format(fmt)
+            if block_n is not None and block_n != std.block:
+                other = "mxfp4" if fmt is Format.NVFP4 else "nvfp4"
+                self.error(block.value, f"{fname} uses blocks of {std.block} elements, not {block_n}",
+                           hint=f"for blocks of {default_operand_format(Format(other)).block} use {other}")
+                return None
+            if scale_w is not None and scale_w != std.scale.value:
+                self.error(scale.value, f"{fname} block scales are {std.scale.value}, not {scale_w}")
+                return None
+            return std
+        # fp8: per tensor (default), per token, per block, or unscaled
+        if block_n is not None:
+            sw = scale_w or "fp32"
+            if sw not in ("fp32", "e8m0"):
+                self.error(scale.value, f"a per-block scale of {fname} is fp32 or e8m0, not {sw}",
+                           hint=f"drop block= for scale={sw}" if sw in ("tensor", "token") else None)
+                return None
+            return OperandFormat(fmt, ScaleGranularity.BLOCK, block_n, Format(sw))
+        sw = scale_w or "tensor"
+        if sw in ("fp32", "e8m0", "e4m3"):
+            self.error(scale.value, f"scale={sw} needs a block size",
+                       hint=f"write {fname}(block=128, scale={sw}), or scale=tensor for one fp32 scale per tensor")
+            return None
+        if sw == "none":
+            return OperandFormat(fmt, ScaleGranularity.NONE, None, None)
+        return OperandFormat(fmt, ScaleGranularity(sw), None, Format.FP32)
+
+    def production(self, call: Tree) -> Optional[PProduction]:
+        tok = call.children[0]
+        kind = self.word(tok, P_KINDS, "way to produce P")
+        if kind is None:
+            return None
+        if kind != "direct_p":
+            return PProduction(kind=PKind(kind)) if self.args(call, (), kind) is not None else None
+        args = self.args(call, ("policy", "a", "b"), "direct_p")
+        if args is None:
+            return None
+        prod = PProduction(kind=PKind.DIRECT_P)
+        kw = {}
+        if "policy" in args:
+            v = self.name_arg(args["policy"], POLICIES, "policy")
+            if v is None:
+                return None
+            kw["policy"] = DirectPPolicy(v)
+        for p, positive in (("a", True), ("b", False)):
+            if p in args:
+                v = self.real(args[p].value, f"direct_p's {p}", positive=positive)
+                if v is None:
+                    return None
+                kw[p] = v
+        for a in args.values():
+            self.locs[f"P.via.{a.name}"] = self.err.loc(a.key)
+        return PProduction(kind=PKind.DIRECT_P, **kw) if kw else prod
+
+    def guard(self, call: Tree) -> Optional[Guard]:
+        tok = call.children[0]
+        kind = self.word(tok, GUARDS, "guard")
+        if kind is None:
+            return None
+        if kind == "none":
+            if self.args(call, (), "guard none") is None:
+                return None
+            self.locs["guard"] = self.err.loc(tok)
+            return Guard()
+        args = self.args(call, ("m", "l"), "guard sample")
+        if args is None:
+            return None
+        missing = [p for p in ("m", "l") if p not in args]
+        if missing and not self.had_unknown:  # a misspelled 'targt' already said it
+            self.error(tok, f"guard sample needs {' and '.join(missing)}",
+                       hint="e.g. 'guard sample(m=110, l=16)' (the paper's Algorithm 3 constants)")
+            return None
+        m = self.integer(args["m"].value, "guard m")
+        l = self.integer(args["l"].value, "guard l")
+        if m is None or l is None:
+            return None
+        self.locs["guard"] = self.err.loc(tok)
+        self.locs["guard.m"] = self.err.loc(args["m"].key)
+        self.locs["guard.l"] = self.err.loc(args["l"].key)
+        return Guard(GuardKind.SAMPLE, m, l)
+
+    def schedule(self, block: Tree) -> Optional[Schedule]:
+        kw: dict[str, object] = {}
+        ok = self.ok
+        self.ok = True
+        for st in _trees(block):
+            kind = st.data
+            if kind == "tile_stmt":
+                if self.first_time("schedule.tile", st, "the tile"):
+                    mt, _, nt = st.children
+                    m = self.integer(mt, "tile M")
+                    n = self.integer(nt, "tile N")
+                    if m is not None and n is not None:
+                        kw["tile_m"], kw["tile_n"] = m, n
+                        self.locs["schedule.tile"] = self.err.loc(mt)
+            elif kind in ("q_stages_stmt", "kv_stages_stmt"):
+                field = kind[: -len("_stmt")]
+                if self.first_time(f"schedule.{field}", st, field):
+                    (tok,) = st.children
+                    if tok.type == "NAME":
+                        if field == "kv_stages" and self.word(tok, ("auto",), "kv_stages value") is not None:
+                            kw["kv_stages"] = None
+                            self.locs["schedule.kv_stages"] = self.err.loc(tok)
+                        elif field == "q_stages":
+                            self.error(tok, f"q_stages must be an integer, got '{tok}'")
+                    else:
+                        v = self.integer(tok, field)
+                        if v is not None:
+                            kw[field] = v
+                            self.locs[f"schedule.{field}"] = self.err.loc(tok)
+            elif kind == "p_publish_stmt":
+                if self.first_time("schedule.p_publish", st, "p_publish"):
+                    (tok,) = st.children
+                    v = self.word(tok, PUBLISH, "p_publish mode")
+                    if v is not None:
+                        kw["p_publish"] = PPublish(v)
+                        self.locs["schedule.p_publish"] = self.err.loc(tok)
+            elif kind == "tmem_auto_stmt":
+                if self.first_time("schedule.tmem", st, "tmem"):
+                    (tok,) = st.children
+                    if self.word(tok, ("auto",), "tmem setting") is not None:
+                        kw["tmem_regions"] = None
+                        self.locs["schedule.tmem"] = self.err.loc(tok)
+            elif kind == "tmem_block":
+                if self.first_time("schedule.tmem", st, "tmem"):
+                    regions = self.tmem_regions(st)
+                    if regions is not None:
+                        kw["tmem_regions"] = regions
+                        self.locs["schedule.tmem"] = self.err.loc(st)
+            else:
+                self.unknown(st, SCHEDULE_KEYWORDS, (), "schedule")
+        good = self.ok
+        self.ok = ok and good
+        return Schedule(**kw) if good else None
+
+    def tmem_regions(self, block: Tree):
+        regions = []
+        first: dict[str, Tree] = {}
+        for st in _trees(block):
+            name, a, b = st.children
+            if name in first:
+                self.error(name, f"tmem region '{name}' is listed twice",
+                           notes=[Note("first listed here", self.err.loc(first[name]))])
+                continue
+            first[str(name)] = st
+            lo = self.integer(a, "first column", minimum=0)
+            hi = self.integer(b, "last column", minimum=0)
+            if lo is None or hi is None:
+                continue
+            if hi < lo:
+                self.error(a, f"region '{name}' ends (column {hi}) before it starts (column {lo})",
+                           span=len(a) + 2 + len(b))
+                continue
+            self.locs[f"schedule.tmem.{name}"] = self.err.loc(name)
+            regions.append(TmemRegionRequest(str(name), lo, hi))
+        if not regions and not first:
+            self.error(block, "empty tmem block", hint="list regions like 'S0 cols 0..127', or write 'tmem auto'")
+            return None
+        return tuple(regions)
+
+    def backward(self, block: Tree) -> Optional[Backward]:
+        ok = self.ok
+        self.ok = True
+        kw: dict[str, object] = {}
+        formats: dict[str, OperandFormat] = {}
+        for st in _trees(block):
+            kind = st.data
+            if kind == "reuse_stmt":
+                if not self.first_time("backward.reuse", st, "reuse"):
+                    continue
+                toks = list(st.children)
+                if len(toks) == 1 and toks[0] == "none":
+                    kw["reuse"] = frozenset()
+                    self.locs["backward.reuse"] = self.err.loc(st)
+                    continue
+                if not toks:
+                    self.error(st, "reuse lists forward state to reuse",
+                               hint=f"e.g. 'reuse q k lse', from {one_of(REUSABLE_STATE)}; or 'reuse none'")
+                    continue
+                got = []
+                for t in toks:
+                    v = self.word(t, REUSABLE_STATE, "reusable state")
+                    if v is None:
+                        continue
+                    if v in got:
+                        self.error(t, f"'{v}' is listed twice")
+                        continue
+                    got.append(v)
+                kw["reuse"] = frozenset(got)
+                self.locs["backward.reuse"] = self.err.loc(st)
+            elif kind == "deterministic_stmt":
+                if self.first_time("backward.deterministic", st, "deterministic"):
+                    (tok,) = st.children
+                    v = self.word(tok, ("true", "false"), "value for deterministic")
+                    if v is not None:
+                        kw["deterministic"] = v == "true"
+                        self.locs["backward.deterministic"] = self.err.loc(tok)
+            elif kind == "operand_stmt":
+                res = self.operand(st, BACKWARD_OPERANDS, "backward.", where="backward")
+                if res is not None:
+                    formats[res[0]] = res[1]
+            else:
+                self.unknown(st, BACKWARD_KEYWORDS, BACKWARD_OPERANDS, "backward")
+        good = self.ok
+        self.ok = ok and good
+        if not good:
+            return None
+        ordered = {n: formats[n] for n in BACKWARD_OPERANDS if n in formats}
+        return Backward(formats=MappingProxyType(ordered), **kw)
+
+
+def build_specs(tree: Tree, filename: str, source_lines: tuple[str, ...], skip_lines=frozenset()):
+    """All kernels of a parsed file -> (specs, diagnostics).
+
+    Kernels that contain a line in ``skip_lines`` (lines with syntax errors)
+    are skipped.
+    """
+    errors = _Errors(filename)
+    specs: list[KernelSpec] = []
+    names: dict[str, Token] = {}
+    for k in _trees(tree):
+        name = k.children[0]
+        if any(k.meta.line <= ln <= k.meta.end_line for ln in skip_lines):
+            continue
+        if name in names:
+            errors.error(name, f"kernel '{name}' is defined twice",
+                         notes=[Note("first defined here", errors.loc(names[name]))],
+                         hint="kernel names must be unique within a file (they name the generated modules)")
+            continue
+        names[str(name)] = name
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)) or str(name).startswith("__"):
+            errors.error(name, f"'{name}' cannot name a kernel")
+            continue
+        spec = KernelBuilder(k, errors, source_lines).build()
+        if spec is not None:
+            specs.append(spec)
+    return specs, errors.diags

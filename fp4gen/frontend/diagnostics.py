@@ -1,0 +1,111 @@
+"""Diagnostics: clang-style error messages for spec files.
+
+A ``Diagnostic`` renders as::
+
+    examples/bad.attn:7:7: error: unknown format 'nvfp5'
+        Q : nvfp5
+            ^~~~~
+    hint: did you mean 'nvfp4'?
+
+This module imports nothing heavy (no lark), so the CLI and the planner's
+error path can use it freely.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+from fp4gen.ir.spec import SourceLoc
+
+
+@dataclass(frozen=True)
+class Note:
+    """A secondary message, optionally pointing somewhere ("first defined here")."""
+
+    message: str
+    loc: Optional[SourceLoc] = None
+    span: int = 1
+
+
+NoteLike = Union[Note, str]
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    loc: Optional[SourceLoc]
+    message: str
+    notes: tuple = ()
+    hint: Optional[str] = None
+    # how many columns the caret line underlines (^~~~)
+    span: int = 1
+    severity: str = "error"
+
+    def render(self, source_lines: Sequence[str] = ()) -> str:
+        """``file:line:col: error: msg``, the source line, a caret, notes and hint."""
+        out = [_header(self.loc, self.severity, self.message)]
+        out += _excerpt(self.loc, self.span, source_lines)
+        for n in self.notes:
+            if isinstance(n, Note):
+                out.append(_header(n.loc, "note", n.message))
+                out += _excerpt(n.loc, n.span, source_lines)
+            else:
+                out.append(f"note: {n}")
+        if self.hint:
+            out.append(f"hint: {self.hint}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _header(loc: Optional[SourceLoc], severity: str, message: str) -> str:
+    return f"{loc}: {severity}: {message}" if loc is not None else f"{severity}: {message}"
+
+
+def _excerpt(loc: Optional[SourceLoc], span: int, lines: Sequence[str]) -> list[str]:
+    if loc is None or not (0 < loc.line <= len(lines)):
+        return []
+    text = lines[loc.line - 1].rstrip("\r\n")
+    # Keep tabs in the caret line so the caret stays under the right character.
+    pad = "".join("\t" if ch == "\t" else " " for ch in text[: max(loc.col - 1, 0)])
+    width = max(1, min(span, max(len(text) - loc.col + 1, 1)))
+    return ["    " + text, "    " + pad + "^" + "~" * (width - 1)]
+
+
+class SpecError(Exception):
+    """One or more diagnostics for a spec file (syntax, values, or planning)."""
+
+    def __init__(self, diagnostics: Iterable[Diagnostic], source_lines: Sequence[str] = ()):
+        self.diagnostics: list[Diagnostic] = list(diagnostics)
+        self.source_lines: tuple[str, ...] = tuple(source_lines)
+        first = self.diagnostics[0] if self.diagnostics else None
+        super().__init__(first.render() if first else "spec error")
+
+    def render(self) -> str:
+        """Every diagnostic, each with its source excerpt, separated by blank-free lines."""
+        text = "\n".join(d.render(self.source_lines) for d in self.diagnostics)
+        n = len(self.diagnostics)
+        if n > 1:
+            text += f"\n{n} errors"
+        return text
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> Optional[str]:
+    """'did you mean 'x'?' for the closest choice, or None when nothing is close."""
+    choices = list(choices)
+    lowered = {c.lower(): c for c in choices}
+    if word.lower() in lowered and lowered[word.lower()] != word:
+        return f"did you mean '{lowered[word.lower()]}'?"
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close:
+        close = [lowered[c] for c in difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)]
+    return f"did you mean '{close[0]}'?" if close else None
+
+
+def one_of(choices: Iterable[str]) -> str:
+    """'a, b or c' for messages."""
+    items = [f"'{c}'" for c in choices]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " or " + items[-1]
