@@ -1,0 +1,579 @@
+"""fp4gen attention as a PyTorch operator: custom ops, autograd, torch.compile.
+
+Public entry point::
+
+    from fp4gen.torch_ops import attention
+    o = attention(q, k, v, spec=spec)        # q: (B, S, H, D), k/v: (B, S, Hkv, D)
+    o.sum().backward()                        # gradients flow to q, k, v
+
+``spec`` is a ``KernelSpec``, the path of an ``.attn`` file holding one
+attention block (``"file.attn::NAME"`` picks one of several), or a generated
+kernel module (see ``fp4gen.lowering``) or its ``.py`` path. The user guide is
+docs/training.md.
+
+Two operators are registered with ``torch.library`` so that ``torch.compile``
+and ``torch.export`` see one opaque node per call instead of tracing into the
+kernels:
+
+- ``fp4gen::attention_fwd(q, k, v, spec_key, softmax_scale, backend) -> (o, lse)``
+- ``fp4gen::attention_bwd(q, k, v, o, lse, do, spec_key, softmax_scale, backend) -> (dq, dk, dv)``
+
+A custom op's arguments must be tensors or plain scalars, so a spec travels as
+a string key into a process-wide registry (``spec_key``). The key is a hash of
+the spec's content (not of where it was written), so equal specs share one key
+and the key is the same in every process.
+
+Where it runs (decided per call, from the tensors' device):
+
+- CPU, or a spec whose target is ``reference``: the reference backend
+  ``fp4gen.numerics.reference`` (exact torch emulation of the spec's numerics).
+- CUDA, when a generated module for the spec exists, its ``TARGET`` is the
+  GPU's architecture (``sm90a`` on Hopper, ``sm100a`` on Blackwell) and it was
+  generated from exactly this spec: the module's ``forward`` / ``backward``.
+  A module without ``backward`` (spec without a ``backward`` block) falls back
+  to the reference backward.
+- otherwise the reference backend on the GPU (correct, slow).
+
+``explain(spec, device)`` says which one a call would use and why;
+``dispatch_counts()`` counts what actually ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Union
+
+import torch
+
+from fp4gen.ir.spec import KernelSpec, Mask, Target
+
+__all__ = [
+    "attention",
+    "AttentionInputError",
+    "spec_key",
+    "spec_for_key",
+    "explain",
+    "dispatch_counts",
+    "reset_dispatch_counts",
+    "BACKENDS",
+]
+
+# "auto" picks a generated kernel where one applies, else the reference.
+BACKENDS = ("auto", "reference", "generated")
+
+# The GPU architectures generated modules target, by CUDA compute capability.
+_ARCH_BY_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a", (10, 3): "sm100a"}
+
+
+class AttentionInputError(ValueError):
+    """Bad arguments to ``attention`` (shapes, dtypes, devices, spec)."""
+
+
+# ---------------------------------------------------------------------------
+# The spec registry
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Entry:
+    # the spec the reference backend runs (None: a generated module whose spec
+    # could not be recovered; then only that module can run)
+    spec: Optional[KernelSpec]
+    # a generated module the caller handed over explicitly (spec=module)
+    module: Optional[ModuleType] = None
+    # generated-module lookups by architecture: arch -> (module or None, reason)
+    found: dict = dataclasses.field(default_factory=dict)
+
+
+_REGISTRY: dict[str, _Entry] = {}
+_LOCK = threading.Lock()
+_COUNTS: Counter = Counter()
+# parsed .attn files: (realpath, mtime_ns, size) -> KernelSpec
+_PARSED: dict[tuple, KernelSpec] = {}
+
+# Fields that say where a spec was written, not what it computes.
+_PROVENANCE_FIELDS = ("locs", "source_lines", "source_file")
+
+
+def _plain(x):
+    """A JSON-able, order-independent picture of a spec value (for hashing)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if f.name not in _PROVENANCE_FIELDS}
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, (set, frozenset)):
+        return sorted(_plain(v) for v in x)
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+def _fingerprint(spec: KernelSpec) -> str:
+    text = json.dumps(_plain(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _register(key: str, entry: _Entry) -> str:
+    with _LOCK:
+        _REGISTRY.setdefault(key, entry)
+    return key
+
+
+def _entry(key: str) -> _Entry:
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(
+            f"fp4gen attention: spec key {key!r} is not registered in this process; "
+            "call fp4gen.torch_ops.attention (or spec_key(spec)) with the spec first"
+        ) from None
+
+
+def spec_for_key(key: str) -> Optional[KernelSpec]:
+    """The spec registered under ``key`` (None for a module whose spec is unknown)."""
+    return _entry(key).spec
+
+
+def _parse_attn_file(path: Path, kernel: Optional[str]) -> KernelSpec:
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise AttentionInputError(f"cannot read spec file {str(path)!r}: {e.strerror}") from None
+    cache_key = (str(path.resolve()), st.st_mtime_ns, st.st_size, kernel)
+    if cache_key in _PARSED:
+        return _PARSED[cache_key]
+    try:
+        from fp4gen.frontend import parse_file
+    except ImportError:
+        raise AttentionInputError(
+            "this fp4gen has no spec parser (fp4gen.frontend.parse_file); pass a KernelSpec"
+        ) from None
+    spec = _pick_kernel(parse_file(str(path)), str(path), kernel)  # SpecError propagates: it is the user's
+    _PARSED[cache_key] = spec
+    return spec
+
+
+def _pick_kernel(parsed, where: str, kernel: Optional[str]) -> KernelSpec:
+    """parse_file returns every block of a file; pick one (by name if given)."""
+    specs = [parsed] if isinstance(parsed, KernelSpec) else list(parsed)
+    names = ", ".join(s.name for s in specs)
+    if kernel is not None:
+        for s in specs:
+            if s.name == kernel:
+                return s
+        raise AttentionInputError(f"{where} has no attention block {kernel!r}; it defines: {names}")
+    if len(specs) != 1:
+        raise AttentionInputError(
+            f"{where} holds {len(specs)} attention blocks ({names}); "
+            f"pick one with '{where}::NAME' or pass its KernelSpec")
+    return specs[0]
+
+
+def _load_module_file(path: Path) -> ModuleType:
+    from fp4gen.runtime import LoadError, load
+    try:
+        return load(path)
+    except LoadError as e:
+        raise AttentionInputError(str(e)) from None
+
+
+def _spec_of_module(mod: ModuleType) -> Optional[KernelSpec]:
+    """Recover the KernelSpec a generated module was rendered from, if it says."""
+    s = getattr(mod, "SPEC", None)
+    if isinstance(s, KernelSpec):
+        return s
+    spec_json = getattr(mod, "SPEC_JSON", None)
+    if spec_json:
+        try:
+            from fp4gen.runtime.specjson import spec_from_json
+            return spec_from_json(spec_json)
+        except Exception:  # unreadable: try the plan and the source file below
+            pass
+    plan_json = getattr(mod, "PLAN_JSON", None)
+    if plan_json:
+        try:
+            from fp4gen.runtime.specjson import spec_from_dict
+            d = json.loads(plan_json)
+            if isinstance(d, Mapping) and "spec" in d:
+                return spec_from_dict(d["spec"])
+        except Exception:  # an older plan format or no specjson: try the source file
+            pass
+    spec_file = getattr(mod, "SPEC_FILE", None)
+    if spec_file and Path(spec_file).is_file():
+        try:
+            from fp4gen.frontend import parse_file
+            parsed = parse_file(spec_file)
+            specs = list(parsed.values()) if isinstance(parsed, Mapping) else (
+                [parsed] if isinstance(parsed, KernelSpec) else list(parsed))
+            for s in specs:
+                if s.name == getattr(mod, "KERNEL_NAME", None):
+                    return s
+        except Exception:
+            pass
+    return None
+
+
+def _is_generated_module(obj) -> bool:
+    return isinstance(obj, ModuleType) and hasattr(obj, "TARGET") and callable(getattr(obj, "forward", None))
+
+
+# spec_key is called on every eager attention call: remember its answers.
+# KernelSpec values and modules are immutable as far as we are concerned, so
+# they are cached by identity (the cache holds them, so an id is never reused);
+# a path is cached with its file's mtime and size, so an edited file is re-read.
+_KEY_CACHE: dict = {}
+
+
+def spec_key(spec, causal: Optional[bool] = None) -> str:
+    """Register ``spec`` (KernelSpec, .attn path, generated module or its .py path) and
+    return the string key the custom ops take. ``causal`` overrides the spec's mask."""
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        try:
+            st = os.stat(text.rsplit("::", 1)[0])
+            stamp = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            return _spec_key(spec, causal)  # raises the clear error
+        ck = ("path", os.path.abspath(text), causal)
+        hit = _KEY_CACHE.get(ck)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        key = _spec_key(spec, causal)
+        _KEY_CACHE[ck] = (stamp, key)
+        return key
+    ck = ("obj", id(spec), causal)
+    hit = _KEY_CACHE.get(ck)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    key = _spec_key(spec, causal)
+    _KEY_CACHE[ck] = (spec, key)
+    return key
+
+
+def _spec_key(spec, causal: Optional[bool]) -> str:
+    if isinstance(spec, (str, os.PathLike)):
+        text, kernel = os.fspath(spec), None
+        if "::" in text:  # "file.attn::kernel_name" picks one block of a file
+            text, kernel = text.rsplit("::", 1)
+        path = Path(text).expanduser()
+        if path.suffix == ".py":
+            spec = _load_module_file(path)
+        else:
+            spec = _parse_attn_file(path, kernel)
+
+    if isinstance(spec, KernelSpec):
+        if causal is not None:
+            spec = dataclasses.replace(spec, mask=Mask.CAUSAL if causal else Mask.NONE)
+        return _register(f"{spec.name}@{_fingerprint(spec)}", _Entry(spec=spec))
+
+    if _is_generated_module(spec):
+        mod = spec
+        mspec = _spec_of_module(mod)
+        if causal is not None and mspec is not None and (mspec.mask is Mask.CAUSAL) != causal:
+            raise AttentionInputError(
+                f"generated kernel {getattr(mod, 'KERNEL_NAME', mod.__name__)} was compiled with "
+                f"mask {mspec.mask.value}; it cannot run causal={causal}. Pass causal=None, or pass "
+                "the KernelSpec to run another mask on the reference backend"
+            )
+        if causal is not None and mspec is None:
+            raise AttentionInputError(
+                f"the mask of generated module {mod.__name__} is unknown (no spec recoverable); "
+                "pass causal=None"
+            )
+        ident = mspec and _fingerprint(mspec)
+        ident = ident or hashlib.sha256(str(getattr(mod, "PLAN_JSON", mod.__name__)).encode()).hexdigest()[:16]
+        name = getattr(mod, "KERNEL_NAME", mod.__name__)
+        key = f"{name}:{mod.TARGET}@{ident}"
+        return _register(key, _Entry(spec=mspec, module=mod))
+
+    raise AttentionInputError(
+        "spec must be a fp4gen KernelSpec, the path of an .attn file, or a generated kernel "
+        f"module; got {type(spec).__name__}"
+    )
+
+
+# torch.compile: resolving a spec (hashing, maybe parsing a file) is not
+# traceable, but its result is a constant for a given spec, so Dynamo runs it
+# once at trace time and guards on the spec object instead of breaking the graph.
+@torch.compiler.assume_constant_result
+def _resolve_for_trace(spec, causal):
+    key = spec_key(spec, causal)
+    s = _REGISTRY[key].spec
+    head_dim = s.head_dim if s is not None else -1
+    return key, head_dim
+
+
+# ---------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------
+
+
+def _reference():
+    """The reference backend module (a function so tests can substitute it)."""
+    try:
+        from fp4gen.numerics import reference
+    except ImportError as e:
+        raise RuntimeError(
+            "fp4gen's reference backend (fp4gen.numerics.reference) is not available: " + str(e)
+        ) from None
+    return reference
+
+
+def _arch_of(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return None
+    return _ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(device))
+
+
+def _find_generated(entry: _Entry, arch: str):
+    """(module, None) when a generated kernel for this spec runs on ``arch``,
+    else (None, reason)."""
+    if arch in entry.found:
+        return entry.found[arch]
+    if entry.module is not None:
+        mod = entry.module
+        result = (mod, None) if mod.TARGET == arch else (
+            None, f"generated module targets {mod.TARGET}, this GPU is {arch}")
+    else:
+        result = _lookup_generated(entry.spec, arch)
+    entry.found[arch] = result
+    return result
+
+
+def _lookup_generated(spec: KernelSpec, arch: str):
+    """Find the generated module for ``spec`` on ``arch``: the committed one in
+    ``fp4gen.generated``, else one rendered from the spec's own .attn file by
+    ``fp4gen.runtime.load`` (cached on disk). Only a module generated from an
+    identical spec is used."""
+    if spec.target.value != arch:
+        return None, f"spec target is {spec.target.value}, this GPU is {arch}"
+    from fp4gen.lowering import module_name
+    from fp4gen.runtime import LoadError, load
+    stem = module_name(spec.name, arch)
+    tried = []
+    candidates = [stem]
+    if spec.source_file.endswith(".attn") and Path(spec.source_file).is_file():
+        candidates.append(spec.source_file)
+    for cand in candidates:
+        try:
+            mod = load(cand, kernel=spec.name, target=arch)
+        except LoadError as e:
+            tried.append(str(e))
+            continue
+        except Exception as e:  # a broken generated file must not stop training on the reference
+            tried.append(f"{cand}: {type(e).__name__}: {e}")
+            continue
+        mspec = _spec_of_module(mod)
+        if mspec is None:
+            tried.append(f"{mod.__name__} does not say which spec it was generated from")
+        elif _fingerprint(mspec.with_target(Target(arch))) != _fingerprint(spec):
+            tried.append(f"{mod.__name__} was generated from a different spec (stale, or mask/scale differ)")
+        else:
+            return mod, None
+    return None, "; ".join(tried) or "no generated module"
+
+
+def _choose(entry: _Entry, device: torch.device, backend: str, need_backward: bool = False):
+    """-> (module or None for reference, reason text)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    mod, reason = None, None
+    arch = _arch_of(device)
+    if backend != "reference":
+        if entry.module is not None and entry.module.TARGET == "reference":
+            mod = entry.module  # a reference-target module runs anywhere
+        elif arch is None:
+            reason = f"no generated kernel runs on {device.type}" + (
+                " (unsupported GPU architecture)" if device.type == "cuda" else "")
+        else:
+            mod, reason = _find_generated(entry, arch)
+        if mod is not None and need_backward and not callable(getattr(mod, "backward", None)):
+            mod, reason = None, "the generated module has no backward (spec without a backward block)"
+    if mod is None and entry.spec is None:
+        raise RuntimeError(
+            f"cannot run this generated kernel on {device}: {reason}; and its spec is unknown, "
+            "so the reference backend cannot stand in")
+    if mod is None and backend == "generated":
+        raise RuntimeError(f"backend='generated' but no generated kernel applies: {reason}")
+    return mod, reason or "reference backend requested"
+
+
+def _ref_spec(entry: _Entry, softmax_scale: Optional[float]) -> KernelSpec:
+    s = entry.spec
+    if softmax_scale is not None and softmax_scale != s.softmax_scale:
+        s = dataclasses.replace(s, softmax_scale=softmax_scale)
+    return s
+
+
+# ---------------------------------------------------------------------------
+# The custom ops
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
+                  softmax_scale: Optional[float], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    entry = _entry(spec_key)
+    mod, _ = _choose(entry, q.device, backend)
+    if mod is not None:
+        # kernels load through TMA and want dense rows; views of a fused QKV are not
+        o, lse = mod.forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                             softmax_scale=softmax_scale, return_lse=True)
+        _COUNTS[("fwd", "generated")] += 1
+    else:
+        o, lse = _reference().forward(q, k, v, _ref_spec(entry, softmax_scale))
+        _COUNTS[("fwd", "reference")] += 1
+    # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq).
+    return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp4gen::attention_bwd", mutates_args=())
+def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, do: torch.Tensor, spec_key: str,
+                  softmax_scale: Optional[float], backend: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    entry = _entry(spec_key)
+    mod, _ = _choose(entry, q.device, backend, need_backward=True)
+    if mod is not None:
+        dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
+                                  softmax_scale=softmax_scale)
+        _COUNTS[("bwd", "generated")] += 1
+    else:
+        dq, dk, dv = _reference().backward(q, k, v, o, lse, do, _ref_spec(entry, softmax_scale))
+        _COUNTS[("bwd", "reference")] += 1
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dv.to(v.dtype).contiguous())
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, o, lse, do, spec_key, softmax_scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key, softmax_scale, backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.spec_key, ctx.softmax_scale, ctx.backend = key, softmax_scale, backend
+    # lse is a by-product for the backward pass; no gradient flows through it.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fp4gen.attention_bwd(
+        q, k, v, o, lse, do.contiguous(), ctx.spec_key, ctx.softmax_scale, ctx.backend)
+    return dq, dk, dv, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# The public function
+# ---------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, head_dim: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise AttentionInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionInputError(
+                f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise AttentionInputError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise AttentionInputError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise AttentionInputError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise AttentionInputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise AttentionInputError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise AttentionInputError(f"head dims differ: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if head_dim > 0 and q.shape[3] != head_dim:
+        raise AttentionInputError(f"the spec is for head_dim {head_dim}, the inputs have {q.shape[3]}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise AttentionInputError(
+            f"q's heads ({q.shape[2]}) must be a multiple of k/v's heads ({k.shape[2]}) for GQA")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              spec: Union[KernelSpec, str, os.PathLike, ModuleType],
+              causal: Optional[bool] = None, softmax_scale: Optional[float] = None,
+              backend: str = "auto") -> torch.Tensor:
+    """Attention with the numerics of ``spec``; differentiable in q, k, v.
+
+    q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D) with H a multiple of Hkv (GQA/MQA).
+    Returns o: (B, Sq, H, D) in q's dtype.
+
+    causal: None = the spec's mask; True/False override it (a generated kernel
+    is only used when the effective spec is the one it was compiled from).
+    softmax_scale: None = the spec's (1/sqrt(D) unless the spec sets one).
+    backend: "auto" (generated kernel where one applies, else reference),
+    "reference", or "generated" (error if no generated kernel applies).
+    """
+    if backend not in BACKENDS:
+        raise AttentionInputError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    key, head_dim = _resolve_for_trace(spec, causal)
+    _check_inputs(q, k, v, head_dim)
+    o, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend)
+    return o
+
+
+# ---------------------------------------------------------------------------
+# Introspection
+# ---------------------------------------------------------------------------
+
+
+def explain(spec, device: Union[str, torch.device] = "cuda", *, causal: Optional[bool] = None,
+            backend: str = "auto") -> dict:
+    """Which implementation ``attention`` would run for ``spec`` on ``device``, and why.
+
+    Returns {"spec_key", "forward", "backward", "reason"} where forward/backward
+    are "generated:<module>" or "reference"."""
+    key = spec_key(spec, causal)
+    entry = _entry(key)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return {"spec_key": key, "forward": "reference", "backward": "reference",
+                "reason": "CUDA is not available here"}
+    out = {"spec_key": key}
+    for pass_, need_bwd in (("forward", False), ("backward", True)):
+        mod, reason = _choose(entry, device, backend, need_backward=need_bwd)
+        out[pass_] = f"generated:{mod.__name__}" if mod is not None else "reference"
+        if mod is None:
+            out.setdefault("reason", reason)
+    return out
+
+
+def dispatch_counts() -> dict:
+    """{"fwd/reference": n, "fwd/generated": n, "bwd/...": n}: what the ops actually ran."""
+    return {f"{p}/{b}": n for (p, b), n in sorted(_COUNTS.items())}
+
+
+def reset_dispatch_counts() -> None:
+    _COUNTS.clear()
