@@ -1,0 +1,195 @@
+"""P production: Direct-P (MXFP4 fast / accurate, Hopper FP8), SageAttention3's
+two-level P, the exp paths, and the sampling guard.
+
+Inputs are always a tile of scores already in log2 units,
+``t = s * softmax_scale * log2(e)`` (float32, masked entries = -inf), and a row
+reference ``m`` (float32, one per row, log2 units). Every function returns
+
+- ``pv``: the float32 values the PV product consumes (payload x scale, exactly
+  what a tensor core would multiply, including block scales), and
+- ``l_inc``: this tile's contribution to the row normaliser l (float32).
+
+The exact definitions, with equations, are in docs/numerics.md ("P production").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .formats import E2M1, E4M3, decode, encode, pow2
+from .quant import quantize_mxfp4, quantize_nvfp4
+
+LOG2E = math.log2(math.e)
+LOG2_6 = torch.tensor(math.log2(6.0), dtype=torch.float32).item()  # float32-rounded log2(6)
+P_FP8_SCALE = 256.0  # Hopper contract: P_fp8 = e4m3(p * 2**8)
+E8M0_EMIN, E8M0_EMAX = -127, 127
+FAST_A, FAST_B = 1.50, 1.20
+# MXFP4 Direct-P's P approximates GAIN * 2**(t - m). The gain is not exact (the block
+# maximum saturates, the fast classifier compresses values); these are the mid-range
+# values measured on N(0, sigma^2) logits, sigma in [0.5, 8] nats (accurate 4.3..5.7,
+# fast 2.6..3.4): the LSE subtracts log2(GAIN), leaving at most ~0.15 nats of bias there.
+DIRECT_P_GAIN = {"fast": 2.9, "accurate": 5.0}
+
+
+
+def _neg_inf_like(x):
+    return torch.full_like(x, float("-inf"))
+
+
+# ------------------------------------------------------------ exp paths ----
+
+def p_exp(t: torch.Tensor, m: torch.Tensor):
+    """p = exp2(t - m) in float32 (masked -> 0). Returns (p, x) with x = t - m <= 0."""
+    x = t - m[..., None]
+    return torch.exp2(x), x
+
+
+def p_exp_hp(t, m, dtype):
+    """exp path, P in a 16/32-bit float: PV consumes p rounded to ``dtype``; l sums unrounded p."""
+    p, _ = p_exp(t, m)
+    return p.to(dtype).to(torch.float32), p.sum(-1)
+
+
+def p_exp_fp8(t, m, fmt=E4M3):
+    """Hopper contract, P via exp: P_fp8 = fp8_rne(p * 256); PV consumes decode(P_fp8) / 256;
+    l sums the unrounded float32 p (as FA3 does)."""
+    p, _ = p_exp(t, m)
+    codes = encode(p * P_FP8_SCALE, fmt)
+    return decode(codes, fmt) / P_FP8_SCALE, p.sum(-1)
+
+
+def p_exp_fp4(t, m, kind: str, block: int):
+    """exp path into NVFP4 / MXFP4 P (blocks along keys): PV consumes the dequantized
+    block-quantized p; l sums the unrounded p."""
+    p, _ = p_exp(t, m)
+    if kind == "mxfp4":
+        q = quantize_mxfp4(p, dim=-1, block=block)
+    else:
+        q = quantize_nvfp4(p, dim=-1, block=block)
+    return q.dequantize(), p.sum(-1)
+
+
+def p_two_level(t, m, block: int = 16):
+    """SageAttention3's two-level P: per row (of this key tile) r = rowmax(p) / (448*6)
+    (1 if the row is all zero), P2 = p / r in [0, 448*6], NVFP4-quantize P2 (1x``block``
+    along keys, E4M3 scales = amax/6 <= 448), PV consumes deq(P2) * r; l sums unrounded p."""
+    p, _ = p_exp(t, m)
+    rmax = p.amax(-1, keepdim=True)
+    r = torch.where(rmax > 0, rmax / (448.0 * 6.0), torch.ones_like(rmax))
+    q = quantize_nvfp4(p / r, dim=-1, block=block)
+    return q.dequantize() * r, p.sum(-1)
+
+
+# ----------------------------------------------------- Hopper FP8 Direct-P ----
+
+def fp8_direct_p_codes(x: torch.Tensor) -> torch.Tensor:
+    """Hopper FP8 Direct-P: x = t - m (<= 0, log2 units) -> E4M3 bit patterns.
+
+    code = rne(clamp(8*x + 120, 0, 120)); the code read as E4M3 bits is a piecewise-
+    linear 2**x * 256 (exact at integer x); codes < 8 are E4M3 subnormals. NaN x -> NaN
+    code 0x7F (a NaN score poisons its row through l and O)."""
+    tt = torch.clamp(8.0 * x + 120.0, 0.0, 120.0)  # clamp maps -inf (masked) to 0
+    code = torch.round(tt).to(torch.uint8)
+    return torch.where(torch.isnan(x), torch.full_like(code, 0x7F), code)
+
+
+def p_fp8_direct(t, m):
+    """PV consumes decode_e4m3(code) / 256; l sums exactly those values."""
+    x = t - m[..., None]
+    pv = decode(fp8_direct_p_codes(x), E4M3) / P_FP8_SCALE
+    return pv, pv.sum(-1)
+
+
+# ---------------------------------------------------- MXFP4 Direct-P (sm100) --
+
+def fast_codes(x: torch.Tensor, a: float = FAST_A, b: float = FAST_B) -> torch.Tensor:
+    """Fast policy: E2M1 magnitude code from x with the affine classifier.
+
+    code = min(7, rne(max(0, a*x + b))) read as an index into the E2M1 magnitude
+    table (0, 0.5, 1, 1.5, 2, 3, 4, 6). -inf -> 0. Float32 arithmetic: y = fma-free
+    a*x then + b (the kernel may use an FMA; the difference only matters exactly at
+    rounding ties)."""
+    y = torch.clamp(x * a + b, 0.0, 7.0)  # clamp maps -inf to 0
+    y = torch.nan_to_num(y, nan=0.0)  # a NaN block is poisoned through its scale; keep codes defined
+    return torch.round(y).to(torch.uint8)
+
+
+def accurate_codes(x: torch.Tensor) -> torch.Tensor:
+    """Accurate policy: code = e2m1_rne(exp2(x)) saturating at 6 (the hardware EX2 on the value path)."""
+    return encode(torch.exp2(x), E2M1)
+
+
+def direct_p_mxfp4(t: torch.Tensor, m: torch.Tensor, policy: str = "fast",
+                   a: float = FAST_A, b: float = FAST_B, block: int = 32):
+    """Direct-P into MXFP4 P. t: (..., N) log2-unit scores, m: (...) row reference.
+
+    Per block B of ``block`` keys: u = t - m; e_B = clamp(floor(max_B u), -127, 127)
+    (an E8M0 exponent; a fully masked block gets -127); x = u - e_B + log2(6) < log2(12);
+    code = classifier(x); PV consumes E2M1(code) * 2**e_B (which approximates 6 * 2**u,
+    the block maximum saturating to 6 * 2**e_B), and l sums exactly those values.
+    Returns (pv, l_inc, codes, e_B).
+    """
+    u = t - m[..., None]
+    n = u.shape[-1]
+    pad = (-n) % block
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad), value=float("-inf"))
+    ub = u.reshape(*u.shape[:-1], -1, block)
+    umax = ub.amax(-1)  # NaN propagates
+    nan_blk = torch.isnan(umax)
+    umax = torch.where(torch.isneginf(umax) | nan_blk, torch.full_like(umax, E8M0_EMIN), umax)
+    # e_B = floor(max_B u): the exponent field of the block's largest 2**u, so the block
+    # maximum lands at x in [log2 6, log2 12) and saturates to code 7 (see docs/numerics.md)
+    eb = torch.clamp(torch.floor(torch.clamp(umax, -1e4, 1e4)), E8M0_EMIN, E8M0_EMAX)
+    x = ub - eb[..., None] + LOG2_6
+    if policy == "fast":
+        codes = fast_codes(x, a, b)
+    elif policy == "accurate":
+        codes = accurate_codes(x)
+    else:
+        raise ValueError(f"unknown Direct-P policy {policy!r}: use 'fast' or 'accurate'")
+    vals = decode(codes, E2M1)
+    # E8M0 NaN scale for a block with a NaN score: the whole block (and its row) turns NaN
+    scale = torch.where(nan_blk, torch.full_like(eb, float("nan")), _pow2_e8m0(eb))
+    pvb = vals * scale[..., None]
+    pv = pvb.reshape(*u.shape[:-1], -1)[..., :n]
+    return pv, pv.sum(-1), codes.reshape(*u.shape[:-1], -1)[..., :n], eb
+
+
+def _pow2_e8m0(e: torch.Tensor) -> torch.Tensor:
+    """2**e for integer-valued float e in [-127, 127] (2**-127 is an fp32 subnormal)."""
+    ei = e.to(torch.int32)
+    v = pow2(torch.clamp(ei, min=-126))
+    return torch.where(ei == -127, v * 0.5, v)
+
+
+# --------------------------------------------------------------- guard ----
+
+def guard_sample_positions(sk: int, L: int, device=None) -> torch.Tensor:
+    """The L sampled key positions: floor((j * sk) / L) for j = 0..L-1 (deduplicated;
+    always includes key 0, where attention sinks live)."""
+    if sk == 0 or L <= 0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    pos = (torch.arange(L, device=device, dtype=torch.long) * sk) // L
+    return torch.unique(pos)
+
+
+def guard_reference(t_sample: torch.Tensor, M: float, row_block: int = 128) -> torch.Tensor:
+    """Row references from sampled scores (log2 units), the guard's decision.
+
+    t_sample: (..., R, L) scores of each row against the sampled keys (masked = -inf).
+    m_hat_i = max over samples (0 if none visible). A row block of ``row_block`` rows
+    is *guarded* when any |m_hat_i| > M; guarded rows use m_i = m_hat_i, the others
+    m_i = 0 (the unguarded Direct-P reference). Returns m (..., R) float32.
+    """
+    mh = t_sample.amax(-1) if t_sample.shape[-1] else torch.full(t_sample.shape[:-1], float("-inf"),
+                                                                  device=t_sample.device)
+    mh = torch.where(torch.isneginf(mh), torch.zeros_like(mh), mh)
+    R = mh.shape[-1]
+    pad = (-R) % row_block
+    big = (mh.abs() > M) | torch.isnan(mh)
+    bigp = torch.nn.functional.pad(big, (0, pad)) if pad else big
+    blk = bigp.reshape(*bigp.shape[:-1], -1, row_block).any(-1, keepdim=True)
+    guarded = blk.expand(*blk.shape[:-1], row_block).reshape(*bigp.shape)[..., :R]
+    return torch.where(guarded, mh, torch.zeros_like(mh))

@@ -1,0 +1,397 @@
+"""The reference backend: exact torch emulation of a KernelSpec's numerics.
+
+    o, lse = forward(q, k, v, spec)
+    dq, dk, dv = backward(q, k, v, o, lse, do, spec)
+
+q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D), H % Hkv == 0 (GQA); any float dtype, any
+device. o: (B, Sq, H, D) float32; lse: (B, H, Sq) float32, natural log, in the
+units of s * softmax_scale.
+
+The forward is flash-style: keys in tiles of ``spec.schedule.tile_n`` (128 by
+default, the Hopper contract's tile), query rows in chunks, never an Sq x Sk
+matrix. Per tile it mirrors the kernels' arithmetic order: scores in float32,
+log2-unit scores ``t = dot * (scale_q * scale_k * c)`` with
+``c = fp32(softmax_scale * log2(e))``, running row max and rescale by
+``exp2(m_old - m_new)``, P produced by the spec's method (directp.py), and
+``O += P @ V``. Definitions and the choices made: docs/numerics.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fp4gen.ir.spec import (Format, KernelSpec, Mask, OperandFormat, PKind, ScaleGranularity,
+                            GuardKind)
+
+from . import directp as dp
+from .formats import E4M3, E5M2, decode, round_to
+from .quant import quantize_fp8, quantize_mxfp4, quantize_nvfp4
+
+LN2 = math.log(2.0)
+_HP_DTYPES = {Format.FP32: torch.float32, Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
+_FP8 = {Format.FP8E4M3: E4M3, Format.FP8E5M2: E5M2}
+_GRAN = {ScaleGranularity.TENSOR: "tensor", ScaleGranularity.BLOCK: "block",
+         ScaleGranularity.TOKEN: "token", ScaleGranularity.NONE: "tensor"}
+
+
+class ReferenceError(ValueError):
+    """A spec or input the reference backend cannot run (message says why)."""
+
+
+# ------------------------------------------------------------ operands -----
+
+@dataclass
+class Operand:
+    """A quantized (B, S, Hx, D) operand as the kernel sees it.
+
+    ``vals`` are what the MMA multiplies (payload values for FP8 with fp32 scales,
+    exact dequantized values for FP4 and high-precision formats); ``row_scale``
+    (B, S, Hx) multiplies the dot products of FP8 Q/K (None otherwise);
+    ``post_scale`` (B, Hx) multiplies O at the end for a per-tensor FP8 V.
+    """
+
+    vals: torch.Tensor
+    row_scale: Optional[torch.Tensor] = None
+    post_scale: Optional[torch.Tensor] = None
+
+
+def _fp4_block(fmt: OperandFormat) -> int:
+    if fmt.block:
+        return fmt.block
+    return 16 if fmt.format is Format.NVFP4 else 32
+
+
+def quantize_operand(x: torch.Tensor, fmt: OperandFormat, reduce_dim: int,
+                     factor_scale: bool) -> Operand:
+    """Quantize one attention operand. ``reduce_dim``: the dim the consuming MMA reduces
+    over (3 = D for Q/K, 1 = S for V), along which FP4 blocks run. ``factor_scale``:
+    keep FP8 scales outside the payload (Q/K row scales; V per-tensor post scale)."""
+    f = fmt.format
+    if f in _HP_DTYPES:
+        return Operand(x.to(_HP_DTYPES[f]).to(torch.float32))
+    if f in _FP8:
+        gran = _GRAN[fmt.granularity]
+        qt = quantize_fp8(x, gran, fmt.block or 128, _FP8[f])
+        if not factor_scale:
+            return Operand(qt.dequantize())
+        vals = decode(qt.codes, qt.fmt)
+        if reduce_dim == 3:  # Q/K: per-row scale multiplies the dot product
+            B, S, Hx, _ = x.shape
+            return Operand(vals, row_scale=qt.expand_scale()[..., 0].expand(B, S, Hx).contiguous())
+        if gran == "tensor":  # V: a per-(b, h) scale factors out of the key sum
+            return Operand(vals, post_scale=qt.scale)
+        return Operand(qt.dequantize())
+    if f is Format.NVFP4:
+        return Operand(quantize_nvfp4(x, dim=reduce_dim, block=_fp4_block(fmt)).dequantize())
+    if f is Format.MXFP4:
+        return Operand(quantize_mxfp4(x, dim=reduce_dim, block=_fp4_block(fmt)).dequantize())
+    raise ReferenceError(f"format {f.value} cannot be an attention operand")
+
+
+# -------------------------------------------------------- P production -----
+
+def _p_method(spec: KernelSpec):
+    """Pick the P production for the spec. Returns (fn(t, m) -> (pv, l_inc), running_max, lse_shift)."""
+    pf, pp = spec.p.format, spec.p_production
+    kind = pp.kind
+    if kind is PKind.EXP:
+        if pf in _HP_DTYPES:
+            dt = _HP_DTYPES[pf]
+            return (lambda t, m: dp.p_exp_hp(t, m, dt)), True, 0.0
+        if pf in _FP8:
+            fmt = _FP8[pf]
+            return (lambda t, m: dp.p_exp_fp8(t, m, fmt)), True, 0.0
+        if pf.is_fp4:
+            kindname, blk = pf.value, _fp4_block(spec.p)
+            return (lambda t, m: dp.p_exp_fp4(t, m, kindname, blk)), True, 0.0
+    elif kind is PKind.DIRECT_P:
+        if pf is Format.FP8E4M3:
+            return dp.p_fp8_direct, True, 0.0
+        if pf is Format.MXFP4:
+            pol, a, b, blk = pp.policy.value, pp.a, pp.b, _fp4_block(spec.p)
+
+            def fn(t, m):
+                pv, l_inc, _, _ = dp.direct_p_mxfp4(t, m, pol, a, b, blk)
+                return pv, l_inc
+            # PV consumes ~GAIN * 2**(t - m): the LSE drops log2(GAIN) (see directp.DIRECT_P_GAIN)
+            return fn, False, math.log2(dp.DIRECT_P_GAIN[pol])
+        raise ReferenceError(f"direct_p produces P as mxfp4 (sm100a) or fp8e4m3 (sm90a), not {pf.value}")
+    elif kind is PKind.TWO_LEVEL:
+        if pf is Format.NVFP4:
+            blk = _fp4_block(spec.p)
+            return (lambda t, m: dp.p_two_level(t, m, blk)), True, 0.0
+        raise ReferenceError(f"two_level P quantization needs P : nvfp4, not {pf.value}")
+    raise ReferenceError(f"P production {kind.value} with P : {pf.value} is not supported")
+
+
+def _round_out(o: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
+    f = fmt.format
+    if f in _HP_DTYPES:
+        return o.to(_HP_DTYPES[f]).to(torch.float32)
+    if f in _FP8:  # O in FP8: per-token scale (one per row and head)
+        return quantize_fp8(o, "token", 128, _FP8[f]).dequantize()
+    raise ReferenceError(f"O : {f.value} is not supported by the reference (use bf16/fp16/fp32/fp8)")
+
+
+def _check_inputs(q, k, v, spec):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ReferenceError(f"{name} must be a 4-D (B, S, H, D) tensor")
+        if not torch.is_floating_point(x):
+            raise ReferenceError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    B, Sq, H, D = q.shape
+    if k.shape != v.shape:
+        raise ReferenceError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ReferenceError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B or D")
+    Hkv = k.shape[2]
+    if Hkv == 0 or H % Hkv:
+        raise ReferenceError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
+    if spec.head_dim != D:
+        raise ReferenceError(f"spec {spec.name!r} has head_dim {spec.head_dim}, inputs have D={D}")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ReferenceError("q, k, v must be on one device")
+
+
+def _expand_heads(x: Optional[torch.Tensor], H: int, dim: int):
+    if x is None:
+        return None
+    g = H // x.shape[dim]
+    return x if g == 1 else x.repeat_interleave(g, dim=dim)
+
+
+def _causal_allowed(rows: torch.Tensor, cols: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    # bottom-right aligned (as FlashAttention >= 2.1): query i sees key j iff j <= i + sk - sq
+    return cols[None, :] <= rows[:, None] + (sk - sq)
+
+
+def _row_chunk(B: int, H: int, tile_n: int, D: int) -> int:
+    # keep one (B, H, rows, tile_n) float32 score tile around ~32 MiB
+    budget = (32 << 20) // 4
+    r = max(128, budget // max(1, B * H * max(tile_n, D)))
+    return min(2048, (r // 128) * 128)
+
+
+class _Prepared:
+    """Forward state shared by forward() and backward(): quantized operands in (B, H, S, D)."""
+
+    def __init__(self, q, k, v, spec: KernelSpec, reuse_qk=(True, True)):
+        _check_inputs(q, k, v, spec)
+        self.B, self.Sq, self.H, self.D = q.shape
+        self.Sk, self.Hkv = k.shape[1], k.shape[2]
+        H = self.H
+        hp = OperandFormat(Format.BF16)
+        Q = quantize_operand(q, spec.q if reuse_qk[0] else hp, 3, True)
+        K = quantize_operand(k, spec.k if reuse_qk[1] else hp, 3, True)
+        V = quantize_operand(v, spec.v, 1, True)
+        self.q = Q.vals.permute(0, 2, 1, 3)  # (B, H, Sq, D)
+        self.k = _expand_heads(K.vals, H, 2).permute(0, 2, 1, 3)
+        self.v = _expand_heads(V.vals, H, 2).permute(0, 2, 1, 3)
+        self.sq = None if Q.row_scale is None else Q.row_scale.permute(0, 2, 1)  # (B, H, Sq)
+        self.sk = None if K.row_scale is None else _expand_heads(K.row_scale, H, 2).permute(0, 2, 1)
+        self.vpost = None if V.post_scale is None else _expand_heads(V.post_scale, H, 1)  # (B, H)
+        # c = fp32(softmax_scale * log2(e)), folded with the FP8 scales into one multiplier
+        self.c = torch.tensor(spec.scale * dp.LOG2E, dtype=torch.float32).item()
+        self.causal = spec.mask is Mask.CAUSAL
+        self.tile_n = spec.schedule.tile_n
+        self.device = q.device
+
+    def deq_q(self, r0, r1) -> torch.Tensor:
+        """Dequantized Q rows (payload x its FP8 row scale), for dK = dS^T Q."""
+        x = self.q[:, :, r0:r1]
+        return x if self.sq is None else x * self.sq[:, :, r0:r1, None]
+
+    def deq_k(self, c0, c1) -> torch.Tensor:
+        x = self.k[:, :, c0:c1]
+        return x if self.sk is None else x * self.sk[:, :, c0:c1, None]
+
+    def scores(self, r0, r1, c0, c1) -> torch.Tensor:
+        """log2-unit scores t (B, H, r, c) for rows r0:r1, keys c0:c1, masked = -inf."""
+        dot = self.q[:, :, r0:r1] @ self.k[:, :, c0:c1].transpose(-1, -2)
+        if self.sq is not None or self.sk is not None:
+            sq = self.sq[:, :, r0:r1, None] if self.sq is not None else 1.0
+            sk = self.sk[:, :, None, c0:c1] if self.sk is not None else 1.0
+            t = dot * ((sq * sk) * self.c)
+        else:
+            t = dot * self.c
+        if self.causal:
+            rows = torch.arange(r0, r1, device=self.device)
+            cols = torch.arange(c0, c1, device=self.device)
+            ok = _causal_allowed(rows, cols, self.Sq, self.Sk)
+            t = t.masked_fill(~ok, float("-inf"))
+        return t
+
+
+def _guard_refs(st: _Prepared, spec: KernelSpec) -> torch.Tensor:
+    """Row references for Direct-P MXFP4: 0, or the sampling guard's (B, H, Sq)."""
+    B, H, Sq = st.B, st.H, st.Sq
+    if spec.guard.kind is not GuardKind.SAMPLE:
+        return torch.zeros(B, H, Sq, device=st.device)
+    pos = dp.guard_sample_positions(st.Sk, spec.guard.l, st.device)
+    ks = st.k[:, :, pos]
+    dot = st.q @ ks.transpose(-1, -2)
+    if st.sq is not None or st.sk is not None:
+        sq = st.sq[..., None] if st.sq is not None else 1.0
+        sk = st.sk[:, :, None, pos] if st.sk is not None else 1.0
+        t = dot * ((sq * sk) * st.c)
+    else:
+        t = dot * st.c
+    if st.causal:
+        ok = _causal_allowed(torch.arange(Sq, device=st.device), pos, Sq, st.Sk)
+        t = t.masked_fill(~ok, float("-inf"))
+    return dp.guard_reference(t, float(spec.guard.m), row_block=spec.schedule.tile_m)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec):
+    """Attention forward with the spec's numerics. Returns (o float32 (B,Sq,H,D), lse (B,H,Sq))."""
+    st = _Prepared(q, k, v, spec)
+    p_fn, running_max, lse_shift = _p_method(spec)
+    B, H, Sq, Sk, D = st.B, st.H, st.Sq, st.Sk, st.D
+    dev = st.device
+    o = torch.empty(B, H, Sq, D, device=dev)
+    lse = torch.empty(B, H, Sq, device=dev)
+    fixed_m = None if running_max else _guard_refs(st, spec)
+    rc = _row_chunk(B, H, st.tile_n, D)
+    for r0 in range(0, Sq, rc):
+        r1 = min(Sq, r0 + rc)
+        acc = torch.zeros(B, H, r1 - r0, D, device=dev)
+        l = torch.zeros(B, H, r1 - r0, device=dev)
+        if running_max:
+            m = torch.full((B, H, r1 - r0), float("-inf"), device=dev)
+        else:
+            m = fixed_m[:, :, r0:r1]
+        last = Sk if not st.causal else min(Sk, r1 + Sk - Sq)  # keys past the diagonal are masked
+        for c0 in range(0, max(0, last), st.tile_n):
+            c1 = min(Sk, c0 + st.tile_n)
+            t = st.scores(r0, r1, c0, c1)
+            if running_max:
+                m_new = torch.maximum(m, t.amax(-1))  # NaN propagates
+                m_new_s = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+                m_old_s = torch.where(torch.isneginf(m), m_new_s, m)
+                alpha = torch.exp2(m_old_s - m_new_s)
+                pv, l_inc = p_fn(t, m_new_s)
+                l = l * alpha + l_inc
+                acc = acc * alpha[..., None] + pv @ st.v[:, :, c0:c1]
+                m = m_new
+            else:
+                pv, l_inc = p_fn(t, m)
+                l = l + l_inc
+                acc = acc + pv @ st.v[:, :, c0:c1]
+        m_s = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        empty = l == 0  # fully masked row (or every P rounded to zero): O = 0, LSE = -inf
+        o[:, :, r0:r1] = torch.where(empty[..., None], torch.zeros_like(acc),
+                                     acc / torch.where(empty, torch.ones_like(l), l)[..., None])
+        lse2 = m_s + torch.log2(torch.where(empty, torch.ones_like(l), l)) - lse_shift
+        lse[:, :, r0:r1] = torch.where(empty, torch.full_like(lse2, float("-inf")), lse2 * LN2)
+    if st.vpost is not None:
+        o = o * st.vpost[:, :, None, None]
+    o = o.permute(0, 2, 1, 3)
+    return _round_out(o, spec.o).contiguous(), lse
+
+
+# ------------------------------------------------------------ backward -----
+
+def _fake_quant_rows(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
+    """Round a (B, H, r, c) gradient tile to ``fmt``: FP8 with one fp32 scale per row of
+    the tile (amax/fmax, 1 for an all-zero row); 16/32-bit floats by a plain cast."""
+    f = fmt.format
+    if f in _HP_DTYPES:
+        return x.to(_HP_DTYPES[f]).to(torch.float32)
+    if f in _FP8:
+        fm = _FP8[f]
+        amax = x.abs().amax(-1, keepdim=True)
+        s = torch.where(amax == 0, torch.ones_like(amax), amax / fm.max_value)
+        return round_to(x / s, fm) * s
+    raise ReferenceError(f"gradient format {f.value} is not supported (use fp8e4m3/fp8e5m2/bf16/fp16/fp32)")
+
+
+def backward(q, k, v, o, lse, do, spec: KernelSpec):
+    """Attention backward with the spec's gradient formats. Returns (dq, dk, dv) float32
+    shaped like q, k, v (dk, dv summed over each GQA group).
+
+    Recomputes P = exp2(t - lse2) from the forward's quantized Q/K (``reuse q k``;
+    otherwise bf16 Q/K) and the given LSE (for an MXFP4 Direct-P forward: the forward's
+    own Direct-P values divided by the l that the LSE encodes); dO, dP, dS are rounded to
+    ``spec.backward.format_of(...)`` (FP8 gradient operands: dO with its OperandFormat
+    granularity (tensor/block/token, as Q), dP and dS with one scale per row of each
+    key tile); the P operand of dV = P^T dO is FP8 E4M3 with the fixed 2**8 scale when
+    the forward's P is FP8/FP4, else P's own float dtype. dQ/dK/dV are rounded to their
+    formats at the end.
+    """
+    bw = spec.backward
+    if bw is None:
+        from fp4gen.ir.spec import Backward
+        bw = Backward()
+    reuse = bw.reuse
+    st = _Prepared(q, k, v, spec, reuse_qk=("q" in reuse, "k" in reuse))
+    B, H, Sq, Sk, D, Hkv = st.B, st.H, st.Sq, st.Sk, st.D, st.Hkv
+    dev = st.device
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ReferenceError(f"o and do must have q's shape {tuple(q.shape)}")
+    if lse.shape != (B, H, Sq):
+        raise ReferenceError(f"lse must have shape {(B, H, Sq)}, got {tuple(lse.shape)}")
+    fdo = bw.format_of("dO")
+    if fdo.format in _FP8:
+        dO = quantize_operand(do, fdo, 1, False).vals
+    else:
+        dO = quantize_operand(do, fdo, 3, False).vals
+    dO = dO.permute(0, 2, 1, 3)  # (B, H, Sq, D)
+    vpost = st.vpost
+    vv = st.v if vpost is None else st.v * vpost[:, :, None, None]  # dequantized V for dP = dO V^T
+    O = o.to(torch.float32).permute(0, 2, 1, 3)
+    Drow = (dO * O).sum(-1)  # D_i = rowsum(dO * O)
+    lse2 = lse.to(torch.float32) / LN2
+    lse2_s = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2)  # -> p = 0
+    p_fn, running_max, lse_shift = _p_method(spec)
+    # MXFP4 Direct-P forward: recompute its own P (same codes, same reference) and divide by
+    # the l the LSE encodes, so the backward uses exactly the forward's normalised P
+    m_ref = None if running_max else _guard_refs(st, spec)
+    fdp, fds = bw.format_of("dP"), bw.format_of("dS")
+    pf = spec.p.format
+    p_fmt = None if pf in _HP_DTYPES else E4M3
+    p_dt = _HP_DTYPES.get(pf, torch.float32)
+    dq = torch.zeros(B, H, Sq, D, device=dev)
+    dk = torch.zeros(B, H, Sk, D, device=dev)
+    dv = torch.zeros(B, H, Sk, D, device=dev)
+    rc = _row_chunk(B, H, st.tile_n, D)
+    for r0 in range(0, Sq, rc):
+        r1 = min(Sq, r0 + rc)
+        last = Sk if not st.causal else min(Sk, r1 + Sk - Sq)
+        for c0 in range(0, max(0, last), st.tile_n):
+            c1 = min(Sk, c0 + st.tile_n)
+            t = st.scores(r0, r1, c0, c1)
+            if m_ref is None:
+                p = torch.exp2(t - lse2_s[:, :, r0:r1, None])
+            else:
+                mr = m_ref[:, :, r0:r1]
+                pv, _ = p_fn(t, mr)
+                p = pv * torch.exp2(mr - lse_shift - lse2_s[:, :, r0:r1])[..., None]  # pv / l
+            if p_fmt is not None:
+                pq = round_to(p * dp.P_FP8_SCALE, p_fmt) / dp.P_FP8_SCALE
+            else:
+                pq = p.to(p_dt).to(torch.float32)
+            dv[:, :, c0:c1] += pq.transpose(-1, -2) @ dO[:, :, r0:r1]
+            dpm = _fake_quant_rows(dO[:, :, r0:r1] @ vv[:, :, c0:c1].transpose(-1, -2), fdp)
+            ds = p * (dpm - Drow[:, :, r0:r1, None])
+            ds = _fake_quant_rows(ds, fds)
+            dq[:, :, r0:r1] += ds @ st.deq_k(c0, c1)
+            dk[:, :, c0:c1] += ds.transpose(-1, -2) @ st.deq_q(r0, r1)
+    scale = spec.scale
+    dq = dq * scale
+    dk = dk * scale
+    # GQA: sum the gradients of every query head sharing one key/value head
+    g = H // Hkv
+    dk = dk.reshape(B, Hkv, g, Sk, D).sum(2)
+    dv = dv.reshape(B, Hkv, g, Sk, D).sum(2)
+    outs = []
+    for name, x in (("dQ", dq), ("dK", dk), ("dV", dv)):
+        x = x.permute(0, 2, 1, 3)
+        f = bw.format_of(name)
+        outs.append(x.to(_HP_DTYPES[f.format]).to(torch.float32) if f.format in _HP_DTYPES
+                    else quantize_fp8(x, "token", 128, _FP8[f.format]).dequantize()
+                    if f.format in _FP8 else x)
+    return tuple(o_.contiguous() for o_ in outs)
+
