@@ -44,7 +44,7 @@ def _load(path: str):
 
 
 def _one_kernel(specs, kernel: Optional[str], what: str):
-    from .compile import select_specs
+    from fp4gen.driver import select_specs
 
     chosen = select_specs(specs, kernel)
     if len(chosen) > 1:
@@ -57,7 +57,7 @@ def _write_output(text: str, path: Optional[str]) -> None:
     if path is None or path == "-":
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
-    from .compile import UserError, atomic_write
+    from fp4gen.driver import UserError, atomic_write
 
     try:
         atomic_write(Path(path), text)
@@ -92,7 +92,7 @@ def _render_plan(plan, fmt: str) -> str:
 def cmd_check(args) -> int:
     from fp4gen.frontend import SpecError
 
-    from .compile import parse_target, plan_spec, retarget, verify_plan
+    from fp4gen.driver import parse_target, plan_spec, retarget, verify_plan
 
     target = parse_target(args.target)
     bad_files, n_errors, n_kernels = 0, 0, 0
@@ -140,7 +140,7 @@ def _read_error(path: str, e: Exception) -> str:
 
 
 def cmd_schedule(args) -> int:
-    from .compile import parse_target, plan_spec, retarget, select_specs
+    from fp4gen.driver import parse_target, plan_spec, retarget, select_specs
 
     specs = select_specs(_load(args.spec), args.kernel)
     target = parse_target(args.target)
@@ -152,7 +152,7 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .compile import compile_specs, emit_artifacts, select_specs
+    from fp4gen.driver import compile_specs, emit_artifacts, select_specs
 
     emit = [e.strip() for e in args.emit.split(",") if e.strip()]
     bad = [e for e in emit if e not in ("py", "ptx", "cubin")]
@@ -164,7 +164,7 @@ def cmd_compile(args) -> int:
         print(f"wrote {p}")
     extra = [e for e in emit if e != "py"]
     if extra:
-        from .compile import parse_target
+        from fp4gen.driver import parse_target
 
         for spec, p in zip(specs, paths):
             tgt = (parse_target(args.target) or spec.target).value
@@ -225,7 +225,7 @@ def _fmt_value(v) -> str:
 
 
 def cmd_accuracy(args) -> int:
-    from .compile import parse_target, retarget, select_specs
+    from fp4gen.driver import parse_target, retarget, select_specs
 
     specs = select_specs(_load(args.spec), args.kernel)
     target = parse_target(args.target)
@@ -247,7 +247,7 @@ def cmd_run(args) -> int:
     """Load (compile if needed) one kernel, run it on random inputs, compare with float64."""
     import time
 
-    from .compile import UserError, parse_target
+    from fp4gen.driver import UserError, parse_target
 
     specs = _load(args.spec)
     spec = _one_kernel(specs, args.kernel, "run")
@@ -303,7 +303,7 @@ def cmd_regenerate(args) -> int:
 def cmd_demo(args) -> int:
     from fp4gen.lowering.regenerate import repo_root
 
-    from .compile import UserError
+    from fp4gen.driver import UserError
 
     spec = Path(args.spec) if args.spec else repo_root() / "examples" / "fa4_fp4_d128.attn"
     if not spec.is_file():
@@ -408,7 +408,7 @@ def _positive_int(text: str) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from fp4gen.frontend import SpecError
 
-    from .compile import UserError
+    from fp4gen.driver import UserError
 
     parser = build_parser()
     try:

@@ -44,7 +44,7 @@ def compile_spec(spec, out_dir, *, target=None, kernel=None):
     Writes one importable module per kernel (atomically) and returns their paths.
     ``target`` overrides the spec's own target; ``kernel`` picks one kernel by name.
     """
-    from fp4gen.cli.compile import compile_specs, select_specs
+    from fp4gen.driver import compile_specs, select_specs
 
     specs = parse_file(spec) if isinstance(spec, (str, bytes)) or hasattr(spec, "__fspath__") else spec
     if not isinstance(specs, (list, tuple)):

@@ -1,4 +1,4 @@
-"""Spec -> plan -> generated module files; shared by ``fp4gen compile``,
+"""The compile driver: spec -> plan -> generated module files; shared by ``fp4gen compile``,
 ``fp4gen regenerate`` and ``fp4gen.compile_spec``.
 
 Errors a user can cause come out as ``UserError`` (one line, exit 1) or as
