@@ -196,7 +196,7 @@ def test_generated_specs_parse_exactly_and_plan_or_diagnose(case):
             assert got == value, field
     assert spec_from_json(spec_to_json(spec)) == spec
 
-    from fp4gen.cli.compile import plan_spec
+    from fp4gen.driver import plan_spec
 
     try:
         plan = plan_spec(spec)  # runs the planner's verify as its last step
@@ -221,7 +221,7 @@ EXAMPLE_KERNELS = [(p, k.name) for p in EXAMPLES for k in __import__("fp4gen").p
        st.sampled_from(["", "    p_publish whole", "    q_stages 1", "    kv_stages 4", "    tile 64 x 128"]))
 def test_variations_of_the_examples_plan_or_diagnose(example, mask, head_dim, guard, sched):
     """Examples with one field changed: closer to what users write, so most of them plan."""
-    from fp4gen.cli.compile import plan_spec
+    from fp4gen.driver import plan_spec
 
     path, name = example
     text = path.read_text()
