@@ -1,0 +1,86 @@
+"""Side-effect-free PTX wrappers.
+
+CuTe DSL's own ``cute.arch.exp2`` / ``cute.arch.prmt`` are emitted with
+``has_side_effects=True``, which pins them in program order; ours are pure so
+LLVM/ptxas may schedule them freely (they are plain arithmetic).
+"""
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Uint32
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass._mlir.dialects import llvm
+
+
+def _asm(ret_type, ptx: str, constraints: str, args, *, loc=None, ip=None):
+    return llvm.inline_asm(
+        ret_type,
+        [a.ir_value(loc=loc, ip=ip) for a in args],
+        ptx,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def ex2(x, *, loc=None, ip=None) -> Float32:
+    """2**x on the MUFU (ex2.approx.ftz.f32)."""
+    return Float32(_asm(T.f32(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", [Float32(x)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def prmt(a, b, sel: int, *, loc=None, ip=None) -> Uint32:
+    """Byte permute of {b, a} (bytes a0..a3 = 0..3, b0..b3 = 4..7)."""
+    return Uint32(
+        _asm(T.i32(), f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r", [Uint32(a), Uint32(b)], loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def pack_low_bytes4(y0, y1, y2, y3, *, loc=None, ip=None) -> Uint32:
+    """Pack the low byte of four 32-bit words into one word (byte i = y_i & 0xff).
+
+    Three PRMTs: two gather pairs, one joins the halves.
+    """
+    return Uint32(
+        _asm(
+            T.i32(),
+            "{\n.reg .b32 lo, hi;\n"
+            "prmt.b32 lo, $1, $2, 0x0040;\n"
+            "prmt.b32 hi, $3, $4, 0x0040;\n"
+            "prmt.b32 $0, lo, hi, 0x5410;\n}",
+            "=r,r,r,r,r",
+            [Uint32(y0), Uint32(y1), Uint32(y2), Uint32(y3)],
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def cvt_e4m3x4(p0, p1, p2, p3, *, loc=None, ip=None) -> Uint32:
+    """Four fp32 -> four E4M3 (round to nearest even, saturating), byte i = p_i."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            "{\n.reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi};\n}",
+            "=r,f,f,f,f",
+            [Float32(p0), Float32(p1), Float32(p2), Float32(p3)],
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def f32_as_u32(x, *, loc=None, ip=None) -> Uint32:
+    return Uint32(_asm(T.i32(), "mov.b32 $0, $1;", "=r,f", [Float32(x)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def u32_as_f32(x, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), "mov.b32 $0, $1;", "=f,r", [Uint32(x)], loc=loc, ip=ip))

@@ -1,0 +1,140 @@
+"""sm90a backend: a finished ``KernelPlan`` -> CuTe DSL Hopper forward module source.
+
+One jinja2 template (``templates/sm90/fwd.py.j2``) covers every variant; this
+file only turns plan fields into the template context and refuses plans the
+template cannot express (those should have been refused by the planner).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from types import MappingProxyType
+
+import jinja2
+
+from . import LoweringError
+
+TEMPLATE = "fwd.py.j2"
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("fp4gen.templates", "sm90"),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def _plain(x):
+    """JSON-ready view of IR values (dataclasses, enums, mappings, tuples)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if f.name not in ("source_lines",)}
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, (dict, MappingProxyType)):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, frozenset, set)):
+        items = [_plain(v) for v in x]
+        return sorted(items, key=str) if isinstance(x, (set, frozenset)) else items
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
+
+
+def plan_json(plan) -> str:
+    return json.dumps(_plain(plan), sort_keys=True)
+
+
+def context(plan) -> dict:
+    from fp4gen.ir.spec import Format, Mask, PKind, ScaleGranularity, Target
+
+    spec = plan.spec
+    sm = plan.sm90
+    if spec.target is not Target.SM90A:
+        raise LoweringError(f"sm90 backend got a plan for target {spec.target.value}")
+    if sm is None:
+        raise LoweringError("plan has no sm90 section (run the planner for target sm90a)")
+    if spec.head_dim not in (64, 128):
+        raise LoweringError(f"sm90 forward supports head_dim 64 and 128, not {spec.head_dim}")
+    fq, fk, fv, fp = spec.q.format, spec.k.format, spec.v.format, spec.p.format
+    if {fq, fk, fv} == {Format.BF16}:
+        in_fp8 = False
+        if fp is not Format.BF16 or spec.p_production.kind is not PKind.EXP:
+            raise LoweringError("BF16 Q/K/V on sm90 take P as bf16 via exp")
+        p_mode = "bf16"
+    elif {fq, fk, fv} == {Format.FP8E4M3}:
+        in_fp8 = True
+        if fp is not Format.FP8E4M3:
+            raise LoweringError(f"FP8 Q/K/V on sm90 need P as fp8e4m3, got {fp.value}")
+        if not sm.v_transposed:
+            raise LoweringError("FP8 PV needs V transposed (K-major) on sm90")
+        # the kernel's scale contract (numerics: Hopper FP8): Q, K one fp32 scale per
+        # 128-token block (= one key/query tile), V one fp32 scale per (batch, head)
+        for name, f in (("Q", spec.q), ("K", spec.k)):
+            if f.granularity is not ScaleGranularity.BLOCK or f.block != 128:
+                raise LoweringError(
+                    f"sm90 FP8 takes {name} with one fp32 scale per 128-token block "
+                    f"({name} : fp8e4m3(block=128)), got {f}")
+        if spec.v.granularity is not ScaleGranularity.TENSOR:
+            raise LoweringError(f"sm90 FP8 takes V with one scale per tensor (V : fp8e4m3(scale=tensor)), got {spec.v}")
+        kind = spec.p_production.kind
+        if kind is PKind.EXP:
+            p_mode = "fp8_exp"
+        elif kind is PKind.DIRECT_P:
+            p_mode = "fp8_directp"
+        else:
+            raise LoweringError(f"P via {kind.value} is not available on sm90")
+    else:
+        raise LoweringError(
+            f"sm90 takes Q/K/V all bf16 or all fp8e4m3, got {fq.value}/{fk.value}/{fv.value}")
+    if spec.o.format is not Format.BF16:
+        raise LoweringError(f"sm90 writes O as bf16, not {spec.o.format.value}")
+    if sm.tile_m != 64 * sm.consumer_warpgroups:
+        raise LoweringError(f"tile_m {sm.tile_m} must be 64 x consumer_warpgroups ({sm.consumer_warpgroups})")
+    if sm.tile_n != 128 or sm.tile_m != 128:
+        raise LoweringError(f"sm90 template is written for 128 x 128 tiles, got {sm.tile_m} x {sm.tile_n}")
+    if sm.kv_stages < 2:
+        raise LoweringError("sm90 needs at least 2 K/V stages")
+    if sm.pingpong and not sm.intra_warpgroup_overlap:
+        raise LoweringError("sm90 ping-pong is implemented together with intra-warpgroup overlap")
+
+    origins = {k: spec.origin(k) for k in ("Q", "K", "P", "V", "O", "mask", "head_dim")}
+    origins["schedule"] = spec.origin("schedule.tile")
+    name = spec.name
+    return dict(
+        kernel_name=name,
+        class_name="".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Fwd",
+        spec_file=spec.source_file,
+        plan_json=plan_json(plan),
+        origins=origins,
+        head_dim=spec.head_dim,
+        causal=spec.mask is Mask.CAUSAL,
+        in_fp8=in_fp8,
+        p_mode=p_mode,
+        tile_m=sm.tile_m,
+        tile_n=sm.tile_n,
+        consumer_wgs=sm.consumer_warpgroups,
+        kv_stages=sm.kv_stages,
+        intra_wg_overlap=sm.intra_warpgroup_overlap,
+        pingpong=sm.pingpong,
+        # optional plan field (request: Sm90Plan.l_from_mma): Direct-P's l as P @ ones on the MMA
+        l_from_mma=bool(getattr(sm, "l_from_mma", False)) and p_mode == "fp8_directp",
+        producer_regs=sm.producer_registers,
+        consumer_regs=sm.consumer_registers,
+        smem_bytes=sm.smem_bytes,
+    )
+
+
+def render(plan) -> str:
+    """Source text of the generated Hopper module for ``plan``: the forward, plus the
+    backward section (``sm90_bwd.render_backward``) when the spec has a backward block."""
+    src = _env().get_template(TEMPLATE).render(**context(plan))
+    if plan.spec.backward is not None:
+        from .sm90_bwd import render_backward
+
+        src += "\n\n" + render_backward(plan)
+    return src

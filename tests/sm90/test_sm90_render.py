@@ -1,0 +1,224 @@
+"""sm90a backend on the CPU: rendering, plan refusal, compile for sm_90a without a GPU,
+and the arithmetic of the shared device helpers (emulated in torch).
+
+The compile tests take 3-25 s per variant (CuTe DSL tracing + MLIR + ptxas); one per P
+mode runs by default, the full matrix (3 modes x D 64/128 x causal) is marked ``slow``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plans import VARIANTS, load_module, make_plan  # noqa: E402
+
+from fp4gen.ir.spec import Format, OperandFormat, PKind, PProduction  # noqa: E402
+from fp4gen.lowering import LoweringError  # noqa: E402
+from fp4gen.lowering.sm90 import render  # noqa: E402
+
+MATRIX = [(v, d, c) for v in VARIANTS for d in (64, 128) for c in (False, True)]
+FAST = [("bf16", 64, False), ("fp8_exp", 64, False), ("fp8_directp", 64, False)]
+
+
+# ----------------------------------------------------------------- rendering
+
+
+@pytest.mark.parametrize("variant,d,causal", MATRIX)
+def test_render_contract(variant, d, causal):
+    plan = make_plan(variant, d, causal)
+    src = render(plan)
+    compile(src, plan.spec.name, "exec")  # valid Python
+    for name in ("KERNEL_NAME", "TARGET", "SPEC_FILE", "PLAN_JSON", "def forward(", "def compile_only("):
+        assert name in src
+    assert 'TARGET = "sm90a"' in src
+    assert f"HEAD_DIM = {d}" in src and f"CAUSAL = {causal}" in src
+    # generated code imports no compiler stage
+    for banned in ("fp4gen.ir", "fp4gen.frontend", "jinja2", "lark", "fp4gen.lowering"):
+        assert banned not in src
+    # the spec lines behind each choice are quoted
+    assert "Spec lines behind the choices" in src and "P: " in src
+
+
+def test_variants_render_only_their_code():
+    bf16 = render(make_plan("bf16"))
+    exp = render(make_plan("fp8_exp"))
+    dp = render(make_plan("fp8_directp"))
+    assert "mSQ" not in bf16 and "quantize_inputs" not in bf16 and "store_p_bf16" in bf16
+    assert "pack_p_fp8(acc_S, tOrP, False)" in exp and "pack_p_fp8(acc_S, tOrP, True)" not in exp
+    assert "pack_p_fp8(acc_S, tOrP, True)" in dp
+    assert 'P_MODE = "fp8_directp"' in dp
+    nopp = render(make_plan("bf16", pingpong=False))
+    assert "barrier_arrive" not in nopp and "barrier_arrive" in bf16
+    plain = render(make_plan("bf16", overlap=False))
+    assert "step_plain" in plain and "def step_overlap" not in plain
+    lmma = render(make_plan("fp8_directp", l_from_mma=True))
+    assert "tiled_mma_l" in lmma and 'SOFTMAX_MODE = "fp8_directp_l_mma"' in lmma
+    assert "tiled_mma_l" not in dp
+    # l_from_mma only changes Direct-P (the exp path's l sums the unrounded p)
+    assert "tiled_mma_l" not in render(make_plan("fp8_exp", l_from_mma=True))
+
+
+def _with(plan, **spec_changes):
+    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, **spec_changes))
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda p: _with(p, head_dim=96), "head_dim"),
+        (lambda p: _with(p, q=OperandFormat(Format.NVFP4)), "bf16 or all fp8e4m3"),
+        (lambda p: _with(p, o=OperandFormat(Format.FP8E4M3)), "writes O as bf16"),
+        (lambda p: _with(p, p_production=PProduction(kind=PKind.TWO_LEVEL)), "two_level"),
+        (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, tile_m=64, consumer_warpgroups=1)),
+         "128 x 128"),
+        (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, kv_stages=1)), "2 K/V stages"),
+        (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, v_transposed=False)), "transposed"),
+        (lambda p: _with(p, v=make_plan("fp8_exp").spec.q), "one scale per tensor"),
+        (lambda p: _with(p, q=make_plan("fp8_exp").spec.v), "128-token block"),
+        (lambda p: dataclasses.replace(p, sm90=None), "no sm90 section"),
+    ],
+)
+def test_render_refuses(mutate, msg):
+    with pytest.raises(LoweringError, match=msg):
+        render(mutate(make_plan("fp8_directp")))
+
+
+# --------------------------------------------------- device helper arithmetic
+
+
+def test_fp8_p_key_permutation_matches_register_packing():
+    """A-operand byte slot p of thread q holds the accumulator element that layout.pack_p_fp8
+    picks; that element's key column must be FP8_P_KEY_PERM[p] (V is permuted to match)."""
+    from fp4gen.device.layout import FP8_P_KEY_PERM
+
+    assert sorted(FP8_P_KEY_PERM) == list(range(32))
+    for q in range(4):  # thread within a quad
+        for kb in range(4):
+            for kh in range(2):
+                for i in range(4):
+                    j = 4 * kb + 2 * kh + (i >> 1)  # accumulator 8-column chunk
+                    col = 8 * j + 2 * q + (i & 1)  # accumulator column of that element
+                    slot = 16 * kh + 4 * q + i  # wgmma k32 A-operand position
+                    assert col - 32 * kb == FP8_P_KEY_PERM[slot]
+
+
+def _f32(x):
+    return torch.as_tensor(x, dtype=torch.float64).to(torch.float32)
+
+
+def _bits(x32):
+    return x32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _emulate_code(s, c, m_use):
+    """The PTX of directp.code/offset, emulated: FFMA.SAT then FFMA with the magic constant."""
+    c16 = _f32(c.double() * 0.0625)
+    b128 = _f32_round_down((120.0 - 8.0 * m_use.double()) / 128.0)
+    u = _f32(s.double() * c16.double() + b128.double()).clamp(0.0, 1.0)
+    y = _f32(u.double() * 128.0 + 12582912.0)
+    return _bits(y) & 0xFF
+
+
+def _f32_round_down(x64):
+    r = x64.to(torch.float32)
+    too_big = r.double() > x64
+    return torch.where(too_big, torch.nextafter(r, torch.tensor(-float("inf"))), r)
+
+
+def test_direct_p_codes_match_numerics_oracle():
+    from fp4gen.numerics.directp import fp8_direct_p_codes
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(20000, generator=g, dtype=torch.float64).to(torch.float32) * 40
+    c = _f32(0.0883883 * 1.4426950408889634)
+    smax = s.max()
+    m = _f32(smax.double() * c.double())
+    m_up = torch.where(m.double() < smax.double() * c.double(), torch.nextafter(m, torch.tensor(float("inf"))), m)
+    ours = _emulate_code(s, c, m_up)
+    x = _f32(s.double() * c.double()) - m  # the oracle's x = t - m
+    ref = fp8_direct_p_codes(x).to(torch.int64)
+    assert int(ours.max()) <= 120 and int(ours.min()) >= 0
+    # arithmetic order differs (one fused rounding vs. two): codes may differ by one step at
+    # rounding ties only
+    diff = (ours - ref).abs()
+    assert int(diff.max()) <= 1
+    assert float((diff > 0).double().mean()) < 1e-3
+    # masked scores
+    assert int(_emulate_code(torch.tensor([-float("inf")]), c, m_up)[0]) == 0
+
+
+def test_direct_p_decode_is_e4m3_exact():
+    """decode(code) = bits(code << 20) * 2^120, subnormals included (what the PTX computes)."""
+    from fp4gen.numerics.formats import E4M3, decode
+
+    codes = torch.arange(0, 121, dtype=torch.int64)
+    f = (codes << 20).to(torch.int32).view(torch.float32).double() * 2.0 ** 120
+    ref = decode(codes.to(torch.uint8), E4M3).double()
+    assert torch.equal(f, ref)
+    assert f[120] == 256.0 and f[1] == 2.0 ** -9
+
+
+# ------------------------------------------------------------ compile (CPU)
+
+
+def _compile(variant, d, causal, tmp_path):
+    mod = load_module(make_plan(variant, d, causal), str(tmp_path))
+    assert mod.compile_only("sm_90a") == [mod.KERNEL_NAME]
+    with pytest.raises(ValueError, match="sm_90a"):
+        mod.compile_only("sm_100a")
+
+
+@pytest.mark.parametrize("variant,d,causal", FAST)
+def test_compile_sm90a(variant, d, causal, tmp_path):
+    _compile(variant, d, causal, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,d,causal", [m for m in MATRIX if m not in FAST])
+def test_compile_sm90a_all(variant, d, causal, tmp_path):
+    _compile(variant, d, causal, tmp_path)
+
+
+def _ptx_counts(variant, tmp_path):
+    """Compile one variant in a fresh process (the DSL reads CUTE_DSL_* at import) and count
+    PTX instructions of interest."""
+    d = tmp_path / variant
+    d.mkdir()
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from plans import load_module, make_plan
+        load_module(make_plan({variant!r}, 128, False), {str(d)!r}).compile_only("sm_90a")
+    """)
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(d))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ptx = [f for f in os.listdir(d) if f.endswith(".ptx")]
+    assert len(ptx) == 1, os.listdir(d)
+    text = (d / ptx[0]).read_text()
+    return (text.count("ex2.approx"), text.count("wgmma.mma_async"), text.count("cvt.rn.satfinite.e4m3x2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_direct_p_l_from_mma(causal, tmp_path):
+    mod = load_module(make_plan("fp8_directp", 128, causal, l_from_mma=True), str(tmp_path))
+    assert mod.compile_only("sm_90a") == [mod.KERNEL_NAME]
+
+
+@pytest.mark.slow
+def test_direct_p_ptx_has_no_ex2_in_p_path(tmp_path):
+    """Direct-P keeps MUFU.EX2 only for the per-row rescale factors; the exp path has one per score."""
+    dp_ex2, dp_mma, dp_cvt = _ptx_counts("fp8_directp", tmp_path)
+    exp_ex2, exp_mma, exp_cvt = _ptx_counts("fp8_exp", tmp_path)
+    # 2 rows per thread x (unmasked loop, masked loop) rescale factors, nothing per score
+    assert dp_ex2 <= 4, dp_ex2
+    assert exp_ex2 >= 64 * 2, exp_ex2  # 64 scores per thread per tile, per loop copy
+    assert dp_cvt == 0 and exp_cvt > 0  # Direct-P packs codes with PRMT, no f32 -> e4m3 cvt
+    assert dp_mma == exp_mma > 0
