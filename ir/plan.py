@@ -205,6 +205,10 @@ class Sm90Plan:
     smem_bytes: int
     producer_registers: int
     consumer_registers: int
+    # FP8 Direct-P: the normaliser l = sum of the decoded P codes is computed by
+    # a second, narrow wgmma (P @ ones) from the same P registers PV reads,
+    # instead of per-element integer decodes and adds on the CUDA cores.
+    l_from_mma: bool = False
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ def to_text(plan: KernelPlan) -> str:
         L.append(f"Sm90Plan: tile {s9.tile_m} x {s9.tile_n}, {s9.consumer_warpgroups} consumer warpgroup(s), "
                  f"kv_stages {s9.kv_stages}, v_transposed {s9.v_transposed}, "
                  f"intra_warpgroup_overlap {s9.intra_warpgroup_overlap}, pingpong {s9.pingpong}, "
-                 f"producer {s9.producer_registers} / consumer {s9.consumer_registers} regs")
+                 f"producer {s9.producer_registers} / consumer {s9.consumer_registers} regs"
+                 + (", l = P @ ones on the tensor cores" if s9.l_from_mma else ""))
     if plan.events:
         L.append("")
         L.append("Events of KV tile j (each role runs its lines top to bottom; j-1 = previous tile)")

@@ -14,7 +14,7 @@ from dataclasses import replace
 from ..plan import (
     REGISTERS_PER_SM, SMEM_LIMIT_BYTES, KernelPlan, PipelinePlan, PlanError, SmemItem, Sm90Plan, WarpRole,
 )
-from ..spec import Target
+from ..spec import PKind, Target
 from .contracts import sf_atoms
 
 SF_ATOM_BYTES = 512  # 128 rows x 4 one-byte scales
@@ -123,7 +123,8 @@ def _sm90(plan: KernelPlan) -> tuple[PipelinePlan, Sm90Plan]:
     pp = _finish(spec, roles, smem, kv_default, wgs, m, n, order)
     sm90 = Sm90Plan(tile_m=m, tile_n=n, consumer_warpgroups=wgs, kv_stages=pp.kv_stages,
                     v_transposed=spec.v.format.is_fp8, intra_warpgroup_overlap=True, pingpong=pingpong,
-                    smem_bytes=pp.smem_bytes, producer_registers=producer, consumer_registers=consumer)
+                    smem_bytes=pp.smem_bytes, producer_registers=producer, consumer_registers=consumer,
+                    l_from_mma=(spec.p_production.kind is PKind.DIRECT_P and spec.p.format.is_fp8))
     return pp, sm90
 
 

@@ -16,7 +16,9 @@ def test_sm90_fp8_d128_plan():
     smem = 16384 + 2 * (16384 + 16384) + 32768 + 10 * 8
     assert p.sm90 == Sm90Plan(tile_m=128, tile_n=128, consumer_warpgroups=2, kv_stages=2, v_transposed=True,
                               intra_warpgroup_overlap=True, pingpong=True, smem_bytes=smem,
-                              producer_registers=24, consumer_registers=240)
+                              producer_registers=24, consumer_registers=240, l_from_mma=True)
+    # only Direct-P sums its codes on the tensor cores; the exp path sums fp32 p
+    assert plan_kernel(specs.sm90_fp8(directp=False)).sm90.l_from_mma is False
     assert p.pipeline.registers_total == 128 * 24 + 2 * 128 * 240
     assert p.contract("V").storage.endswith("transposed D x S")
 

@@ -1,0 +1,192 @@
+"""plan_backward: the Hopper (sm90a) causal backward's tiles, budgets and reused state.
+
+FA2/FA3 order: one CTA owns ``tile_n`` keys of one (batch, head) and keeps dK, dV in
+registers while it walks the query tiles that can see those keys (causal: from the
+first query tile touching the diagonal to the end). Per query tile it recomputes the
+scores from the forward's Q/K and the stored LSE, then runs five MMAs::
+
+    S^T  = K Q^T            (keys x queries; scores as rows = keys, so P^T is
+    dP^T = V dO^T            already in the register order of the next A operand)
+    dV  += P^T dO            A = P^T from registers
+    dK  += dS^T Q            A = dS^T from registers
+    dQ   = dS K              A = dS from SMEM (dS^T written, read MN-major), added to an
+                             fp32 dQ accumulator in global memory with atomics; when the
+                             spec asks for ``deterministic`` the key tiles take turns
+                             (a per-query-tile counter), so every element sees its adds
+                             in ascending key-tile order.
+
+Preprocessing (D_i = rowsum(dO * O), LSE in log2 units, padding) and postprocessing
+(dQ scale and cast, the GQA sum of dK/dV) are host-side torch ops in this first version.
+
+``plan_backward(plan) -> BackwardPlan``: pure; refuses what the sm90 backward cannot
+run with ``PlanError`` at the spec line at fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import REGISTERS_PER_SM, SMEM_LIMIT_BYTES, KernelPlan, PlanError, SmemItem
+from ..spec import Format, Mask, Target
+
+# query rows per inner step; a wgmma M-mode is 64 rows per warpgroup, and with the
+# keys as the M side of S^T, 64 queries keep S^T and dP^T at 32 registers each
+BWD_TILE_M = 64
+# keys per CTA: two MMA warpgroups x 64 keys
+BWD_TILE_N = 128
+BWD_MMA_WARPGROUPS = 2
+BWD_Q_STAGES = 2  # Q/dO ring
+BWD_DS_STAGES = 2  # dS in SMEM, double-buffered so one barrier per query tile suffices
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+MBARRIER_BYTES = 8
+
+
+@dataclass(frozen=True)
+class BwdMma:
+    """One backward matrix product and how the wgmma reads its operands."""
+
+    name: str  # S, dP, dV, dK, dQ
+    formula: str
+    a_source: str  # smem | registers
+    a_major: str  # K | MN
+    b_major: str
+    operand_format: str  # element format of A and B (bf16, fp8e4m3, ...)
+    warpgroup_split: str  # how the two MMA warpgroups divide the product
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """Every decision of the sm90a backward, for the lowering and the dumps."""
+
+    head_dim: int
+    causal: bool
+    tile_m: int  # query rows per inner step
+    tile_n: int  # keys per CTA
+    mma_warpgroups: int
+    producer_warps: int  # active TMA warps (one warpgroup is reserved for them)
+    threads: int
+    q_stages: int  # Q/dO ring depth
+    ds_stages: int
+    reuse: tuple[str, ...]  # forward state the backward reads (q k lse scales)
+    grad_formats: tuple[tuple[str, str], ...]  # (operand, format) for dO dP dS dQ dK dV
+    mma_format: str  # operand format of the five MMAs (bf16 today)
+    mmas: tuple[BwdMma, ...]
+    deterministic: bool
+    dq_reduction: str  # atomic_fp32 | ordered_atomic_fp32
+    dkv_output: str  # what the kernel writes for dK/dV
+    preprocess: str
+    postprocess: str
+    smem: tuple[SmemItem, ...]
+    smem_bytes: int
+    smem_limit: int
+    producer_registers: int
+    consumer_registers: int
+    registers_total: int
+    notes: tuple[str, ...] = ()
+
+    def grad_format(self, name: str) -> str:
+        return dict(self.grad_formats)[name]
+
+
+def _elt_bytes(fmt: str) -> int:
+    return 1 if fmt.startswith("fp8") else 2
+
+
+def plan_backward(plan: KernelPlan) -> BackwardPlan:
+    """The backward plan of a finished forward ``plan`` whose spec has a ``backward`` block."""
+    spec = plan.spec
+    bw = spec.backward
+    if bw is None:
+        raise PlanError(f"kernel {spec.name!r} has no backward block", spec.loc("backward"))
+    if spec.target is not Target.SM90A:
+        raise PlanError(f"plan_backward plans the sm90a backward; kernel {spec.name!r} targets "
+                        f"{spec.target.value}", spec.loc("target"))
+    d = spec.head_dim
+    if d not in (64, 128):
+        raise PlanError(f"the sm90a backward supports head_dim 64 and 128, not {d}", spec.loc("head_dim"),
+                        notes=("dK and dV stay in registers: 2 x head_dim/2 fp32 per thread",))
+    reuse = tuple(sorted(bw.reuse))
+    # Q/K as the backward sees them: the forward's formats when reused, else bf16
+    qk_fmt = {spec.q.format if "q" in bw.reuse else Format.BF16,
+              spec.k.format if "k" in bw.reuse else Format.BF16}
+    if not qk_fmt <= {Format.BF16}:
+        raise PlanError(
+            "the sm90a backward recomputes S from bf16 Q/K only so far; reusing fp8 Q/K "
+            f"({'/'.join(sorted(f.value for f in qk_fmt))}) is not implemented",
+            spec.loc("backward.reuse") or spec.loc("Q"),
+            notes=("drop q k from `reuse` to recompute S from bf16 Q/K",))
+    if spec.v.format is not Format.BF16:
+        raise PlanError(f"the sm90a backward needs V in bf16 (dP = dO V^T), got {spec.v.format.value}",
+                        spec.loc("V"))
+    grads = tuple((n, bw.format_of(n).format.value) for n in ("dO", "dP", "dS", "dQ", "dK", "dV"))
+    fp8_grads = [n for n, f in grads if f.startswith("fp8")]
+    if fp8_grads:
+        n = fp8_grads[0]
+        raise PlanError(
+            f"FP8 gradient operands on sm90a are not implemented yet ({n} : {dict(grads)[n]})",
+            spec.loc(f"backward.{n}"),
+            notes=("FP8 wgmma reads both operands K-major: dO and dS would need transposed SMEM copies; "
+                   "use bf16 gradients for now",))
+    for n, f in grads:
+        if f not in ("bf16",):
+            raise PlanError(f"gradient {n} : {f} is not supported by the sm90a backward (bf16 only)",
+                            spec.loc(f"backward.{n}"))
+    mfmt = "bf16"
+    m, n_ = BWD_TILE_M, BWD_TILE_N
+    mmas = (
+        BwdMma("S", "S^T = K Q^T", "smem", "K", "K", mfmt, "keys: 64 per warpgroup"),
+        BwdMma("dP", "dP^T = V dO^T", "smem", "K", "K", mfmt, "keys: 64 per warpgroup"),
+        BwdMma("dV", "dV += P^T dO", "registers", "K", "MN", mfmt, "keys: 64 per warpgroup"),
+        BwdMma("dK", "dK += dS^T Q", "registers", "K", "MN", mfmt, "keys: 64 per warpgroup"),
+        BwdMma("dQ", "dQ = dS K", "smem", "MN", "MN", mfmt, f"head dim: {d // 2} columns per warpgroup"),
+    )
+    eb = _elt_bytes(mfmt)
+    smem = (
+        SmemItem("K", n_ * d * eb, f"{n_} keys x {d}, loaded once per CTA; read K-major (S) and MN-major (dQ)"),
+        SmemItem("V", n_ * d * eb, f"{n_} keys x {d}, loaded once per CTA"),
+        SmemItem("Q", BWD_Q_STAGES * m * d * eb, f"{BWD_Q_STAGES} stages x {m} x {d}; K-major (S), MN-major (dK)"),
+        SmemItem("dO", BWD_Q_STAGES * m * d * eb, f"{BWD_Q_STAGES} stages x {m} x {d}; K-major (dP), MN-major (dV)"),
+        SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
+                 f"{BWD_DS_STAGES} x {n_} keys x {m} queries (dS^T), MN-major A operand of dQ"),
+        SmemItem("mbarriers", (2 + 2 * BWD_Q_STAGES) * MBARRIER_BYTES, "K/V full+empty, Q/dO ring"),
+    )
+    total = sum(i.bytes for i in smem)
+    if total > SMEM_LIMIT_BYTES:  # cannot happen for d <= 128; kept as the invariant
+        raise PlanError(f"backward SMEM {total} B exceeds {SMEM_LIMIT_BYTES} B", spec.loc("head_dim"))
+    threads = 128 * (BWD_MMA_WARPGROUPS + 1)
+    regs = 128 * PRODUCER_REGISTERS + 128 * BWD_MMA_WARPGROUPS * CONSUMER_REGISTERS
+    assert regs <= REGISTERS_PER_SM
+    deterministic = bool(bw.deterministic)
+    notes = [
+        "causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the "
+        "query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end"
+        if spec.mask is Mask.CAUSAL else "no mask: every query tile, the key tail masked",
+        "P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers",
+    ]
+    return BackwardPlan(
+        head_dim=d,
+        causal=spec.mask is Mask.CAUSAL,
+        tile_m=m,
+        tile_n=n_,
+        mma_warpgroups=BWD_MMA_WARPGROUPS,
+        producer_warps=1,
+        threads=threads,
+        q_stages=BWD_Q_STAGES,
+        ds_stages=BWD_DS_STAGES,
+        reuse=reuse,
+        grad_formats=grads,
+        mma_format=mfmt,
+        mmas=mmas,
+        deterministic=deterministic,
+        dq_reduction="ordered_atomic_fp32" if deterministic else "atomic_fp32",
+        dkv_output="fp32 per query head (B, Sk, H, D), scaled; host sums GQA groups and casts",
+        preprocess="host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m",
+        postprocess="host: dQ = scale * dQ_accum, cast to bf16",
+        smem=smem,
+        smem_bytes=total,
+        smem_limit=SMEM_LIMIT_BYTES,
+        producer_registers=PRODUCER_REGISTERS,
+        consumer_registers=CONSUMER_REGISTERS,
+        registers_total=regs,
+        notes=tuple(notes),
+    )
