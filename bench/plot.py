@@ -32,7 +32,9 @@ def plot_rows(rows, png_path, title=""):
         ax.set_visible(False)
     kernels = sorted({r["kernel"] for r in rows}, key=lambda k: (not k.startswith("fa4"), k))
     # one colour per kernel in every panel
-    colors = {k: f"C{i % 10}" for i, k in enumerate(kernels)}
+    # (tab20 has 20 distinct colours; C0..C9 repeat once a run has more than 10 kernels)
+    cmap = plt.get_cmap("tab20")
+    colors = {k: cmap(i % 20) for i, k in enumerate(kernels)}
     for ax, (pas, causal) in zip(axes.flat, panels):
         for kern in kernels:
             pts = sorted((r["S"], r["tflops"]) for r in rows
@@ -40,7 +42,8 @@ def plot_rows(rows, png_path, title=""):
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            style = "--" if kern.startswith("fa4") else "-"
+            # anchors dashed, fp4gen end-to-end dotted, fp4gen kernel-only solid
+            style = "-" if kern.endswith("kernel-only") else (":" if kern.startswith("fp4gen") else "--")
             ax.plot(xs, ys, style, marker="o", label=kern, color=colors[kern])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length S (B*S fixed)")
