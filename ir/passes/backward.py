@@ -179,7 +179,7 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         mmas=mmas,
         deterministic=deterministic,
         dq_reduction="ordered_atomic_fp32" if deterministic else "atomic_fp32",
-        dkv_output="fp32 per query head (B, Sk, H, D), scaled; host sums GQA groups and casts",
+        dkv_output="bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups",
         preprocess="host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m",
         postprocess="host: dQ = scale * dQ_accum, cast to bf16",
         smem=smem,

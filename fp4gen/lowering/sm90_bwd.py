@@ -1,0 +1,87 @@
+"""sm90a backward: a finished ``KernelPlan`` -> the Python source of the backward section.
+
+The section (functions, a kernel class, host code) is appended to the forward module
+rendered by ``sm90.py``; it is self-contained (its own imports, names prefixed
+``_bwd``/``BWD_``) and defines, at module level,
+
+- ``backward(q, k, v, o, lse, do, *, softmax_scale=None) -> (dq, dk, dv)``
+- ``compile_only_backward(arch) -> list[str]``
+
+and reads ``KERNEL_NAME`` from the forward part. All decisions come from the
+``BackwardPlan`` (``fp4gen.ir.passes.backward.plan_backward``); this file only turns
+it into a jinja2 context.
+"""
+from __future__ import annotations
+
+import jinja2
+
+from . import LoweringError
+
+TEMPLATE = "bwd.py.j2"
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("fp4gen.templates", "sm90"),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def backward_plan(plan):
+    """The plan's BackwardPlan: the one the planner recorded, else planned here."""
+    bp = getattr(plan, "backward", None)
+    if bp is not None:
+        return bp
+    from fp4gen.ir.passes.backward import plan_backward
+
+    return plan_backward(plan)
+
+
+def context(plan) -> dict:
+    from fp4gen.ir.spec import Target
+
+    spec = plan.spec
+    if spec.target is not Target.SM90A:
+        raise LoweringError(f"sm90 backward got a plan for target {spec.target.value}")
+    if spec.backward is None:
+        raise LoweringError(f"kernel {spec.name!r} has no backward block")
+    bp = backward_plan(plan)
+    if bp.mma_format != "bf16":
+        raise LoweringError(f"the sm90 backward template has bf16 MMAs only, plan asks {bp.mma_format}")
+    if bp.tile_n != 64 * bp.mma_warpgroups or bp.tile_m != 64:
+        raise LoweringError(f"sm90 backward tiles must be 64 x (64 x warpgroups), got {bp.tile_m} x {bp.tile_n}")
+    name = spec.name
+    summary = [
+        f"tiles: {bp.tile_m} queries x {bp.tile_n} keys, {bp.mma_warpgroups} MMA warpgroups + 1 TMA warp, "
+        f"Q/dO stages {bp.q_stages}, dS stages {bp.ds_stages}, SMEM {bp.smem_bytes} B",
+        "MMAs: " + "; ".join(f"{m.formula} (A {m.a_source})" for m in bp.mmas),
+        f"dQ: {bp.dq_reduction}; dK/dV: {bp.dkv_output}",
+        f"pre: {bp.preprocess}",
+        f"post: {bp.postprocess}",
+        "reuse: " + " ".join(bp.reuse) + "; gradients: " + ", ".join(f"{n} {f}" for n, f in bp.grad_formats),
+    ]
+    return dict(
+        kernel_name=name,
+        class_name="".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Bwd",
+        origins={"backward": spec.origin("backward"), "mask": spec.origin("mask"),
+                 "deterministic": spec.origin("backward.deterministic")},
+        head_dim=bp.head_dim,
+        causal=bp.causal,
+        tile_m=bp.tile_m,
+        tile_n=bp.tile_n,
+        mma_wgs=bp.mma_warpgroups,
+        q_stages=bp.q_stages,
+        ds_stages=bp.ds_stages,
+        deterministic=bp.deterministic,
+        producer_regs=bp.producer_registers,
+        consumer_regs=bp.consumer_registers,
+        plan_summary=summary,
+    )
+
+
+def render_backward(plan) -> str:
+    """Source text of the backward section for ``plan`` (append to the forward module)."""
+    return _env().get_template(TEMPLATE).render(**context(plan))

@@ -1,0 +1,219 @@
+"""Backward test helpers shared by the CPU tests, the GPU tests and ``run_on_device.py``.
+
+``make_spec`` builds a Hopper spec with a ``backward`` block; ``load_module`` plans it,
+renders forward + backward into one file (as the generated module will be) and imports it.
+Also the float64 autograd check and error statistics.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _shim_plain_checkout():
+    """On a plain checkout (the device machine) pyproject's mapping ir/ -> fp4gen.ir is
+    missing; add it by extending fp4gen's package path."""
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    import fp4gen
+
+    if importlib.util.find_spec("fp4gen.ir") is not None:
+        return
+    shim = tempfile.mkdtemp(prefix="fp4gen_shim_")
+    for name in ("ir", "cli", "generated", "templates"):
+        if os.path.isdir(os.path.join(_ROOT, name)):
+            os.symlink(os.path.join(_ROOT, name), os.path.join(shim, name))
+    fp4gen.__path__.append(shim)
+
+
+_shim_plain_checkout()
+
+from fp4gen.ir.spec import Backward, KernelSpec, Mask, Target  # noqa: E402
+
+# (head_dim, causal, deterministic): every template variant
+VARIANTS = [(d, c, det) for d in (128, 64) for c in (True, False) for det in (False, True)]
+
+
+def make_spec(head_dim=128, causal=True, deterministic=False) -> KernelSpec:
+    name = f"sm90_bwd_bf16_d{head_dim}{'_causal' if causal else ''}{'_det' if deterministic else ''}"
+    return KernelSpec(name=name, target=Target.SM90A, head_dim=head_dim,
+                      mask=Mask.CAUSAL if causal else Mask.NONE,
+                      backward=Backward(deterministic=deterministic))
+
+
+def make_plan(head_dim=128, causal=True, deterministic=False):
+    from fp4gen.ir.passes import plan_kernel
+
+    return plan_kernel(make_spec(head_dim, causal, deterministic))
+
+
+def render_module(plan) -> str:
+    from fp4gen.lowering.sm90 import render
+    from fp4gen.lowering.sm90_bwd import render_backward
+
+    src = render(plan)
+    if "def compile_only_backward(" not in src:  # the forward renderer may append it itself
+        src += "\n\n" + render_backward(plan)
+    return src
+
+
+def load_module(plan, directory: str):
+    """Render ``plan`` (forward + backward) into ``directory`` and import it."""
+    path = os.path.join(directory, f"{plan.spec.name}.py")
+    with open(path, "w") as f:
+        f.write(render_module(plan))
+    spec = importlib.util.spec_from_file_location(f"_sm90bwd_{plan.spec.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------ checking
+
+def torch_forward(q, k, v, causal, scale):
+    """Exact-ish (fp32) attention forward: o (bf16) and lse (B, H, Sq) natural log.
+    Rows with no visible key get o = 0, lse = -inf (the kernels' convention)."""
+    import torch
+
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    qf = q.float().permute(0, 2, 1, 3)
+    kf = k.float().repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
+    vf = v.float().repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
+    o = (p @ vf).permute(0, 2, 1, 3)
+    return o.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def autograd_f64(q, k, v, do, causal, scale):
+    """dq, dk, dv by float64 autograd of plain softmax attention (GQA by repeat)."""
+    import torch
+
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    kk = k64.repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
+    vv = v64.repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
+    s = (q64.permute(0, 2, 1, 3) @ kk.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key
+    o = (p @ vv).permute(0, 2, 1, 3)
+    o.backward(do.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def rel_l2(x, ref, floor_rms: float = 1e-4) -> float:
+    """||x - ref|| / ||ref||, with ||ref|| floored at an RMS of ``floor_rms``: gradients that
+    are zero up to rounding (e.g. dq when every query sees one key) are compared absolutely."""
+    x, ref = x.double(), ref.double()
+    n = max(ref.norm().item(), floor_rms * max(ref.numel(), 1) ** 0.5)
+    return (x - ref).norm().item() / n
+
+
+def all_finite(*xs) -> bool:
+    return all(bool(x.isfinite().all()) for x in xs)
+
+
+# name -> (B, Sq, Sk, H, Hkv, logit multiplier on q)
+CASES = {
+    "basic": (2, 256, 256, 4, 4, 1.0),
+    "ragged_200": (1, 200, 200, 2, 2, 1.0),
+    "s1": (1, 1, 1, 2, 2, 1.0),
+    "sq100_sk300": (1, 100, 300, 2, 2, 1.0),
+    "sq300_sk100": (1, 300, 100, 2, 2, 1.0),  # causal: the first 200 queries see no key
+    "gqa_6_2": (1, 256, 256, 6, 2, 1.0),
+    "large_logits": (1, 256, 256, 2, 2, 24.0),  # near one-hot rows: exp under/overflow paths
+    "long_1000": (1, 1000, 1000, 2, 1, 1.0),
+}
+# kernel vs the numerics oracle run with dP in fp32: the kernel keeps dP^T in fp32 registers
+# (it never feeds an MMA), so that is the oracle of its arithmetic; P and dS are rounded to
+# bf16 by both. What remains is accumulation order and ex2.approx.
+TOL_ORACLE = 1e-2
+# kernel vs float64 autograd: at most this factor worse than the oracle itself, + slack
+F64_FACTOR, F64_SLACK = 2.0, 5e-3
+
+
+def make_inputs(case, d, seed=0, device="cuda"):
+    import torch
+
+    B, Sq, Sk, H, Hkv, mult = CASES[case]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = (torch.randn(B, Sq, H, d, generator=g) * mult).to(torch.bfloat16)
+    k = torch.randn(B, Sk, Hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Sk, Hkv, d, generator=g).to(torch.bfloat16)
+    do = torch.randn(B, Sq, H, d, generator=g).to(torch.bfloat16)
+    return [x.to(device) for x in (q, k, v, do)]
+
+
+def check_case(mod, spec, case, seed=0, device="cuda"):
+    """Run the kernel's backward on one case; returns a dict of errors and pass/fail."""
+    import torch
+
+    from fp4gen.numerics import reference
+
+    causal = spec.mask is Mask.CAUSAL
+    q, k, v, do = make_inputs(case, spec.head_dim, seed, device)
+    scale = spec.scale
+    o, lse = torch_forward(q, k, v, causal, scale)
+    dq, dk, dv = mod.backward(q, k, v, o, lse, do)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    import dataclasses
+
+    from fp4gen.ir.spec import Format, OperandFormat
+
+    bw = spec.backward
+    fmts = dict(bw.formats)
+    fmts["dP"] = OperandFormat(Format.FP32)
+    spec_o = dataclasses.replace(spec, backward=dataclasses.replace(bw, formats=fmts))
+    rq, rk, rv = reference.backward(q, k, v, o, lse, do, spec_o)
+    fq, fk, fv = autograd_f64(q, k, v, do, causal, scale)
+    row = {"case": case, "d": spec.head_dim, "causal": causal,
+           "deterministic": spec.backward.deterministic, "finite": all_finite(dq, dk, dv)}
+    ok = row["finite"]
+    for name, x, r, f in (("dq", dq, rq, fq), ("dk", dk, rk, fk), ("dv", dv, rv, fv)):
+        e_ref, e_f64, e_orc = rel_l2(x, r), rel_l2(x, f), rel_l2(r, f)
+        row[name] = {"vs_oracle": e_ref, "vs_f64": e_f64, "oracle_vs_f64": e_orc}
+        ok = ok and e_ref <= TOL_ORACLE and e_f64 <= F64_FACTOR * e_orc + F64_SLACK
+    if causal and case == "sq300_sk100":
+        # queries that see no key have exactly zero gradient
+        Sq, Sk = q.shape[1], k.shape[1]
+        empty = dq[:, : Sq - Sk]
+        row["empty_rows_zero"] = bool((empty == 0).all())
+        ok = ok and row["empty_rows_zero"]
+    row["pass"] = bool(ok)
+    if not ok:
+        row["diag"] = diagnose((dq, dk, dv), (rq, rk, rv))
+    return row
+
+
+def diagnose(got, ref, tile_q=64, tile_k=128):
+    """Where a failing gradient is wrong: rel-L2 per query tile (dq) / key tile (dk, dv),
+    over all batches and heads, and whether NaNs appear. Tells a wrong mask or tile range
+    (a few tiles off) from a wrong layout (everything off) from a wrong stage (dv right,
+    dk/dq wrong: dS; dk right, dq wrong: the dS SMEM tile or the dQ MMA)."""
+    out = {}
+    for name, x, r, t in (("dq", got[0], ref[0], tile_q), ("dk", got[1], ref[1], tile_k),
+                          ("dv", got[2], ref[2], tile_k)):
+        S = r.shape[1]
+        out[name] = {
+            "nan": int(x.isnan().sum()),
+            "tiles": [round(rel_l2(x[:, i:i + t], r[:, i:i + t]), 4) for i in range(0, S, t)][:64],
+        }
+    return out

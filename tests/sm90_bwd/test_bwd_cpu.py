@@ -1,0 +1,175 @@
+"""The sm90a backward on the CPU: the backward plan, rendering, refusals, and
+compiling every template variant for sm_90a without a GPU (checking the PTX for
+the MMAs, exps and dQ reductions the plan asks for)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bwd_modules as bm  # noqa: E402
+
+from fp4gen.ir.passes.backward import BackwardPlan, plan_backward  # noqa: E402
+from fp4gen.ir.plan import KernelPlan, PlanError, SMEM_LIMIT_BYTES  # noqa: E402
+from fp4gen.ir.spec import Backward, Format, OperandFormat, Target  # noqa: E402
+from fp4gen.lowering.sm90_bwd import render_backward  # noqa: E402
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples")
+
+
+# ------------------------------------------------------------------ plan
+
+def test_plan_of_the_example_spec():
+    from fp4gen.frontend import parse_file
+    from fp4gen.ir.passes import plan_kernel
+
+    spec = [s for s in parse_file(os.path.join(EXAMPLES, "sm90_bf16_d128.attn")) if s.backward][0]
+    bp = plan_backward(plan_kernel(spec))
+    assert isinstance(bp, BackwardPlan)
+    assert (bp.tile_m, bp.tile_n, bp.mma_warpgroups, bp.head_dim, bp.causal) == (64, 128, 2, 128, True)
+    assert bp.reuse == ("k", "lse", "q")
+    assert bp.grad_format("dO") == "bf16" and bp.mma_format == "bf16"
+    assert not bp.deterministic and bp.dq_reduction == "atomic_fp32"
+    # K, V (128 x 128 bf16 each), 2 x Q, 2 x dO (64 x 128), 2 x dS (64 x 128), barriers
+    assert bp.smem_bytes == 2 * 32768 + 2 * 16384 + 2 * 16384 + 2 * 16384 + 48
+    assert bp.smem_bytes <= SMEM_LIMIT_BYTES
+    assert bp.registers_total <= 65536
+    assert [m.name for m in bp.mmas] == ["S", "dP", "dV", "dK", "dQ"]
+    dataclasses.replace(bp)  # frozen dataclass, hashable
+    hash(bp)
+
+
+def test_deterministic_plan_uses_a_buffer():
+    bp = plan_backward(bm.make_plan(64, True, True))
+    assert bp.deterministic and bp.dq_reduction == "ordered_atomic_fp32" and bp.head_dim == 64
+
+
+def _plan(**kw):
+    return KernelPlan(spec=dataclasses.replace(bm.make_spec(), **kw))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(backward=None), "no backward block"),
+    (dict(target=Target.SM100A), "sm90a"),
+    (dict(head_dim=256), "head_dim 64 and 128"),
+    (dict(backward=Backward(formats={"dO": OperandFormat(Format.FP8E5M2)})), "FP8 gradient"),
+    (dict(backward=Backward(formats={"dS": OperandFormat(Format.FP8E4M3)})), "FP8 gradient"),
+    (dict(backward=Backward(formats={"dQ": OperandFormat(Format.FP16)})), "bf16 only"),
+    (dict(q=OperandFormat(Format.FP8E4M3), k=OperandFormat(Format.FP8E4M3)), "fp8 Q/K"),
+    (dict(v=OperandFormat(Format.FP8E4M3)), "V in bf16"),
+])
+def test_plan_refusals(kw, match):
+    with pytest.raises(PlanError, match=match):
+        plan_backward(_plan(**kw))
+
+
+def test_fp8_qk_without_reuse_is_planned_as_bf16():
+    fp8 = OperandFormat(Format.FP8E4M3)
+    bp = plan_backward(_plan(q=fp8, k=fp8, backward=Backward(reuse=frozenset({"lse"}))))
+    assert bp.mma_format == "bf16"
+
+
+# ------------------------------------------------------------------ rendering
+
+@pytest.mark.parametrize("d,causal,det", bm.VARIANTS)
+def test_render_contract(d, causal, det):
+    plan = bm.make_plan(d, causal, det)
+    sec = render_backward(plan)
+    for name in ("def backward(", "def compile_only_backward(", f"BWD_HEAD_DIM = {d}",
+                 f"BWD_CAUSAL = {causal}", f"BWD_DETERMINISTIC = {det}"):
+        assert name in sec
+    for banned in ("fp4gen.ir", "fp4gen.frontend", "jinja2", "lark", "fp4gen.lowering"):
+        assert banned not in sec
+    full = bm.render_module(plan)
+    compile(full, plan.spec.name, "exec")
+    # dQ by fp32 atomics; the deterministic variant takes turns per query tile
+    assert "red.global.add.v2.f32" in sec
+    assert ("_bwd_ld_acquire_s32(turn)" in sec) == det and ("dq_turn" in sec) == det
+
+
+def test_render_refuses_a_spec_without_backward():
+    from fp4gen.lowering import LoweringError
+
+    plan = bm.make_plan(128, True, False)
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, backward=None))
+    with pytest.raises((LoweringError, PlanError), match="backward"):
+        render_backward(plan)
+
+
+# ------------------------------------------------------------------ compile for sm_90a
+
+def _compile(variants, tmp_path):
+    """Compile in a child (CUTE_DSL_ARCH is read once per process); PTX facts per variant."""
+    code = textwrap.dedent(f"""
+        import glob, json, os, sys, time
+        sys.path.insert(0, {HERE!r})
+        import bwd_modules as bm
+        out = {{}}
+        dump = os.environ["CUTE_DSL_DUMP_DIR"]  # read once per process by the DSL
+        for d, causal, det in {variants!r}:
+            tag = f"d{{d}}_{{int(causal)}}_{{int(det)}}"
+            dd = os.path.join({str(tmp_path)!r}, tag); os.makedirs(dd)
+            mod = bm.load_module(bm.make_plan(d, causal, det), dd)
+            t = time.time()
+            ptxs = []
+            for gqa in (False, True):  # bf16 dK/dV; fp32 per-head dK/dV (GQA)
+                mod._bwd_compile("sm_90a", False, gqa)
+                # the newest dump (two variants may share one truncated file name)
+                ptxs.append(open(max(glob.glob(os.path.join(dump, "*.ptx")), key=os.path.getmtime)).read())
+            ptx, gqa_ptx = ptxs
+            names = mod.compile_only_backward("sm_90a")  # cached: the two above
+            out[tag] = dict(names=names, s=time.time() - t, wgmma=ptx.count("wgmma.mma_async.sync"),
+                            red=ptx.count("red.global.add.v2.f32"), ex2=ptx.count("ex2.approx"),
+                            acquire=ptx.count("ld.acquire.gpu"), release=ptx.count("red.release.gpu"),
+                            tma=ptx.count("cp.async.bulk.tensor"),
+                            st16=ptx.count("st.global.b16"), gqa_st16=gqa_ptx.count("st.global.b16"),
+                            gqa_st32=gqa_ptx.count("st.global.b32"))
+        print(json.dumps(out))
+    """)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(dump))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _check_ptx(facts, d, det):
+    # per warpgroup: S^T, dP^T (K = d), dV, dK (K = 64 queries), dQ (K = 128 keys), k16 each
+    assert facts["wgmma"] == 2 * (d // 16) + 2 * (64 // 16) + 128 // 16, facts
+    # one exp per score a thread holds: 64 keys x 64 queries / 128 threads
+    assert facts["ex2"] == 32, facts
+    # dQ: 64 x d/2 fp32 per warpgroup, one 2-wide red per column pair per thread
+    assert facts["red"] == 64 * (d // 2) // 128 // 2, facts
+    # deterministic: wait for this key tile's turn (acquire), pass it on (release)
+    assert (facts["acquire"] > 0 and facts["release"] == 1) if det else (facts["acquire"] == facts["release"] == 0), facts
+    assert facts["tma"] >= 4, facts  # K, V, Q, dO
+    # dK, dV: 64 x d per warpgroup -> d/2 values each per thread, bf16; fp32 for GQA
+    assert facts["st16"] == d and facts["gqa_st16"] == 0 and facts["gqa_st32"] == d, facts
+
+
+FAST = [(128, True, False), (64, True, True)]
+
+
+def test_compile_sm90a(tmp_path):
+    facts = _compile(FAST, tmp_path)
+    for d, causal, det in FAST:
+        f = facts[f"d{d}_{int(causal)}_{int(det)}"]
+        assert f["names"][0].endswith(".backward")
+        assert f["names"][1].endswith(".backward_gqa")
+        _check_ptx(f, d, det)
+
+
+@pytest.mark.slow
+def test_compile_sm90a_all_variants(tmp_path):
+    rest = [v for v in bm.VARIANTS if v not in FAST]
+    facts = _compile(rest, tmp_path)
+    for d, causal, det in rest:
+        _check_ptx(facts[f"d{d}_{int(causal)}_{int(det)}"], d, det)
