@@ -354,6 +354,7 @@ class KernelPlan:
     cost: Optional[object] = None  # CostModel
     mma: tuple = field(default=())  # tuple[MmaChoice, ...] (from legalize)
     notes: tuple = field(default=())  # planner remarks worth showing the user
+    backward: Optional[object] = None  # BackwardPlan (sm90a specs with a backward block)
 
     def contract(self, operand: str) -> OperandContract:
         for c in self.contracts:

@@ -1,6 +1,8 @@
 """to_json(plan) -> dict: the plan in a stable, versioned JSON form (see docs/plan.md)."""
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Optional
 
 from ..plan import KernelPlan
@@ -87,6 +89,15 @@ def _events(plan: KernelPlan) -> Optional[dict]:
             "by_stage": stages, "barriers": dict(sorted(barriers.items()))}
 
 
+def _plain(x):
+    """Tuples -> lists, recursively, so the backward section is plain JSON."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
 def to_json(plan: KernelPlan) -> dict[str, Any]:
     """The whole plan as plain JSON types; ``json.dumps(to_json(plan))`` always works."""
     s = plan.spec
@@ -130,6 +141,7 @@ def to_json(plan: KernelPlan) -> dict[str, Any]:
             "assumptions": list(plan.cost.assumptions)},
         "simulation": None,
         "notes": list(plan.notes),
+        "backward": None if plan.backward is None else _plain(dataclasses.asdict(plan.backward)),
     }
     if plan.events:
         from ..passes.events import simulate

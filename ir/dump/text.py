@@ -104,6 +104,15 @@ def to_text(plan: KernelPlan) -> str:
                  f"intra_warpgroup_overlap {s9.intra_warpgroup_overlap}, pingpong {s9.pingpong}, "
                  f"producer {s9.producer_registers} / consumer {s9.consumer_registers} regs"
                  + (", l = P @ ones on the tensor cores" if s9.l_from_mma else ""))
+    if plan.backward is not None:
+        b = plan.backward
+        L.append("")
+        L.append(f"Backward ({'causal' if b.causal else 'no mask'}): {b.tile_n} keys per CTA, {b.tile_m}-row query "
+                 f"steps, {b.mma_warpgroups} MMA warpgroups, {b.mma_format} MMAs, dQ by {b.dq_reduction}, "
+                 f"smem {b.smem_bytes} of {b.smem_limit} bytes, reuse {' '.join(b.reuse) or 'none'}")
+        for m in b.mmas:
+            L.append(f"  {m.name:3} {m.formula:28} A {m.a_source} ({m.a_major}-major), B {m.b_major}-major; "
+                     f"{m.warpgroup_split}")
     if plan.events:
         L.append("")
         L.append("Events of KV tile j (each role runs its lines top to bottom; j-1 = previous tile)")

@@ -9,6 +9,7 @@ Each pass is a plain function from one immutable value to the next::
     plan = plan_pipeline(plan)     # warp roles, registers, smem (+ Sm90Plan on sm90a)
     plan = plan_events(plan)       # per KV tile and stage: events, barriers, TMEM accesses
     plan = cost_model(plan)        # cycles per KV tile per unit, bottleneck
+    plan = attach_backward(plan)   # sm90a backward plan when the spec has a backward block
 
 ``plan_kernel(spec)`` runs them in order; ``verify`` runs after every pass when
 ``debug=True`` or the environment variable ``FP4GEN_VERIFY=1`` is set (tests always
@@ -23,16 +24,17 @@ from ..spec import KernelSpec
 from .contracts import plan_contracts
 from .cost import cost_model
 from .events import SimulationError, Simulation, plan_events, simulate
+from .backward import attach_backward, plan_backward
 from .legalize import legalize
 from .pipeline import plan_pipeline
 from .publish import plan_publish
 from .tmem import plan_tmem
 from .verify import verify
 
-PASSES = (plan_contracts, plan_tmem, plan_publish, plan_pipeline, plan_events, cost_model)
+PASSES = (plan_contracts, plan_tmem, plan_publish, plan_pipeline, plan_events, cost_model, attach_backward)
 
 __all__ = ["plan_kernel", "legalize", "plan_contracts", "plan_tmem", "plan_publish", "plan_pipeline",
-           "plan_events", "cost_model", "simulate", "verify", "PlanError", "SimulationError", "Simulation",
+           "plan_events", "cost_model", "attach_backward", "plan_backward", "simulate", "verify", "PlanError", "SimulationError", "Simulation",
            "PASSES"]
 
 

@@ -23,7 +23,7 @@ run with ``PlanError`` at the spec line at fault.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..plan import REGISTERS_PER_SM, SMEM_LIMIT_BYTES, KernelPlan, PlanError, SmemItem
 from ..spec import Format, Mask, Target
@@ -190,3 +190,14 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         registers_total=regs,
         notes=tuple(notes),
     )
+
+
+def attach_backward(plan: KernelPlan) -> KernelPlan:
+    """Record the backward plan on sm90a plans whose spec has a backward block.
+
+    Other targets keep ``backward=None``: the sm100a backward is not planned yet
+    (its gradient formats are still checked by ``legalize``).
+    """
+    if plan.spec.backward is None or plan.spec.target is not Target.SM90A:
+        return plan
+    return replace(plan, backward=plan_backward(plan))
