@@ -1,0 +1,482 @@
+"""Static conformance of a compiled sm100a kernel with the plan it was rendered from.
+
+No Blackwell GPU is needed: the generated module is compiled for sm_100a on the CPU
+(``compile_only``) with CuTe DSL keeping its artifacts, and two of them are read:
+
+* the lowered MLIR (``CUTE_DSL_KEEP=ir``: the cute/cute_nvgpu level after
+  canonicalize + CSE), parsed and walked with the MLIR Python bindings that ship
+  inside nvidia-cutlass-dsl (``cutlass._mlir``). Every TMEM address in that IR is
+  ``retrieve_tmem_ptr`` plus a static ``add_offset``; the walker follows each
+  consumer's operands back to that offset, so it knows which columns the QK^T and
+  PV MMAs accumulate into, where P is read from, where the scale factors are set
+  and copied to, and where P is stored;
+* the PTX: MMA kinds, ``ex2`` count, mbarrier count, the width of the P stores.
+
+``check_conformance(plan, artifacts) -> list[Mismatch]`` (empty = conforming).
+``compile_artifacts(source)`` produces the artifacts from a generated module's
+source text (in a subprocess, because CuTe DSL reads CUTE_DSL_* at import).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One way the compiled kernel differs from its plan."""
+
+    check: str  # e.g. "tmem.QK.accumulator"
+    expected: object
+    found: object
+    source: str  # "mlir" | "ptx"
+    detail: str = ""
+
+    def __str__(self) -> str:
+        s = f"[{self.source}] {self.check}: expected {self.expected}, found {self.found}"
+        return s + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class Artifacts:
+    ptx: str
+    mlir: str
+    compile_seconds: float = 0.0
+    names: tuple = ()
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+_RUNNER = textwrap.dedent("""
+    import importlib.util, json, sys, time
+    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    t = time.time()
+    names = m.compile_only("sm_100a")
+    dt = time.time() - t
+    open(sys.argv[2], "w").write(m.LAST_COMPILED.artifacts.PTX)
+    print(json.dumps({"seconds": dt, "names": names}))
+""")
+
+
+def compile_artifacts(source: str, workdir: Optional[str] = None, timeout: int = 900) -> Artifacts:
+    """Compile a generated sm100a module (its source text) for sm_100a; return PTX + MLIR."""
+    import json
+
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="fp4gen_sm100_"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    mod = tmp / "module.py"
+    mod.write_text(source)
+    dump = tmp / "dump"
+    dump.mkdir(exist_ok=True)
+    for old in dump.glob("*"):
+        old.unlink()
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", CUTE_DSL_KEEP="ir", CUTE_DSL_DUMP_DIR=str(dump))
+    ptx_path = tmp / "kernel.ptx"
+    r = subprocess.run([sys.executable, "-c", _RUNNER, str(mod), str(ptx_path)], env=env, cwd=str(tmp),
+                       capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"sm_100a compilation failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    mlirs = sorted(dump.glob("*.mlir"))
+    if not mlirs:
+        raise RuntimeError(f"CuTe DSL kept no MLIR in {dump} (CUTE_DSL_KEEP=ir not honoured?)")
+    return Artifacts(ptx=ptx_path.read_text(), mlir=mlirs[-1].read_text(),
+                     compile_seconds=float(info["seconds"]), names=tuple(info["names"]))
+
+
+# ----------------------------------------------------------------------------- MLIR walk
+#
+# The kept IR is walked as text. (Parsing it with cutlass._mlir works, but CuTe DSL's
+# value casters wrap operands into its tracing types on access and try to build ops,
+# which is unsafe outside a trace.) The printed form is regular: one op per line,
+# ``%res = dialect.op(%a, %b) ... : (types) -> type``, regions delimited by braces,
+# type aliases ``!name = ...`` at the top. SSA names are resolved through a scope
+# stack because sibling regions reuse names.
+
+_INT_TUPLE = re.compile(r'!cute\.int_tuple<"(-?\d+)">')
+_OP = re.compile(r'^\s*(?:(%[\w#]+(?::\d+)?(?:\s*,\s*%[\w#]+)*)\s*=\s*)?"?([a-z_][\w.]*)"?(.*)$')
+_NAME = re.compile(r"%[\w#]+")
+
+
+@dataclass
+class _Op:
+    name: str
+    line: str
+    operands: list
+    defs: list  # the op defining each operand, resolved where the op is printed (None: block argument)
+    lineno: int
+
+    def sig_types(self) -> list:
+        """Operand types from the trailing ``: (t0, t1, ...)`` signature (aliases unexpanded)."""
+        i = self.line.rfind(" : (")
+        if i < 0:
+            return []
+        body, depth, cur, out = self.line[i + 4:], 0, "", []
+        for ch in body:
+            if ch in "<([{":
+                depth += 1
+            elif ch in ">)]}":
+                if depth == 0:
+                    out.append(cur.strip())
+                    return out
+                depth -= 1
+            if ch == "," and depth == 0:
+                out.append(cur.strip())
+                cur = ""
+                continue
+            cur += ch
+        return out
+
+
+def _split_ops(text: str):
+    aliases = {}
+    ops = []
+    scopes = [{}]
+    for n, line in enumerate(text.splitlines(), 1):
+        st = line.strip()
+        if st.startswith("!") and " = " in st and not st.startswith("!llvm"):
+            k, v = st.split(" = ", 1)
+            aliases[k] = v
+            continue
+        closes = st.startswith("}")
+        if closes:
+            scopes.pop()
+            if not st.endswith("{"):
+                continue
+            scopes.append({})
+            continue
+        m = _OP.match(line)
+        if m and m.group(2) and not st.startswith("//") and not st.startswith("^"):
+            results, name, rest = m.group(1), m.group(2), m.group(3)
+            head = rest.split(" : ", 1)[0]
+            names = _NAME.findall(head)
+            # resolve now: SSA defs precede their uses, and sibling regions reuse names later
+            defs = [next((sc[x] for sc in reversed(scopes) if x in sc), None) for x in names]
+            op = _Op(name, st, names, defs, n)
+            ops.append(op)
+            if results:
+                for r in results.split(","):
+                    scopes[-1][r.strip().split(":")[0]] = op
+        if st.endswith("{"):
+            scopes.append({})
+            # block arguments of the region (e.g. scf.for's induction variable) stay undefined
+    return ops, aliases
+
+
+def _def(op: _Op, i: int):
+    return op.defs[i] if i < len(op.defs) else None
+
+
+@dataclass
+class _Facts:
+    """What the walker found, as plain Python values."""
+
+    alloc_columns: list = field(default_factory=list)
+    qk_acc: set = field(default_factory=set)
+    pv_acc: set = field(default_factory=set)
+    pv_a: set = field(default_factory=set)
+    sf: dict = field(default_factory=lambda: {"qk_sf_a": set(), "qk_sf_b": set(), "pv_sf_a": set(), "pv_sf_b": set()})
+    s2t_dst: set = field(default_factory=set)
+    tmem_st: set = field(default_factory=set)
+    tmem_ld: set = field(default_factory=set)
+    loop_mma: list = field(default_factory=list)  # (qk, pv) gemm counts per scf.for that issues MMAs
+
+
+def _offsets(op: Optional[_Op], depth: int = 0, seen=None) -> set:
+    """Static TMEM column offsets (from retrieve_tmem_ptr) that the value defined by ``op`` is built on."""
+    seen = set() if seen is None else seen
+    if op is None or depth > 60 or id(op) in seen:
+        return set()
+    seen.add(id(op))
+    if op.name == "cute_nvgpu.arch.sm100.retrieve_tmem_ptr":
+        return {0}
+    if ".atom.make" in op.name or op.name in ("cute.make_atom", "cute.make_tiled_copy", "cute.make_tiled_mma"):
+        return set()  # a copy/MMA atom built from some tensor is not an address of the data
+    if op.name == "cute.add_offset":
+        inner = _offsets(_def(op, 0), depth + 1, seen)
+        m = _INT_TUPLE.search(op.line.split(" : ", 1)[-1])
+        if m is None:
+            return {("dynamic",)} if inner else set()
+        return {o + int(m.group(1)) for o in inner if isinstance(o, int)}
+    out = set()
+    for d in op.defs:
+        out |= _offsets(d, depth + 1, seen)
+    return out
+
+
+def _use(op: _Op, i: int) -> set:
+    return _offsets(_def(op, i))
+
+
+def mlir_facts(mlir_text: str) -> _Facts:
+    ops, aliases = _split_ops(mlir_text)
+
+    def expand(t: str) -> str:
+        return aliases.get(t, t)
+
+    facts = _Facts()
+    qk_atoms, pv_atoms = set(), set()
+    for op in ops:
+        if op.name == "cute_nvgpu.arch.sm100.alloc_tmem":
+            c = _def(op, 0)
+            m = re.search(r"arith\.constant (\d+)", c.line) if c else None
+            facts.alloc_columns.append(int(m.group(1)) if m else "dynamic")
+        elif op.name == "cute.gemm":
+            types = op.sig_types()
+            if len(types) >= 3 and "tmem" in expand(types[2]):  # P from TMEM: the PV product
+                pv_atoms.add(types[0])
+                facts.pv_acc |= _use(op, 1)
+                facts.pv_a |= _use(op, 2)
+            else:
+                qk_atoms.add(types[0] if types else "")
+                facts.qk_acc |= _use(op, 1)
+    for op in ops:
+        if op.name.startswith("cute_nvgpu.atom.set_value"):
+            m = re.search(r"set_value<(\w+)>", op.line)
+            which = m.group(1) if m else ""
+            types = op.sig_types()
+            if which in ("sf_a", "sf_b") and types:
+                prod = "qk" if types[0] in qk_atoms else "pv" if types[0] in pv_atoms else None
+                if prod:
+                    facts.sf[f"{prod}_{which}"] |= _use(op, 1)
+        elif op.name == "cute.copy":
+            types = op.sig_types()
+            atom = expand(types[0]) if types else ""
+            if "s2t_copy" in atom:
+                facts.s2t_dst |= _use(op, 2)
+            elif "tmem_store" in atom:
+                facts.tmem_st |= _use(op, 2)
+            elif "tmem_load" in atom:
+                facts.tmem_ld |= _use(op, 1)
+    # MMAs per iteration of every scf.for that issues them (lexical nesting by braces)
+    lines = mlir_text.splitlines()
+    for op in ops:
+        if op.name != "scf.for":
+            continue
+        depth, qk, pv = 0, 0, 0
+        for line in lines[op.lineno - 1:]:
+            st = line.strip()
+            if st.startswith("cute.gemm("):
+                t = _Op("cute.gemm", st, [], [], 0).sig_types()
+                if len(t) >= 3 and "tmem" in expand(t[2]):
+                    pv += 1
+                else:
+                    qk += 1
+            depth += st.count("{") - st.count("}")
+            if depth <= 0 and st.endswith("}"):
+                break
+        if qk or pv:
+            facts.loop_mma.append((qk, pv))
+    return facts
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def _regions(plan) -> dict:
+    return {r.name: (r.first_col, r.last_col) for r in plan.tmem.regions}
+
+
+def _in(off, reg) -> bool:
+    return isinstance(off, int) and reg[0] <= off <= reg[1]
+
+
+def _k_inst(kind: str) -> int:
+    """K elements per tcgen05.mma instruction of a kind (fp4 64, fp8/f8f6f4 32, f16 16)."""
+    if "mxf4" in kind:
+        return 64
+    if "f8f6f4" in kind:
+        return 32
+    return 16
+
+
+def expected_barriers(plan) -> int:
+    """mbarriers the sm100a template allocates for this plan (each pipeline: full + empty)."""
+    sch = plan.spec.schedule
+    q = sch.q_stages
+    kv = plan.pipeline.kv_stages
+    parts = len(plan.publish.parts)
+    # Q ring + K ring + V ring + per stage (S full/drained, P parts, O done, row statistics)
+    return 2 * q + 2 * kv + 2 * kv + q * (2 + 2 * parts + 2 + 2)
+
+
+def check_conformance(plan, artifacts: Artifacts) -> list:
+    """Compare a compiled sm100a kernel with ``plan``; return the mismatches (empty: conforming)."""
+    out: list[Mismatch] = []
+    spec = plan.spec
+    regs = _regions(plan)
+    mma = {m.name: m for m in plan.mma}
+    ptx = artifacts.ptx
+
+    # --- PTX: MMA kinds
+    kinds = set(re.findall(r"tcgen05\.mma\.cta_group::\d\.(kind::[\w:]+(?:\.block_scale(?:\.block\d+)?)?)", ptx))
+    want = {mma["QK"].kind, mma["PV"].kind}
+    for w in sorted(want):
+        if w not in kinds:
+            out.append(Mismatch("ptx.mma.kind", w, sorted(kinds), "ptx", "the plan's MMA kind is never issued"))
+    for k in sorted(kinds - want):
+        out.append(Mismatch("ptx.mma.kind", sorted(want), k, "ptx", "an MMA kind the plan did not choose"))
+
+    # --- PTX: exp on the P path
+    n_ex2 = len(re.findall(r"^\s*ex2\.", ptx, re.M))
+    pp = spec.p_production
+    if pp.kind.value == "direct_p" and pp.policy.value == "fast" and spec.p.format.value == "mxfp4":
+        if n_ex2 != 0:
+            out.append(Mismatch("ptx.ex2", 0, n_ex2, "ptx", "fast Direct-P must not use MUFU.EX2"))
+    elif pp.kind.value == "exp" or pp.policy.value == "accurate":
+        if n_ex2 == 0:
+            out.append(Mismatch("ptx.ex2", ">0", 0, "ptx", "this P production uses the hardware EX2"))
+
+    # --- PTX: barriers and TMEM allocation instruction
+    n_bar = len(re.findall(r"^\s*mbarrier\.init", ptx, re.M))
+    if n_bar != expected_barriers(plan):
+        out.append(Mismatch("ptx.mbarrier.count", expected_barriers(plan), n_bar, "ptx"))
+    if not re.search(r"tcgen05\.alloc\.cta_group::1", ptx):
+        out.append(Mismatch("ptx.tcgen05.alloc", "present", "absent", "ptx"))
+
+    # --- PTX: P publish width (columns per tcgen05.st of P)
+    part_cols = {p.p_columns[1] - p.p_columns[0] + 1 for p in plan.publish.parts if p.p_columns}
+    st_widths = {int(x) for x in re.findall(r"tcgen05\.st\.sync\.aligned\.32x32b\.x(\d+)", ptx)}
+    for w in part_cols:
+        if w not in st_widths:
+            out.append(Mismatch("ptx.publish.width", f"tcgen05.st .x{w} (plan: {plan.publish.mode})",
+                                sorted(st_widths), "ptx"))
+
+    # --- PTX: every P store is waited on (tcgen05.wait::st) and, when P's scales go through
+    # SMEM, proxy-fenced before the next mbarrier arrive (a missing fence gives NaNs, not errors)
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    for i, ln in enumerate(lines):
+        if not ln.startswith("tcgen05.st."):
+            continue
+        between = []
+        for nxt in lines[i + 1:]:
+            if nxt.startswith("mbarrier.arrive"):
+                break  # (a later tcgen05.st before the arrive is covered by the same wait)
+            between.append(nxt)
+        if not any(x.startswith("tcgen05.wait::st") for x in between):
+            out.append(Mismatch("ptx.fence.tmem_store", "tcgen05.wait::st before the arrive", "missing", "ptx",
+                                f"PTX line {i + 1}: {ln[:60]}"))
+            break
+        if mma["PV"].block_scaled and not any(x.startswith("fence.proxy.async") for x in between):
+            out.append(Mismatch("ptx.fence.scales", "fence.proxy.async before the arrive", "missing", "ptx",
+                                f"PTX line {i + 1}: P's scale bytes in SMEM feed tcgen05.cp"))
+            break
+
+    # --- MLIR: TMEM allocation and every region a consumer touches
+    f = mlir_facts(artifacts.mlir)
+    if f.alloc_columns != [plan.tmem.alloc_columns]:
+        out.append(Mismatch("mlir.tmem.alloc", plan.tmem.alloc_columns, f.alloc_columns, "mlir"))
+    q = spec.schedule.q_stages
+
+    def exact(check, found, names):
+        want = {regs[n][0] for n in names}
+        if found != want:
+            out.append(Mismatch(check, sorted(want), sorted(found, key=str), "mlir",
+                                f"first columns of {', '.join(names)}"))
+
+    def within(check, found, names, need_first=True):
+        rs = [regs[n] for n in names if n in regs]
+        stray = sorted((o for o in found if not any(_in(o, r) for r in rs)), key=str)
+        if stray:
+            out.append(Mismatch(check, f"columns inside {', '.join(names)} {rs}", stray, "mlir",
+                                "TMEM accesses outside the planned regions"))
+        if need_first:
+            missing = [n for n in names if n in regs and regs[n][0] not in found]
+            if missing:
+                out.append(Mismatch(check, {n: regs[n][0] for n in missing}, sorted(found, key=str), "mlir",
+                                    f"never addressed at the planned first column of {', '.join(missing)}"))
+
+    exact("mlir.QK.accumulator", f.qk_acc, [f"S{j}" for j in range(q)])
+    exact("mlir.PV.accumulator", f.pv_acc, [f"O{j}" for j in range(q)])
+    within("mlir.PV.A(P)", f.pv_a, [f"P{j}" for j in range(q)])
+    within("mlir.QK.scale_A", f.sf["qk_sf_a"], [f"SFQ{j}" for j in range(q)])
+    within("mlir.QK.scale_B", f.sf["qk_sf_b"], [f"SFK{j}" for j in range(q)])
+    sf_names = [f"SFQ{j}" for j in range(q)] + [f"SFK{j}" for j in range(q)]
+    if mma["PV"].block_scaled:
+        within("mlir.PV.scale_A(P)", f.sf["pv_sf_a"], [f"SFP{j}" for j in range(q)])
+        within("mlir.PV.scale_B(V)", f.sf["pv_sf_b"], [f"SFV{j}" for j in range(q)])
+        sf_names += [f"SFP{j}" for j in range(q)] + [f"SFV{j}" for j in range(q)]
+    within("mlir.tcgen05.cp.dst", f.s2t_dst, sf_names)
+    running_max = pp.kind.value == "exp" or spec.p.format.value != "mxfp4"
+    st_names = [f"P{j}" for j in range(q)] + ([f"O{j}" for j in range(q)] if running_max else [])
+    within("mlir.tcgen05.st.dst", f.tmem_st, st_names, need_first=False)
+    # every publish part of every stage is stored at its planned column (P first + part offset)
+    want_p = {f"P{j} part {p.index}": regs[f"P{j}"][0] + p.p_columns[0]
+              for j in range(q) for p in plan.publish.parts if p.p_columns}
+    missing_p = {k: v for k, v in want_p.items() if v not in f.tmem_st}
+    if missing_p:
+        out.append(Mismatch("mlir.tcgen05.st.P", missing_p, sorted(f.tmem_st, key=str),
+                            "mlir", "P (or one publish part of it) is not stored at its planned column"))
+    within("mlir.tcgen05.ld.src", f.tmem_ld, [f"S{j}" for j in range(q)] + [f"O{j}" for j in range(q)],
+           need_first=True)
+
+    # --- MLIR: MMAs per KV tile (the MMA warp's steady-state loop)
+    want_qk = q * -(-spec.head_dim // _k_inst(mma["QK"].kind))
+    want_pv = q * -(-spec.schedule.tile_n // _k_inst(mma["PV"].kind))
+    if (want_qk, want_pv) not in f.loop_mma:
+        out.append(Mismatch("mlir.mma_per_kv_tile", {"QK": want_qk, "PV": want_pv},
+                            [{"QK": a, "PV": b} for a, b in f.loop_mma], "mlir",
+                            "tcgen05.mma issued per iteration of the KV loop"))
+    return out
+
+
+def report(mismatches) -> str:
+    if not mismatches:
+        return "conforms to the plan"
+    return "\n".join(str(m) for m in mismatches)
+
+
+# ----------------------------------------------------------------------------- PTX statistics
+
+_CLASSES = (
+    ("MUFU ex2", re.compile(r"^ex2\.")),
+    ("MUFU other (lg2/rcp/rsqrt)", re.compile(r"^(lg2|rcp|rsqrt|sqrt|sin|cos|tanh)\.")),
+    ("cvt", re.compile(r"^cvt\.")),
+    ("tcgen05.ld", re.compile(r"^tcgen05\.ld\.")),
+    ("tcgen05.st", re.compile(r"^tcgen05\.st\.")),
+    ("f32 fma/mul/add", re.compile(r"^(fma|mul|add|sub)\.(rn\.|rz\.|rm\.|rp\.)?(ftz\.)?(sat\.)?f32(x2)?\b")),
+    ("f32 min/max", re.compile(r"^(min|max)\.(ftz\.)?(NaN\.)?f32")),
+    ("integer/logic/select", re.compile(r"^(and|or|xor|shl|shr|selp|prmt|lop3|bfi|bfe|add\.s32|add\.u32|mul\.lo|mad)")),
+)
+
+
+def softmax_loop_stats(ptx: str) -> list:
+    """Instruction counts per iteration of each PTX loop that both loads from and stores to
+    TMEM (the softmax warps' KV loop: tcgen05.ld of S, tcgen05.st of P). One dict per loop."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    labels = {}
+    for i, ln in enumerate(lines):
+        m = re.match(r"^(\$L__\w+):", ln)
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            loops.append((labels[m.group(1)], i))
+    out = []
+    for a, b in loops:
+        body = [ln for ln in lines[a:b + 1] if ln and not ln.startswith(("$", "//", "{", "}", "."))]
+        body = [re.sub(r"^@!?%p\d+\s+", "", ln) for ln in body]
+        if not any(x.startswith("tcgen05.ld.") for x in body) or not any(x.startswith("tcgen05.st.") for x in body):
+            continue
+        # innermost such loop only: skip loops that contain another qualifying loop
+        if any(a < a2 and b2 < b for a2, b2 in loops if (a2, b2) != (a, b)
+               and any(lines[k].startswith("tcgen05.st.") for k in range(a2, b2 + 1))):
+            continue
+        stats = {"instructions": len(body)}
+        for name, rx in _CLASSES:
+            stats[name] = sum(1 for x in body if rx.match(x))
+        out.append(stats)
+    return out

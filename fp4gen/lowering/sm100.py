@@ -1,0 +1,213 @@
+"""sm100a backend: a finished ``KernelPlan`` -> CuTe DSL Blackwell forward module.
+
+``render(plan)`` turns plan fields into a jinja2 context for
+``templates/sm100/fwd.py.j2``; it decides nothing the plan did not record:
+TMEM columns come from ``plan.tmem``, the publication parts from
+``plan.publish``, MMA kinds from ``plan.mma``, KV stages and warp roles from
+``plan.pipeline``. What the template cannot implement yet is refused here with
+a ``LoweringError`` (never silently approximated) or listed in the generated
+module's docstring under "Known gaps".
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from pathlib import Path
+
+import jinja2
+
+from . import LoweringError
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "sm100"
+
+# TMEM regions the template addresses, by plan name (all must be in plan.tmem)
+REQUIRED_REGIONS = ("S0", "S1", "O0", "O1", "P0", "P1")
+SCALED_QK_REGIONS = ("SFQ0", "SFK0", "SFQ1", "SFK1")
+SCALED_PV_REGIONS = ("SFP0", "SFV0", "SFP1", "SFV1")
+# warp roles in the order the template numbers warps (first warp of each role)
+ROLE_ORDER = ("softmax0", "softmax1", "correction", "mma", "load", "epilogue", "spare")
+
+
+def _template_dir() -> Path:
+    # installed layout: fp4gen/templates/sm100 (package data); source layout: repo/templates/sm100
+    try:
+        import fp4gen.templates as t
+
+        p = Path(t.__file__).resolve().parent / "sm100"
+        if (p / "fwd.py.j2").exists():
+            return p
+    except ImportError:
+        pass
+    return TEMPLATE_DIR
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(_template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x) if f.name not in ("locs", "source_lines")}
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, (list, tuple, frozenset, set)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict) or hasattr(x, "items"):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def plan_json(plan) -> str:
+    """A stable JSON dump of the plan (the generated module's PLAN_JSON)."""
+    try:
+        from fp4gen.ir.dump import to_json  # the planner's dump, when present
+
+        out = to_json(plan)
+        return out if isinstance(out, str) else json.dumps(out, sort_keys=True)
+    except Exception:  # noqa: BLE001 -- fall back to a plain dataclass walk
+        return json.dumps(_jsonable(plan), sort_keys=True)
+
+
+def tmem_columns(plan) -> dict[str, tuple[int, int]]:
+    """plan.tmem regions as {name: (first_col, last_col)}."""
+    if plan.tmem is None:
+        raise LoweringError("the sm100a plan has no TMEM section (plan_tmem did not run)")
+    return {r.name: (r.first_col, r.last_col) for r in plan.tmem.regions}
+
+
+def mma(plan, name: str):
+    for m in getattr(plan, "mma", ()):
+        if m.name == name:
+            return m
+    raise LoweringError(f"the plan has no MMA choice for {name}")
+
+
+def context(plan) -> dict:
+    """The template context for one plan (exposed for tests and the conformance check)."""
+    spec = plan.spec
+    if spec.target.value != "sm100a":
+        raise LoweringError(f"the sm100a backend got a plan for {spec.target.value}")
+    if spec.head_dim != 128:
+        # D64 fits the TMEM plan but has not been compiled and checked yet (docs/sm100.md)
+        raise LoweringError(f"sm100a lowering implements head_dim 128 only (not yet {spec.head_dim})")
+    sch = spec.schedule
+    if sch.q_stages != 2 or sch.tile_m != 128 or sch.tile_n != 128:
+        raise LoweringError("sm100a lowering implements q_stages 2 with a 128 x 128 tile only "
+                            f"(plan: q_stages {sch.q_stages}, tile {sch.tile_m} x {sch.tile_n})")
+    qk, pv = mma(plan, "QK"), mma(plan, "PV")
+    if qk.kind != "kind::mxf4nvf4.block_scale.block16":
+        raise LoweringError(f"sm100a lowering needs NVFP4 Q/K (kind::mxf4nvf4.block_scale.block16), plan has {qk.kind}")
+    pk = spec.p_production.kind.value
+    pf = spec.p.format.value
+    if pv.kind == "kind::mxf4nvf4.block_scale.block32" and pk == "direct_p" and pf == "mxfp4":
+        p_mode, pv_fp8 = "directp_fp4", False
+    elif pv.kind == "kind::f8f6f4" and pf == "fp8e4m3" and pk == "exp":
+        p_mode, pv_fp8 = "exp_fp8", True
+    else:
+        raise LoweringError(
+            f"sm100a lowering implements P : mxfp4 via direct_p (PV kind::mxf4nvf4.block_scale.block32) and "
+            f"P : fp8e4m3 via exp (PV kind::f8f6f4); this plan has P : {pf} via {pk}, PV {pv.kind}")
+    if pv.a_source != "tmem":
+        raise LoweringError(f"PV's A operand (P) must come from TMEM, plan says {pv.a_source}")
+
+    cols = tmem_columns(plan)
+    need = list(REQUIRED_REGIONS) + list(SCALED_QK_REGIONS) + (list(SCALED_PV_REGIONS) if pv.block_scaled else [])
+    missing = [n for n in need if n not in cols]
+    if missing:
+        raise LoweringError(f"plan.tmem lacks region(s) {', '.join(missing)} that the sm100a template addresses")
+
+    pub = plan.publish
+    if pub is None or pub.mode not in ("whole", "halves"):
+        raise LoweringError("the sm100a plan has no P publication plan (plan_publish did not run)")
+    halves = pub.mode == "halves"
+
+    pipe = plan.pipeline
+    kv_stages = getattr(pipe, "kv_stages", None) or sch.kv_stages
+    if not kv_stages:
+        raise LoweringError("the plan does not fix the number of KV stages")
+    roles = {r.name: r.warps for r in getattr(pipe, "roles", ())}
+    for name, want in (("softmax0", 4), ("softmax1", 4), ("correction", 4), ("mma", 1), ("load", 1)):
+        if roles.get(name, want) != want:
+            raise LoweringError(f"sm100a template has {want} warp(s) for role {name}, the plan asks {roles[name]}")
+    n_warps = sum(roles.values()) if roles else 14
+    if n_warps != 16:
+        raise LoweringError(f"the sm100a template runs 4 warpgroups (16 warps); the plan has {n_warps} warps")
+    regs = {r.name: r.registers for r in pipe.roles}
+    other = {regs.get(n) for n in ("mma", "load", "epilogue", "spare") if n in regs}
+    if regs.get("softmax0") != regs.get("softmax1") or len(other) != 1:
+        raise LoweringError("setmaxnreg works per warpgroup: softmax0/softmax1 and the mma/load/epilogue/spare "
+                            f"warps must share a register budget, plan has {regs}")
+
+    gaps = []
+    guard = None
+    if spec.guard.kind.value == "sample":
+        if p_mode != "directp_fp4":
+            raise LoweringError("the sampling guard applies to Direct-P into MXFP4 only")
+        guard = (spec.guard.m, spec.guard.l)
+        gaps.append(f"the guard sample(m={spec.guard.m}, l={spec.guard.l}) uses software dot products against the "
+                    "sampled keys read from global memory (scalar byte loads, once per CTA): correct by "
+                    "construction only, never run")
+    if p_mode == "exp_fp8":
+        gaps.append("O rescaling (online max) is done by the softmax warps, not by the correction warpgroup")
+    gaps.append("the correction warpgroup writes O with plain global stores (no TMA store); the epilogue/spare "
+                "warps of the plan idle")
+    gaps.append("P's block scales reach TMEM through SMEM + tcgen05.cp (not tcgen05.st)")
+    gaps.append("forward() refuses to launch: host-side packing of NVFP4/MXFP4 operands into the "
+                "scale-factor atom layout is not written")
+    gaps.append("never run on hardware: numerics are checked only by reading the code against docs/numerics.md")
+
+    policy = spec.p_production.policy.value if p_mode == "directp_fp4" else None
+    summary = (f"Plan: QK {qk.kind}; PV {pv.kind} (P from TMEM); P publish {pub.mode}; "
+               f"{kv_stages} KV stages; TMEM {plan.tmem.alloc_columns} columns.")
+    p_text = {"directp_fp4": f"Direct-P ({policy} policy, A={spec.p_production.a}, B={spec.p_production.b}): "
+                             "E2M1 codes + E8M0 block exponents straight from the scores",
+              "exp_fp8": "exp2 on the MUFU, then E4M3 (256 p), online max"}[p_mode]
+    return dict(
+        kernel_name=spec.name,
+        spec_file=spec.source_file,
+        summary=summary,
+        plan_json_literal=repr(plan_json(plan)),
+        head_dim=spec.head_dim,
+        tile_m=sch.tile_m,
+        tile_n=sch.tile_n,
+        q_stages=sch.q_stages,
+        kv_stages=int(kv_stages),
+        causal=spec.mask.value == "causal",
+        pv_fp8=pv_fp8,
+        pv_block_scaled=bool(pv.block_scaled),
+        v_k_major=pv.b_major == "K-major",
+        p_mode=p_mode,
+        p_policy=policy,
+        running_max=p_mode != "directp_fp4",
+        o_scale=repr(1.0 / 256.0 if pv_fp8 else 1.0),
+        lse_shift=repr(math.log2(6.0)) if p_mode == "directp_fp4" else "0.0",
+        direct_p_a=repr(float(spec.p_production.a)),
+        direct_p_b=repr(float(spec.p_production.b)),
+        publish_halves=halves,
+        guard=repr(guard),
+        tmem_alloc_cols=int(plan.tmem.alloc_columns),
+        tmem_regions=[(r.name, r.first_col, r.last_col) for r in plan.tmem.regions],
+        n_warps=n_warps,
+        regs_softmax=regs["softmax0"],
+        regs_correction=regs.get("correction", regs["softmax0"]),
+        regs_other=other.pop(),
+        pv_format_text="FP8 E4M3" if pv_fp8 else "MXFP4 (E2M1, 1x32 blocks, E8M0 scales)",
+        pv_kind_text=pv.kind,
+        p_text=p_text,
+        gaps=gaps,
+    )
+
+
+def render(plan) -> str:
+    """Source text of the generated sm100a module for ``plan``."""
+    return _env().get_template("fwd.py.j2").render(**context(plan))
