@@ -10,7 +10,7 @@ query row (one softmax thread owns one row). ``t`` is a score in log2 units
 (``s * softmax_scale * log2 e``), ``m`` the fixed row reference (0 without the
 guard), ``u = t - m``; per block B of 32 keys:
 
-* ``e_B = clamp(ceil(max_B u), -127, 127)``, -127 for a fully masked block; the
+* ``e_B = clamp(floor(max_B u), -127, 127)``, -127 for a fully masked block; the
   E8M0 byte is ``e_B + 127``;
 * ``x = (u - e_B) + log2(6)`` (two FP32 roundings, as the reference);
 * fast policy: ``code = rne(clamp(A*x + B, 0, 7))`` -- rne by adding 1.5*2^23,
@@ -58,9 +58,9 @@ def i32_as_f32(x, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def block_exponent(block_max_u: Float32) -> Int32:
-    """e_B = clamp(ceil(max_B u), -127, 127); -inf (fully masked block) -> -127."""
+    """e_B = clamp(floor(max_B u), -127, 127); -inf (fully masked block) -> -127."""
     d = min(cute.arch.fmax(block_max_u, Float32(-1.0e4)), Float32(1.0e4))
-    e = Int32(cute.math.ceil(d, fastmath=True))
+    e = Int32(cute.math.floor(d, fastmath=True))
     return max(min(e, Int32(127)), Int32(-127))
 
 
