@@ -86,11 +86,11 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16,
     g = None
     if tensor_scale:
         t = _amax(xb, tuple(range(xb.dim())))
-        g = torch.where(t == 0, torch.ones_like(t), t / (448.0 * FP4_MAX))
-        sc = encode(amax / FP4_MAX / g, E4M3)
+        g = torch.where(t == 0, torch.ones_like(t), _div_exact(t, 448.0 * FP4_MAX))
+        sc = encode(_div_exact(amax, FP4_MAX) / g, E4M3)
         s = decode(sc, E4M3) * g
     else:
-        sc = encode(amax / FP4_MAX, E4M3)
+        sc = encode(_div_exact(amax, FP4_MAX), E4M3)
         s = decode(sc, E4M3)
     sb = s.unsqueeze(-1)
     q = torch.where(sb == 0, torch.zeros_like(xb), xb / torch.where(sb == 0, torch.ones_like(sb), sb))
@@ -109,7 +109,7 @@ def quantize_mxfp4(x: torch.Tensor, dim: int = -1, block: int = 32, rule: str = 
     xb, _ = _to_blocks(x, dim, block)
     amax = _amax(xb, -1)
     if rule == "ceil":
-        sc = encode_e8m0(amax / FP4_MAX, "up")
+        sc = encode_e8m0(_div_exact(amax, FP4_MAX), "up")
     elif rule == "ocp":
         c = encode_e8m0(amax, "down").to(torch.int32)
         c = torch.where((c > 0) & (c < 255), torch.clamp(c - 2, min=0), c)
@@ -164,9 +164,20 @@ def _fp8_fmt(fmt) -> MiniFloat:
     return {"e4m3": E4M3, "fp8e4m3": E4M3, "e5m2": E5M2, "fp8e5m2": E5M2}[str(fmt)]
 
 
+def _div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c with IEEE division on every device. (torch turns `x / python_float` into a
+    multiply by the reciprocal on CUDA but divides on the CPU; a tensor divisor divides
+    on both.)"""
+    return x / torch.tensor(c, dtype=x.dtype, device=x.device)
+
+
 def _fp8_scale(amax: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
-    # scale = amax / fmax; an all-zero group gets scale 1 (its payload is 0 anyway)
-    return torch.where(amax == 0, torch.ones_like(amax), amax / fmt.max_value)
+    # scale = amax * fl32(1/fmax): a multiply by the fp32-rounded reciprocal, which is what
+    # torch's CUDA kernels do for `amax / 448.0` and what the fused GPU quantizer
+    # (fp4gen.device.quantize) does; written out so the CPU gives the same bits.
+    # An all-zero group gets scale 1 (its payload is 0 anyway).
+    recip = torch.tensor(1.0 / fmt.max_value, dtype=torch.float32, device=amax.device)
+    return torch.where(amax == 0, torch.ones_like(amax), amax * recip)
 
 
 def _check_bshd(x: torch.Tensor, what: str):

@@ -122,5 +122,7 @@ def mxfp4_block(xs: list[float]):
 
 def fp8_group(xs: list[float], name="e4m3", fmax=448.0):
     amax = max(abs(x) for x in xs)
-    s = 1.0 if amax == 0 else f32(amax / fmax)
+    # the contract: amax times the fp32-rounded reciprocal of fmax (what CUDA does for
+    # amax / 448.0); the f64 product of two f32 values is exact, then one f32 rounding
+    s = 1.0 if amax == 0 else f32(amax * f32(1.0 / fmax))
     return [nearest_code(f32(x / s), name) for x in xs], s

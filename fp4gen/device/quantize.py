@@ -1,0 +1,465 @@
+"""Fused FP8 input quantizer for the Hopper FP8 forward (CuTe DSL).
+
+Produces bit-for-bit what the generated module's torch path ``quantize_inputs(q, k, v)``
+produces on CUDA (the Hopper FP8 contract, docs/numerics.md section 4):
+
+- Q, K (B, S, H, D) bf16 -> e4m3 payload (B, S, H, D) + fp32 scale (B, H, ceil(S/128)),
+  one scale per (batch, head, 128-token block).
+- V (B, S, Hkv, D) bf16 -> V^T (B, Hkv, D, Skp) e4m3, Skp = S rounded up to 32, keys
+  permuted inside every 32-key group by ``layout.FP8_P_KEY_PERM`` (padded keys are byte 0)
+  + fp32 scale (B, Hkv), one per (batch, head).
+
+Arithmetic (the same fp32 operations, in the same order, as the torch code on CUDA):
+
+- amax = max |x| over the group. Computed on the bf16 bit patterns with the sign cleared
+  (unsigned order of |bf16| bits = order of the values), so a NaN (bits > +Inf's) wins,
+  as torch's ``amax`` propagates NaN.
+- scale = 1 if amax == 0 else fl32(amax * fl32(1/448)). NOT amax / 448: torch on CUDA
+  evaluates ``tensor / python_float`` as a multiplication by the fp32 reciprocal
+  (``div_true_kernel_cuda``, CPU-scalar divisor); for about half of all bf16 amax values
+  that is one ulp away from the true quotient. ``SCALE_BY_RECIPROCAL`` documents the
+  choice; the torch CPU path divides and can differ by that ulp.
+- payload = e4m3_rne_satfinite(fl32(x / scale)) with an IEEE division (div.rn.f32, no
+  flush to zero), as torch divides two CUDA tensors. NaN -> 0x7F (sign cleared, as the
+  oracle's ``encode``), +-Inf -> +-448 (never reached: Inf in a group makes the scale Inf).
+
+Special inputs, consequently: a group holding a NaN gets scale NaN and an all-0x7F
+payload; a group holding +-Inf gets scale Inf, finite elements become +-0 (0x00 / 0x80)
+and the Infs NaN (0x7F); an all-zero group gets scale 1 and zero payload (-0.0 -> 0x80);
+bf16 subnormals are kept (scales may be fp32 subnormals).
+
+Kernels (all memory bound; one CTA of 256 threads per 128 tokens of one (batch, head)):
+
+1. ``_BlockQuant``: Q or K. Loads its 128 x D tile once into registers (16-byte loads),
+   reduces amax (warp shuffles + shared memory), writes the scale and the payload.
+2. ``_BlockQuant(amax_only)``: the same pass over V, writing only the 128-token amax
+   bit patterns (B, Hkv, nb) int32: no atomics, no zero-fill, deterministic.
+3. ``_VTranspose``: each CTA reduces V's nb partial amaxes of its (batch, head) into the
+   per-head scale, quantizes 128 keys x D in registers, transposes through shared memory
+   (gathering the permuted key order) and writes 32-byte runs of V^T.
+"""
+from __future__ import annotations
+
+import struct
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from . import ptx
+from .layout import FP8_P_KEY_PERM
+
+BLOCK = 128  # tokens per Q/K scale and keys per V^T tile (numerics contract)
+THREADS = 256
+E4M3_MAX = 448.0
+SCALE_BY_RECIPROCAL = True  # see the module docstring: torch-on-CUDA semantics of amax / 448.0
+_R448_BITS = struct.unpack("<I", struct.pack("<f", 1.0 / E4M3_MAX))[0]  # fl32(1/448) = 0x3B124925
+_448_BITS = struct.unpack("<I", struct.pack("<f", E4M3_MAX))[0]
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+# ------------------------------------------------------------------ PTX wrappers
+
+
+def _asm(ret_type, text, constraints, args, side_effects=False, loc=None, ip=None):
+    return llvm.inline_asm(
+        ret_type, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _struct(n):
+    return llvm.StructType.get_literal([T.i32()] * n)
+
+
+def _words(res, n, loc=None, ip=None):
+    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def ld_v4_pred(addr, pred, *, loc=None, ip=None):
+    """16 bytes from global memory (read-only path) if ``pred`` != 0, else four zero words."""
+    res = _asm(
+        _struct(4),
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];\n}",
+        "=r,=r,=r,=r,l,r", [Int64(addr), Int32(pred)], side_effects=True, loc=loc, ip=ip)
+    return _words(res, 4, loc, ip)
+
+
+@dsl_user_op
+def st_v2_pred(addr, a, b, pred, *, loc=None, ip=None):
+    """8 bytes to global memory if ``pred`` != 0."""
+    _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.v2.b32 [$0], {$1, $2};\n}",
+         "l,r,r,r", [Int64(addr), Uint32(a), Uint32(b), Int32(pred)], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_v4(addr, a, b, c, d, *, loc=None, ip=None):
+    """16 bytes to global memory."""
+    _asm(None, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+         [Int64(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d)], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def absmax_bf16x2(acc, w, *, loc=None, ip=None) -> Uint32:
+    """Per 16-bit lane: max(acc, |w| bits) (sign cleared; unsigned compare keeps NaN on top)."""
+    return Uint32(_asm(
+        T.i32(), "{\n.reg .b32 t;\nand.b32 t, $2, 0x7fff7fff;\nmax.u16x2 $0, $1, t;\n}",
+        "=r,r,r", [Uint32(acc), Uint32(w)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def umax(a, b, *, loc=None, ip=None) -> Uint32:
+    return Uint32(_asm(T.i32(), "max.u32 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def scale_from_amax_bits(bits, *, loc=None, ip=None) -> Float32:
+    """bf16 |amax| bit pattern (low 16 bits) -> scale: 1 if 0, else fl32(amax * fl32(1/448))
+    (or the IEEE quotient amax / 448 without SCALE_BY_RECIPROCAL). No flush to zero."""
+    if SCALE_BY_RECIPROCAL:
+        op = f"mul.rn.f32 s, a, 0f{_R448_BITS:08X};"
+    else:
+        op = f"div.rn.f32 s, a, 0f{_448_BITS:08X};"
+    return Float32(_asm(
+        T.f32(),
+        "{\n.reg .b32 ab;\n.reg .f32 a, s;\n.reg .pred z;\nshl.b32 ab, $1, 16;\nmov.b32 a, ab;\n"
+        + op + "\nsetp.eq.b32 z, ab, 0;\nselp.f32 $0, 0f3F800000, s, z;\n}",
+        "=f,r", [Uint32(bits)], loc=loc, ip=ip))
+
+
+# 4 bf16 (2 words) -> 4 e4m3 (1 word): IEEE division by the scale, RNE saturating cvt, then
+# any 0xFF byte (a NaN with the sign set) becomes 0x7F, the oracle's NaN code.
+_Q4 = (
+    ".reg .b32 b0, b1, b2, b3;\n.reg .f32 x0, x1, x2, x3;\n.reg .b16 h0, h1;\n.reg .b32 o, t, y;\n"
+    "shl.b32 b0, {w0}, 16;\nand.b32 b1, {w0}, 0xffff0000;\n"
+    "shl.b32 b2, {w1}, 16;\nand.b32 b3, {w1}, 0xffff0000;\n"
+    "mov.b32 x0, b0;\nmov.b32 x1, b1;\nmov.b32 x2, b2;\nmov.b32 x3, b3;\n"
+    "div.rn.f32 x0, x0, {s};\ndiv.rn.f32 x1, x1, {s};\n"
+    "div.rn.f32 x2, x2, {s};\ndiv.rn.f32 x3, x3, {s};\n"
+    "cvt.rn.satfinite.e4m3x2.f32 h0, x1, x0;\ncvt.rn.satfinite.e4m3x2.f32 h1, x3, x2;\n"
+    "mov.b32 o, {{h0, h1}};\n"
+    # zero-byte test on ~o: bit 7 of byte i of y is clear iff byte i of o is 0xFF
+    "not.b32 t, o;\nand.b32 y, t, 0x7f7f7f7f;\nadd.u32 y, y, 0x7f7f7f7f;\n"
+    "or.b32 y, y, t;\nor.b32 y, y, 0x7f7f7f7f;\nnot.b32 y, y;\nxor.b32 {out}, o, y;\n"
+)
+
+
+@dsl_user_op
+def quant8(w0, w1, w2, w3, scale, *, loc=None, ip=None):
+    """8 bf16 (4 words, element 0 in the low half of w0) -> 8 e4m3 bytes (2 words)."""
+    body = ("{\n" + _Q4.format(w0="$2", w1="$3", s="$6", out="$0") + "}\n{\n"
+            + _Q4.format(w0="$4", w1="$5", s="$6", out="$1") + "}")
+    res = _asm(_struct(2), body, "=r,=r,r,r,r,r,f",
+               [Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3), Float32(scale)], loc=loc, ip=ip)
+    return _words(res, 2, loc, ip)
+
+
+@dsl_user_op
+def keep_if(x, pred, *, loc=None, ip=None) -> Uint32:
+    """x if ``pred`` != 0 else 0."""
+    return Uint32(_asm(T.i32(), "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nselp.b32 $0, $1, 0, p;\n}",
+                       "=r,r,r", [Uint32(x), Int32(pred)], loc=loc, ip=ip))
+
+
+@cute.jit
+def _block_max(m: Uint32, red: cute.Tensor, tidx: Int32) -> Uint32:
+    """Max of ``m`` over the CTA (THREADS threads); ``red`` holds THREADS // 32 words."""
+    for off in cutlass.range_constexpr(5):
+        m = umax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> off))
+    if tidx % 32 == 0:
+        red[tidx // 32] = m
+    cute.arch.sync_threads()
+    out = red[0]
+    for w in cutlass.range_constexpr(1, THREADS // 32):
+        out = umax(out, red[w])
+    return out
+
+
+# ------------------------------------------------------------------ kernels
+
+
+class _BlockQuant:
+    """Q/K: per (batch, head, 128-token block) scale + payload; or (``amax_only``) the
+    block amax bit patterns only (V's first pass)."""
+
+    def __init__(self, head_dim: int, amax_only: bool):
+        self.d = head_dim
+        self.amax_only = amax_only
+        self.vpr = head_dim // 8  # 16-byte vectors per token row
+        self.rpi = THREADS // self.vpr  # token rows per pass of the CTA
+        self.iters = BLOCK // self.rpi
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, stream):
+        # mX (B, S, H, D) bf16; mY (B, S, H, D) uint8 (e4m3 bits; unused if amax_only);
+        # mS (B, H, nb): fp32 scales, or int32 amax bits if amax_only
+        grid = (cute.size(mS.shape[2]), cute.size(mX.shape[2]), cute.size(mX.shape[0]))
+        self.kernel(mX, mY, mS).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        smem = SmemAllocator()
+        red = smem.allocate_tensor(Uint32, cute.make_layout(THREADS // 32), byte_alignment=16)
+
+        S = mX.shape[1]
+        H = mX.shape[2]
+        row = tidx // self.vpr
+        col = tidx % self.vpr
+        x_base = mX.iterator.toint()
+        vals = cute.make_rmem_tensor((self.iters * 4,), Uint32)
+        m = Uint32(0)
+        for it in cutlass.range_constexpr(self.iters):
+            s = blk * BLOCK + it * self.rpi + row
+            tok = (Int64(batch) * S + s) * H + head  # token row index in (B, S, H)
+            w = ld_v4_pred(x_base + tok * (self.d * 2) + col * 16, s < S)
+            for j in cutlass.range_constexpr(4):
+                vals[it * 4 + j] = w[j]
+                m = absmax_bf16x2(m, w[j])
+        m = umax(m & Uint32(0xFFFF), m >> Uint32(16))
+        amax = _block_max(m, red, tidx)
+
+        if cutlass.const_expr(self.amax_only):
+            if tidx == 0:
+                mS[batch, head, blk] = Int32(amax)
+        else:
+            scale = scale_from_amax_bits(amax)
+            if tidx == 0:
+                mS[batch, head, blk] = scale
+            y_base = mY.iterator.toint()
+            for it in cutlass.range_constexpr(self.iters):
+                s = blk * BLOCK + it * self.rpi + row
+                tok = (Int64(batch) * S + s) * H + head
+                q = quant8(vals[it * 4], vals[it * 4 + 1], vals[it * 4 + 2], vals[it * 4 + 3], scale)
+                st_v2_pred(y_base + tok * self.d + col * 8, q[0], q[1], s < S)
+
+
+class _VTranspose:
+    """V: per-(batch, head) scale from the block amaxes, e4m3 payload written as V^T with
+    permuted keys (the FP8 PV operand)."""
+
+    def __init__(self, head_dim: int):
+        self.d = head_dim
+        self.vpr = head_dim // 8
+        self.rpi = THREADS // self.vpr
+        self.iters = BLOCK // self.rpi
+        self.jobs = (BLOCK // 32) * head_dim  # (d, 32-key group) output runs per tile
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mA: cute.Tensor, mVt: cute.Tensor, mS: cute.Tensor, stream):
+        # mX (B, S, H, D) bf16; mA (B, H, nb) int32 block amax bits; mVt (B, H, D, Skp) uint8;
+        # mS (B, H) fp32
+        grid = (cute.ceil_div(cute.size(mVt.shape[3]), BLOCK), cute.size(mX.shape[2]), cute.size(mX.shape[0]))
+        self.kernel(mX, mA, mVt, mS).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mA: cute.Tensor, mVt: cute.Tensor, mS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        # walk the tiles in the reverse of the amax pass's launch order: the first CTAs read
+        # what that pass touched last, which may still be in L2
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, gz = cute.arch.grid_dim()
+        tile, head, batch = gx - 1 - bx, gy - 1 - by, gz - 1 - bz
+        smem = SmemAllocator()
+        red = smem.allocate_tensor(Uint32, cute.make_layout(THREADS // 32), byte_alignment=16)
+        # the quantized tile, (key, d) with d contiguous: BLOCK * D bytes
+        s_words = smem.allocate_tensor(Uint32, cute.make_layout(BLOCK * self.d // 4), byte_alignment=16)
+        s_bytes = cute.recast_tensor(s_words, cutlass.Uint8)
+
+        S = mX.shape[1]
+        H = mX.shape[2]
+        nb = mA.shape[2]
+        skp = mVt.shape[3]
+
+        # issue the tile's loads first; the scale reduction runs while they are in flight
+        row = tidx // self.vpr
+        col = tidx % self.vpr
+        x_base = mX.iterator.toint()
+        vals = cute.make_rmem_tensor((self.iters * 4,), Uint32)
+        for it in cutlass.range_constexpr(self.iters):
+            s = tile * BLOCK + it * self.rpi + row
+            tok = (Int64(batch) * S + s) * H + head
+            w = ld_v4_pred(x_base + tok * (self.d * 2) + col * 16, s < S)
+            for j in cutlass.range_constexpr(4):
+                vals[it * 4 + j] = w[j]
+
+        m = Uint32(0)
+        for i in cutlass.range(tidx, nb, THREADS, unroll=1):
+            m = umax(m, Uint32(mA[batch, head, i]))
+        amax = _block_max(m, red, tidx)
+        scale = scale_from_amax_bits(amax)
+        if tile == 0 and tidx == 0:
+            mS[batch, head] = scale
+
+        for it in cutlass.range_constexpr(self.iters):
+            r = it * self.rpi + row
+            q = quant8(vals[it * 4], vals[it * 4 + 1], vals[it * 4 + 2], vals[it * 4 + 3], scale)
+            # keys past S are padding: byte 0, whatever the scale (the torch path zero-fills)
+            keep = tile * BLOCK + r < S
+            s_words[r * (self.d // 4) + col * 2] = keep_if(q[0], keep)
+            s_words[r * (self.d // 4) + col * 2 + 1] = keep_if(q[1], keep)
+        cute.arch.sync_threads()
+
+        # one job = 32 consecutive output bytes of one d row: lanes take consecutive d, so the
+        # byte gathers of a warp hit 32 consecutive bytes of one key row (no bank conflicts)
+        vt_base = mVt.iterator.toint()
+        for i in cutlass.range_constexpr((self.jobs + THREADS - 1) // THREADS):
+            j = tidx + i * THREADS
+            d = j % self.d
+            g = j // self.d
+            key0 = tile * BLOCK + g * 32
+            if j < self.jobs:
+                if key0 < skp:
+                    out = []
+                    for p4 in cutlass.range_constexpr(8):
+                        b = [Uint32(s_bytes[(g * 32 + FP8_P_KEY_PERM[4 * p4 + e]) * self.d + d])
+                             for e in range(4)]
+                        out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
+                    addr = vt_base + ((Int64(batch) * H + head) * self.d + d) * skp + key0
+                    st_v4(addr, out[0], out[1], out[2], out[3])
+                    st_v4(addr + 16, out[4], out[5], out[6], out[7])
+
+
+# ------------------------------------------------------------------ host side
+
+_COMPILED: dict = {}
+
+
+def _use_tvm_ffi() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def _check_head_dim(d: int):
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"fused FP8 quantizer: head dim must be one of {SUPPORTED_HEAD_DIMS}; got {d}")
+
+
+def _fake_args(kind: str, d: int):
+    from cutlass.cute.runtime import make_fake_compact_tensor as fake
+
+    sym = cute.sym_int
+    b, s, h, nb = sym(), sym(), sym(), sym()
+    x = fake(cutlass.BFloat16, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+    if kind == "block":
+        y = fake(cutlass.Uint8, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+        sc = fake(Float32, (b, h, nb), stride_order=(2, 1, 0), assumed_align=4)
+        return (x, y, sc)
+    amax = fake(Int32, (b, h, nb), stride_order=(2, 1, 0), assumed_align=4)
+    if kind == "amax":
+        return (x, x, amax)
+    skp = sym(divisibility=32)
+    vt = fake(cutlass.Uint8, (b, h, d, skp), stride_order=(3, 2, 1, 0), assumed_align=16)
+    sv = fake(Float32, (b, h), stride_order=(1, 0), assumed_align=4)
+    return (x, amax, vt, sv)
+
+
+def _compile(kind: str, d: int, tvm_ffi=None):
+    """Compile one kernel once per process (per head dim and calling convention); the target
+    is fixed to sm_90a, so no GPU is needed."""
+    _check_head_dim(d)
+    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
+    key = (kind, d, tvm_ffi)
+    if key not in _COMPILED:
+        op = {"block": lambda: _BlockQuant(d, False), "amax": lambda: _BlockQuant(d, True),
+              "vt": lambda: _VTranspose(d)}[kind]()
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+        opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
+        _COMPILED[key] = cute.compile(op, *_fake_args(kind, d), stream, options=opts)
+    return _COMPILED[key]
+
+
+def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
+    """Compile the three quantizer kernels for ``head_dim`` without a GPU; return their names."""
+    if arch != "sm_90a":
+        raise ValueError(f"the fused FP8 quantizer is a Hopper kernel: arch must be 'sm_90a', got {arch!r}")
+    names = []
+    for kind in ("block", "amax", "vt"):
+        _compile(kind, head_dim, tvm_ffi=False)
+        names.append(f"fp8_quantize_{kind}_d{head_dim}")
+    return names
+
+
+def _launch(kind: str, d: int, *tensors):
+    import torch
+
+    with torch.cuda.device(tensors[0].device):
+        tvm_ffi = _use_tvm_ffi()
+        kern = _compile(kind, d, tvm_ffi)
+        if tvm_ffi:
+            kern(*tensors)
+            return
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        def conv(t):
+            ct = from_dlpack(t, assumed_align=4 if t.element_size() == 4 and t.dim() < 4 else 16)
+            return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        kern(*[conv(t) for t in tensors], stream)
+
+
+def _prep(x, what: str):
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"fused FP8 quantizer: {what} must be a 4-d (B, S, H, D) tensor; got "
+                         f"{type(x).__name__ if not isinstance(x, torch.Tensor) else tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 or not x.is_cuda:
+        raise ValueError(f"fused FP8 quantizer: {what} must be a CUDA bfloat16 tensor; got {x.dtype} on {x.device}")
+    _check_head_dim(x.shape[3])
+    if x.numel() == 0:
+        raise ValueError(f"fused FP8 quantizer: {what} must be non-empty; got shape {tuple(x.shape)}")
+    B, S, H, D = x.shape
+    # the kernels take compact row-major tensors (exact strides, size-1 dims included) with a
+    # 16-byte aligned base (vector loads); anything else is copied once
+    if tuple(x.stride()) != (S * H * D, H * D, D, 1) or x.data_ptr() % 16:
+        x = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device).copy_(x)
+    return x
+
+
+def quantize_blockwise(x):
+    """(B, S, H, D) bf16 CUDA -> (e4m3 payload (B, S, H, D), fp32 scale (B, H, ceil(S/128)))."""
+    import torch
+
+    x = _prep(x, "x")
+    B, S, H, D = x.shape
+    nb = (S + BLOCK - 1) // BLOCK
+    y = torch.empty((B, S, H, D), dtype=torch.uint8, device=x.device)
+    sc = torch.empty((B, H, nb), dtype=torch.float32, device=x.device)
+    _launch("block", D, x, y, sc)
+    return y.view(torch.float8_e4m3fn), sc
+
+
+def quantize_v_operand(v):
+    """(B, S, Hkv, D) bf16 CUDA -> (V^T e4m3 (B, Hkv, D, Skp) with keys permuted per 32,
+    fp32 scale (B, Hkv))."""
+    import torch
+
+    v = _prep(v, "v")
+    B, S, H, D = v.shape
+    nb = (S + BLOCK - 1) // BLOCK
+    skp = (S + 31) // 32 * 32
+    amax = torch.empty((B, H, nb), dtype=torch.int32, device=v.device)
+    _launch("amax", D, v, v, amax)
+    vt = torch.empty((B, H, D, skp), dtype=torch.uint8, device=v.device)
+    sv = torch.empty((B, H), dtype=torch.float32, device=v.device)
+    _launch("vt", D, v, amax, vt, sv)
+    return vt.view(torch.float8_e4m3fn), sv
+
+
+def quantize_inputs(q, k, v):
+    """bf16 q, k, v -> (q8, k8, vt8, scale_q, scale_k, scale_v), the Hopper FP8 operands."""
+    q8, sq = quantize_blockwise(q)
+    k8, sk = quantize_blockwise(k)
+    vt8, sv = quantize_v_operand(v)
+    return q8, k8, vt8, sq, sk, sv
