@@ -440,13 +440,31 @@ def _fake_args():
 
 
 def _compile(arch=None, tvm_ffi=None):
-    """Compile once per process (per calling convention); symbolic shapes serve every size."""
+    """The compiled forward; symbolic shapes let one compile serve every B, S, H.
+
+    At run time (``arch`` None) the kernel goes through fp4gen's on-disk cache
+    (``fp4gen.runtime.cache``: keyed by this module's text, the calling convention
+    and the CuTe DSL version, written atomically), so a new process loads the
+    object file instead of tracing and compiling again. ``compile_only`` compiles
+    in memory only.
+    """
     tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
     if tvm_ffi not in _COMPILED:
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-        # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
-        opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
-        _COMPILED[tvm_ffi] = cute.compile(Sm90Fp8ExpD64Sm90Fwd(), *_fake_args(), stream, options=opts)
+        def build():
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+            # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
+            opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
+            return cute.compile(Sm90Fp8ExpD64Sm90Fwd(), *_fake_args(), stream, options=opts)
+
+        if arch is None:
+            from fp4gen.runtime import cache
+
+            with open(__file__, encoding="utf-8") as f:
+                source = f.read()
+            _COMPILED[tvm_ffi] = cache.compiled_kernel(
+                "forward", f"arch=sm_90a,tvm_ffi={tvm_ffi}", build, module_source=source, enable_tvm_ffi=tvm_ffi)
+        else:
+            _COMPILED[tvm_ffi] = build()
     return _COMPILED[tvm_ffi]
 
 
