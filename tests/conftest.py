@@ -1,7 +1,23 @@
-"""Shared pytest setup: tests marked ``@pytest.mark.gpu`` are skipped without CUDA."""
+"""Shared pytest setup: tests marked ``@pytest.mark.gpu`` are skipped without CUDA.
+
+On a checkout that is not pip-installed (the GPU machine), pyproject's package
+mapping (ir/ -> fp4gen.ir, ...) is registered by hand before any test imports it.
+"""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+if importlib.util.find_spec("fp4gen") is None or importlib.util.find_spec("fp4gen.ir") is None:
+    from fp4gen.runtime.srctree import use_source_tree
+
+    use_source_tree(_ROOT)
 
 
 def pytest_collection_modifyitems(config, items):

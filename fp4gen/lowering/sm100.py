@@ -120,6 +120,17 @@ def context(plan) -> dict:
     if pv.a_source != "tmem":
         raise LoweringError(f"PV's A operand (P) must come from TMEM, plan says {pv.a_source}")
 
+    # the operand formats the kernel and its host side (prepare_operands) implement
+    if spec.q.block not in (None, 16) or spec.k.block not in (None, 16):
+        raise LoweringError(f"sm100a lowering implements NVFP4 Q/K with blocks of 16 (plan: {spec.q}, {spec.k})")
+    vf = spec.v.format.value
+    if pv_fp8:
+        if vf != "fp8e4m3" or spec.v.granularity.value not in ("tensor", "none"):
+            raise LoweringError("sm100a lowering implements FP8 V as fp8e4m3 with one scale per (batch, head) "
+                                f"(scale=tensor); plan has V : {spec.v}")
+    elif vf != "mxfp4" or spec.v.block not in (None, 32):
+        raise LoweringError(f"sm100a lowering implements MXFP4 V with blocks of 32 keys; plan has V : {spec.v}")
+
     cols = tmem_columns(plan)
     need = list(REQUIRED_REGIONS) + list(SCALED_QK_REGIONS) + (list(SCALED_PV_REGIONS) if pv.block_scaled else [])
     missing = [n for n in need if n not in cols]
@@ -162,8 +173,10 @@ def context(plan) -> dict:
     gaps.append("the correction warpgroup writes O with plain global stores (no TMA store); the epilogue/spare "
                 "warps of the plan idle")
     gaps.append("P's block scales reach TMEM through SMEM + tcgen05.cp (not tcgen05.st)")
-    gaps.append("forward() refuses to launch: host-side packing of NVFP4/MXFP4 operands into the "
-                "scale-factor atom layout is not written")
+    gaps.append("forward() quantizes and packs the operands (prepare_operands; checked on the CPU against "
+                "fp4gen.numerics and the kernel's own global layouts), compiles and launches: the launch, "
+                "the FP4 nibble order as the hardware reads it and the tcgen05 scale-factor layout on the "
+                "device are unverified")
     gaps.append("never run on hardware: numerics are checked only by reading the code against docs/numerics.md")
 
     policy = spec.p_production.policy.value if p_mode == "directp_fp4" else None
@@ -178,6 +191,7 @@ def context(plan) -> dict:
         summary=summary,
         plan_json_literal=repr(plan_json(plan)),
         head_dim=spec.head_dim,
+        softmax_scale=repr(float(spec.scale)),
         tile_m=sch.tile_m,
         tile_n=sch.tile_n,
         q_stages=sch.q_stages,
