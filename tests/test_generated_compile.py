@@ -42,10 +42,11 @@ def _modules(target: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(ARCH))
-def test_generated_modules_compile(target):
+def test_generated_modules_compile(target, tmp_path):
     names = _modules(target)
     assert names, f"no generated {target} modules found in {GENERATED}"
-    env = dict(os.environ, CUTE_DSL_ARCH=ARCH[target])
+    # artifacts some modules keep (PTX for the sm100 conformance check) go to tmp, not the cwd
+    env = dict(os.environ, CUTE_DSL_ARCH=ARCH[target], CUTE_DSL_DUMP_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", CHILD.replace("sys.argv[0]", repr(ARCH[target])), *names],
                           capture_output=True, text=True, env=env, timeout=3000)
     assert proc.returncode == 0, f"compiling generated {target} modules failed:\n{proc.stderr[-4000:]}"
@@ -53,6 +54,7 @@ def test_generated_modules_compile(target):
     results = json.loads(line[len("RESULT "):])
     assert [r["module"] for r in results] == names
     for r in results:
-        # each module compiled at least its forward kernel, named after the kernel
-        assert r["compiled"] and any(r["module"].startswith(c.split(".")[0]) or c for c in r["compiled"])
+        # each module compiled its forward kernel, named after the kernel (module = KERNEL_TARGET)
+        kernel = r["module"][: -len("_" + target)]
+        assert any(c == kernel or c == kernel + ".forward" for c in r["compiled"]), r
     print("\n".join(f"{r['module']}: {r['compiled']} in {r['seconds']} s" for r in results))
