@@ -35,6 +35,21 @@ class LoweringError(Exception):
     """A plan that this backend cannot render (should have been refused by the planner)."""
 
 
+def template_env(subdir: str):
+    """The jinja2 environment every backend renders with: templates/<subdir>/, strict
+    undefined names (a context key the template needs but the plan lacks is an error,
+    never an empty string), block tags that leave no blank lines behind."""
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("fp4gen.templates", subdir),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
 def module_name(kernel_name: str, target: str) -> str:
     """File stem of the generated module for one kernel and target."""
     return f"{kernel_name}_{target}"

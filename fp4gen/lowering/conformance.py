@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional

@@ -14,13 +14,9 @@ import dataclasses
 import enum
 import json
 import math
-from pathlib import Path
 
-import jinja2
+from . import LoweringError, template_env
 
-from . import LoweringError
-
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "sm100"
 
 # TMEM regions the template addresses, by plan name (all must be in plan.tmem)
 REQUIRED_REGIONS = ("S0", "S1", "O0", "O1", "P0", "P1")
@@ -28,29 +24,6 @@ SCALED_QK_REGIONS = ("SFQ0", "SFK0", "SFQ1", "SFK1")
 SCALED_PV_REGIONS = ("SFP0", "SFV0", "SFP1", "SFV1")
 # warp roles in the order the template numbers warps (first warp of each role)
 ROLE_ORDER = ("softmax0", "softmax1", "correction", "mma", "load", "epilogue", "spare")
-
-
-def _template_dir() -> Path:
-    # installed layout: fp4gen/templates/sm100 (package data); source layout: repo/templates/sm100
-    try:
-        import fp4gen.templates as t
-
-        p = Path(t.__file__).resolve().parent / "sm100"
-        if (p / "fwd.py.j2").exists():
-            return p
-    except ImportError:
-        pass
-    return TEMPLATE_DIR
-
-
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(_template_dir())),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
 
 
 def _jsonable(x):
@@ -224,4 +197,4 @@ def context(plan) -> dict:
 
 def render(plan) -> str:
     """Source text of the generated sm100a module for ``plan``."""
-    return _env().get_template("fwd.py.j2").render(**context(plan))
+    return template_env("sm100").get_template("fwd.py.j2").render(**context(plan))

@@ -11,21 +11,10 @@ import enum
 import json
 from types import MappingProxyType
 
-import jinja2
 
-from . import LoweringError
+from . import LoweringError, template_env
 
 TEMPLATE = "fwd.py.j2"
-
-
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.PackageLoader("fp4gen.templates", "sm90"),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
 
 
 def _plain(x):
@@ -132,7 +121,7 @@ def context(plan) -> dict:
 def render(plan) -> str:
     """Source text of the generated Hopper module for ``plan``: the forward, plus the
     backward section (``sm90_bwd.render_backward``) when the spec has a backward block."""
-    src = _env().get_template(TEMPLATE).render(**context(plan))
+    src = template_env("sm90").get_template(TEMPLATE).render(**context(plan))
     if plan.spec.backward is not None:
         from .sm90_bwd import render_backward
 

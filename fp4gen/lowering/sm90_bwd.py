@@ -13,21 +13,10 @@ it into a jinja2 context.
 """
 from __future__ import annotations
 
-import jinja2
 
-from . import LoweringError
+from . import LoweringError, template_env
 
 TEMPLATE = "bwd.py.j2"
-
-
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.PackageLoader("fp4gen.templates", "sm90"),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
 
 
 def backward_plan(plan):
@@ -84,4 +73,4 @@ def context(plan) -> dict:
 
 def render_backward(plan) -> str:
     """Source text of the backward section for ``plan`` (append to the forward module)."""
-    return _env().get_template(TEMPLATE).render(**context(plan))
+    return template_env("sm90").get_template(TEMPLATE).render(**context(plan))

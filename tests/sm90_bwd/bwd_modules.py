@@ -9,25 +9,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import tempfile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _shim_plain_checkout():
-    """On a plain checkout (the device machine) pyproject's mapping ir/ -> fp4gen.ir is
-    missing; add it by extending fp4gen's package path."""
+    """On a plain checkout (the device machine: nothing pip-installed) register pyproject's
+    package mapping (ir/ -> fp4gen.ir, ...) by hand."""
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
-    import fp4gen
+    from fp4gen.runtime.srctree import use_source_tree
 
-    if importlib.util.find_spec("fp4gen.ir") is not None:
-        return
-    shim = tempfile.mkdtemp(prefix="fp4gen_shim_")
-    for name in ("ir", "cli", "generated", "templates"):
-        if os.path.isdir(os.path.join(_ROOT, name)):
-            os.symlink(os.path.join(_ROOT, name), os.path.join(shim, name))
-    fp4gen.__path__.append(shim)
+    use_source_tree(_ROOT)
 
 
 _shim_plain_checkout()
