@@ -38,7 +38,7 @@ def to_text(plan: KernelPlan) -> str:
              f"kv_stages {plan.pipeline.kv_stages if plan.pipeline else sch.kv_stages or '-'}, "
              f"P via {s.p_production.kind.value}"
              + (f"({s.p_production.policy.value}, a={s.p_production.a}, b={s.p_production.b})"
-                if s.p_production.kind.value == "direct_p" else ""))
+                if s.p_production.kind.value == "direct_p" and not s.p.format.is_fp8 else ""))
     L.append("")
     L.append("MMA")
     for m in plan.mma:

@@ -159,9 +159,15 @@ def _check_p_production(spec: KernelSpec) -> None:
                             ["Direct-P writes E2M1 codes with one E8M0 exponent per 32 keys: write P : mxfp4 via direct_p"])
         if t is Target.SM90A and not p.format.is_fp8:
             raise PlanError(f"direct_p on sm90a produces fp8 codes, but P is {p}", loc,
-                            ["write P : fp8e4m3 via direct_p(...)"])
+                            ["write P : fp8e4m3 via direct_p"])
         if t is Target.REFERENCE and not (p.format is Format.MXFP4 or p.format.is_fp8):
             raise PlanError(f"direct_p produces mxfp4 or fp8 codes, but P is {p}", loc)
+        given = [k for k in ("P.via.a", "P.via.b", "P.via.policy") if spec.loc(k) is not None]
+        if p.format.is_fp8 and given:
+            raise PlanError(f"direct_p into {p.format.value} takes no classifier parameters "
+                            f"({', '.join(g.rsplit('.', 1)[1] for g in given)} given)", spec.loc(given[0]),
+                            ["FP8 Direct-P is the exact piecewise-linear 2^x of docs/numerics.md; policy, a and b "
+                             "tune the FP4 (E2M1) classifier only: write P : fp8e4m3 via direct_p"])
         if not (0.0 < pp.a <= 8.0) or not (-8.0 <= pp.b <= 8.0):
             raise PlanError(f"direct_p classifier a={pp.a}, b={pp.b} is outside the usable range",
                             _loc(spec, "P.via.a", "P.via"), ["the paper uses a in [1.5, 1.6], b in [0.95, 1.2]"])

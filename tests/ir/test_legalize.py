@@ -120,3 +120,12 @@ def test_render_has_location_and_caret():
         assert "    ^" in text
     else:
         pytest.fail("accepted fp4 on sm90a")
+
+
+def test_fp8_direct_p_refuses_classifier_parameters():
+    # `P : fp8e4m3 via direct_p(a=...)`: a/b/policy tune the FP4 classifier only
+    spec = specs.sm90_fp8(locs=specs.locs())  # locs() records P.via.a as written by the user
+    with pytest.raises(PlanError) as e:
+        plan_kernel(spec)
+    assert "takes no classifier parameters" in e.value.message
+    assert e.value.loc.line == line_of("P.via.a")
