@@ -43,10 +43,12 @@ KV_STAGES = 4
 CAUSAL = False
 PV_FP8 = False  # True: P/V in FP8 E4M3
 PV_BLOCK_SCALED = True  # PV kind carries P/V block scales (MXFP4: E8M0 1x32)
+PV_SF_VEC = 32  # keys per P/V block scale: 32 (MXFP4, E8M0) or 16 (NVFP4, E4M3)
 V_K_MAJOR = True  # V stored transposed (D x keys) for a K-major PV B operand
 N_WARPS = 16
 REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 80, 48
-P_MODE = "directp_fp4"  # directp_fp4 | exp_fp8
+P_MODE = "directp_fp4"  # directp_fp4 | exp_fp8 | two_level_fp4
+TWO_LEVEL = P_MODE == "two_level_fp4"  # O is kept in units of the tile's row factor r (docs/sm100.md)
 P_POLICY = "accurate"  # Direct-P policy: fast | accurate (None otherwise)
 O_SCALE = 1.0  # FP8 P is stored as e4m3(256 p): O is divided by 256
 LSE_SHIFT = 2.584962500721156  # log2(6) for MXFP4 Direct-P (PV consumes ~6 * 2^(t - m))
@@ -108,10 +110,12 @@ def _build():
 
     from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
     from fp4gen.device.sm100 import direct_p as dp
+    from fp4gen.device.sm100 import two_level as tl
 
     F4 = cutlass.Float4E2M1FN
     E4M3 = cutlass.Float8E4M3FN
     E8M0 = cutlass.Float8E8M0FNU
+    PV_SF = E4M3 if PV_SF_VEC == 16 else E8M0  # P/V block-scale type of a block-scaled PV
     PV_DTYPE = E4M3 if PV_FP8 else F4
     LOG2E = math.log2(math.e)
 
@@ -174,7 +178,7 @@ def _build():
             v_major = OperandMajorMode.K if const_expr(V_K_MAJOR) else OperandMajorMode.MN
             if const_expr(PV_BLOCK_SCALED):
                 pv_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-                    PV_DTYPE, PV_DTYPE, OperandMajorMode.K, v_major, E8M0, 32,
+                    PV_DTYPE, PV_DTYPE, OperandMajorMode.K, v_major, PV_SF, PV_SF_VEC,
                     tcgen05.CtaGroup.ONE, self.pv_tiler[:2], tcgen05.OperandSource.TMEM)
             else:
                 pv_mma = sm100_utils.make_trivial_tiled_mma(
@@ -190,10 +194,10 @@ def _build():
             sSFV_l = None
             sSFP_l = None
             if const_expr(PV_BLOCK_SCALED):
-                sSFV_l = bsl.make_smem_layout_sfb(pv_mma, self.pv_tiler, 32, KV_STAGES)
+                sSFV_l = bsl.make_smem_layout_sfb(pv_mma, self.pv_tiler, PV_SF_VEC, KV_STAGES)
                 # P's block scales take the same path as the loaded scales (SMEM -> tcgen05.cp
                 # -> TMEM): one buffer per query stage.
-                sSFP_l = bsl.make_smem_layout_sfa(pv_mma, self.pv_tiler, 32, Q_STAGES)
+                sSFP_l = bsl.make_smem_layout_sfa(pv_mma, self.pv_tiler, PV_SF_VEC, Q_STAGES)
             # Layout of P as the A operand read from TMEM.
             tP_l = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, PV_DTYPE, 1)
 
@@ -215,7 +219,7 @@ def _build():
             self.k_bytes = cute.size_in_bytes(F4, slice0(sK_l)) + cute.size_in_bytes(E4M3, slice0(sSFK_l))
             self.v_bytes = cute.size_in_bytes(PV_DTYPE, slice0(sV_l))
             if const_expr(PV_BLOCK_SCALED):
-                self.v_bytes += cute.size_in_bytes(E8M0, slice0(sSFV_l))
+                self.v_bytes += cute.size_in_bytes(PV_SF, slice0(sSFV_l))
 
             grid = (cute.ceil_div(seqlen_q, TILE_M * Q_STAGES), num_bh, 1)
             self.kernel(
@@ -258,7 +262,8 @@ def _build():
                 p_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2 * 2]
                 o_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
                 stats_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                row_sum: cute.struct.MemRange[Float32, Q_STAGES * TILE_M]
+                # two-level P: row_sum also holds the last tile's row factor r (after the sums)
+                row_sum: cute.struct.MemRange[Float32, Q_STAGES * TILE_M * (2 if TWO_LEVEL else 1)]
                 row_max: cute.struct.MemRange[Float32, Q_STAGES * TILE_M]
                 guard_flag: cute.struct.MemRange[Int32, Q_STAGES]
                 tmem_holding_buf: Int32
@@ -273,8 +278,8 @@ def _build():
             sSFV = None
             sSFP = None
             if const_expr(PV_BLOCK_SCALED):
-                sSFV = smem.allocate_tensor(E8M0, sSFV_l, 128)
-                sSFP = smem.allocate_tensor(E8M0, sSFP_l, 128)
+                sSFV = smem.allocate_tensor(PV_SF, sSFV_l, 128)
+                sSFP = smem.allocate_tensor(PV_SF, sSFP_l, 128)
 
             one = coop(1)
             wg = coop(32 * 4)
@@ -352,10 +357,10 @@ def _build():
             tSFK = [region_as("SFK%d" % j, E4M3, tSFK_l) for j in range(Q_STAGES)]
             tSFV, tSFP = None, None
             if const_expr(PV_BLOCK_SCALED):
-                tSFV_l = bsl.make_tmem_layout_sfb(pv_mma, self.pv_tiler, 32, slice0l(sSFV_l))
-                tSFP_l = bsl.make_tmem_layout_sfa(pv_mma, self.pv_tiler, 32, slice0l(sSFP_l))
-                tSFV = [region_as("SFV%d" % j, E8M0, tSFV_l) for j in range(Q_STAGES)]
-                tSFP = [region_as("SFP%d" % j, E8M0, tSFP_l) for j in range(Q_STAGES)]
+                tSFV_l = bsl.make_tmem_layout_sfb(pv_mma, self.pv_tiler, PV_SF_VEC, slice0l(sSFV_l))
+                tSFP_l = bsl.make_tmem_layout_sfa(pv_mma, self.pv_tiler, PV_SF_VEC, slice0l(sSFP_l))
+                tSFV = [region_as("SFV%d" % j, PV_SF, tSFV_l) for j in range(Q_STAGES)]
+                tSFP = [region_as("SFP%d" % j, PV_SF, tSFP_l) for j in range(Q_STAGES)]
 
             n_kv = cute.ceil_div(seqlen_k, TILE_N)
             if const_expr(CAUSAL):
@@ -409,7 +414,7 @@ def _build():
                 cpK = [self.s2t_part(s2t, sSFK, tSFK[j]) for j in range(Q_STAGES)]
                 cpV, cpP = None, None
                 if const_expr(PV_BLOCK_SCALED):
-                    s2t8 = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), E8M0)
+                    s2t8 = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), PV_SF)
                     cpV = [self.s2t_part(s2t8, sSFV, tSFV[j]) for j in range(Q_STAGES)]
                     cpP = [self.s2t_part(s2t8, sSFP, tSFP[j]) for j in range(Q_STAGES)]
                 hq0 = q_cons.wait_and_advance()
@@ -664,6 +669,10 @@ def _build():
             rm = cute.make_tensor(row_max_ptr + j * TILE_M, cute.make_layout(TILE_M))
             rs[t] = l_run
             rm[t] = m_run
+            if const_expr(TWO_LEVEL):
+                # O_j is in units of the last tile's r; stored after the row sums of both stages
+                rf = cute.make_tensor(row_sum_ptr + (Q_STAGES + j) * TILE_M, cute.make_layout(TILE_M))
+                rf[t] = r_prev
             hst.commit()
 
         @cute.jit
@@ -675,10 +684,14 @@ def _build():
             rm = cute.make_tensor(row_max_ptr + j * TILE_M, cute.make_layout(TILE_M))
             l = rs[t]
             m = rm[t]
+            o_fac = Float32(O_SCALE) * v_scale
+            if const_expr(TWO_LEVEL):
+                rf = cute.make_tensor(row_sum_ptr + (Q_STAGES + j) * TILE_M, cute.make_layout(TILE_M))
+                o_fac = o_fac * rf[t]  # the last KV tile's row factor r
             hst.release()
             ho = o_cons.wait_and_advance()
-            # P's fixed factor (FP8: PV consumed 256 p) and V's tensor scale fold into 1/l
-            inv = Float32(cutlass.select_(l > Float32(0.0), Float32(O_SCALE) * v_scale / l, Float32(0.0)))
+            # P's fixed factor (FP8: PV consumed 256 p; two-level: r) and V's tensor scale fold into 1/l
+            inv = Float32(cutlass.select_(l > Float32(0.0), o_fac / l, Float32(0.0)))
             o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
             tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
                 cute.composition(tOtO.layout, cute.make_layout((TILE_M, HEAD_DIM))), (None, 32)))
@@ -712,6 +725,7 @@ def _build():
 
 NVFP4_BLOCK = 16  # Q, K: 16 elements along D share one E4M3 scale (kind::mxf4nvf4 ... block16)
 MXFP4_BLOCK = 32  # V (and P): 32 keys share one E8M0 scale (block32)
+V_BLOCK = PV_SF_VEC  # keys per V block scale: MXFP4 32 (E8M0) or, with two-level P, NVFP4 16 (E4M3)
 # K-major V^T rows are padded to a multiple of V_KEY_PAD keys: TMA needs 16-byte row
 # strides (32 FP4 keys) and the kernel assumes the row stride divides by 128.
 V_KEY_PAD = 128
@@ -749,7 +763,7 @@ def _gmem_layouts(cute, bsl, seqlen_q, seqlen_k, num_bh, num_bh_kv):
         "vs": cute.make_layout(num_bh_kv),
         "sfq": bsl.tile_atom_to_shape_SF(q.shape, NVFP4_BLOCK),
         "sfk": bsl.tile_atom_to_shape_SF(k.shape, NVFP4_BLOCK),
-        "sfv": bsl.tile_atom_to_shape_SF(v.shape, MXFP4_BLOCK) if PV_BLOCK_SCALED else None,
+        "sfv": bsl.tile_atom_to_shape_SF(v.shape, V_BLOCK) if PV_BLOCK_SCALED else None,
     }
 
 
@@ -791,8 +805,8 @@ def operand_layouts(batch, seqlen_q, seqlen_k, heads, heads_kv):
         ("sfk", (Lkv, _sf_bytes(seqlen_k, D, NVFP4_BLOCK)), "uint8", "Float8E4M3FN", 128),
         ("v", v_shape, "uint8", "Float8E4M3FN" if PV_FP8 else "Float4E2M1FN", 128),
         # without V block scales the kernel never reads sfv; it still takes a pointer
-        ("sfv", (Lkv, _sf_bytes(D, seqlen_k, MXFP4_BLOCK)) if PV_BLOCK_SCALED else (SF_ATOM_BYTES,),
-         "uint8", "Float8E8M0FNU", 128),
+        ("sfv", (Lkv, _sf_bytes(D, seqlen_k, V_BLOCK)) if PV_BLOCK_SCALED else (SF_ATOM_BYTES,),
+         "uint8", "Float8E4M3FN" if V_BLOCK == NVFP4_BLOCK else "Float8E8M0FNU", 128),
         ("o", (L, seqlen_q, D), "bfloat16", "BFloat16", 128),
         ("lse", (L, seqlen_q), "float32", "Float32", 128),
         ("vs", (Lkv,), "float32", "Float32", 16),
@@ -849,8 +863,9 @@ def prepare_operands(q, k, v):
 
     Quantization is fp4gen.numerics' (bit for bit what fp4gen.numerics.reference does for
     this spec): Q, K NVFP4 along D (blocks of 16, E4M3 scales, no tensor scale); V MXFP4
-    along the keys (blocks of 32, E8M0 scales, 'ceil' rule) or, for FP8 PV, E4M3 with one
-    fp32 scale per (batch, kv head).
+    along the keys (blocks of 32, E8M0 scales, 'ceil' rule), NVFP4 along the keys (blocks
+    of 16, E4M3 scales; two-level P) or, for FP8 PV, E4M3 with one fp32 scale per (batch,
+    kv head).
     Layouts (see operand_layouts): payloads per (batch, head), E2M1 codes two per byte
     (element 2i in the low nibble); V transposed to (B*Hkv, D, Sk padded to 128) when the
     PV B operand is K-major; scale codes in the tcgen05 scale-factor atom layout
@@ -877,7 +892,10 @@ def prepare_operands(q, k, v):
         t["vs"] = vq.scale.reshape(B * Hkv).to(torch.float32).contiguous()
         t["sfv"] = torch.zeros(lay["sfv"].shape, dtype=torch.uint8, device=dev)  # not read
     else:
-        vq = quant.quantize_mxfp4(v, dim=1, block=MXFP4_BLOCK)
+        if V_BLOCK == NVFP4_BLOCK:
+            vq = quant.quantize_nvfp4(v, dim=1, block=NVFP4_BLOCK)
+        else:
+            vq = quant.quantize_mxfp4(v, dim=1, block=MXFP4_BLOCK)
         v_codes = vq.codes
         # scale codes come as (B, Hkv, D, Sk/32): rows = D, scale columns along the keys
         t["sfv"] = quant.to_tcgen05_sf_layout(vq.scale_codes.reshape(B * Hkv, HEAD_DIM, -1)).contiguous()

@@ -333,7 +333,7 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
     if pp.kind.value == "direct_p" and pp.policy.value == "fast" and spec.p.format.value == "mxfp4":
         if n_ex2 != 0:
             out.append(Mismatch("ptx.ex2", 0, n_ex2, "ptx", "fast Direct-P must not use MUFU.EX2"))
-    elif pp.kind.value == "exp" or pp.policy.value == "accurate":
+    elif pp.kind.value in ("exp", "two_level") or pp.policy.value == "accurate":
         if n_ex2 == 0:
             out.append(Mismatch("ptx.ex2", ">0", 0, "ptx", "this P production uses the hardware EX2"))
 

@@ -86,9 +86,12 @@ def context(plan) -> dict:
         p_mode, pv_fp8 = "directp_fp4", False
     elif pv.kind == "kind::f8f6f4" and pf == "fp8e4m3" and pk == "exp":
         p_mode, pv_fp8 = "exp_fp8", True
+    elif pv.kind == "kind::mxf4nvf4.block_scale.block16" and pk == "two_level" and pf == "nvfp4":
+        p_mode, pv_fp8 = "two_level_fp4", False
     else:
         raise LoweringError(
-            f"sm100a lowering implements P : mxfp4 via direct_p (PV kind::mxf4nvf4.block_scale.block32) and "
+            f"sm100a lowering implements P : mxfp4 via direct_p (PV kind::mxf4nvf4.block_scale.block32), "
+            f"P : nvfp4 via two_level (PV kind::mxf4nvf4.block_scale.block16) and "
             f"P : fp8e4m3 via exp (PV kind::f8f6f4); this plan has P : {pf} via {pk}, PV {pv.kind}")
     if pv.a_source != "tmem":
         raise LoweringError(f"PV's A operand (P) must come from TMEM, plan says {pv.a_source}")
@@ -101,6 +104,11 @@ def context(plan) -> dict:
         if vf != "fp8e4m3" or spec.v.granularity.value not in ("tensor", "none"):
             raise LoweringError("sm100a lowering implements FP8 V as fp8e4m3 with one scale per (batch, head) "
                                 f"(scale=tensor); plan has V : {spec.v}")
+    elif p_mode == "two_level_fp4":
+        # block16 PV: P and V share the kind, so V is NVFP4 (E4M3 scales per 16 keys, no tensor scale)
+        if vf != "nvfp4" or spec.v.block not in (None, 16) or spec.v.granularity.value not in ("block", "none"):
+            raise LoweringError("sm100a lowering implements NVFP4 V with blocks of 16 keys (E4M3 block scales, "
+                                f"no tensor scale) for two-level P; plan has V : {spec.v}")
     elif vf != "mxfp4" or spec.v.block not in (None, 32):
         raise LoweringError(f"sm100a lowering implements MXFP4 V with blocks of 32 keys; plan has V : {spec.v}")
 
@@ -141,8 +149,16 @@ def context(plan) -> dict:
         gaps.append(f"the guard sample(m={spec.guard.m}, l={spec.guard.l}) uses software dot products against the "
                     "sampled keys read from global memory (scalar byte loads, once per CTA): correct by "
                     "construction only, never run")
-    if p_mode == "exp_fp8":
+    if p_mode in ("exp_fp8", "two_level_fp4"):
         gaps.append("O rescaling (online max) is done by the softmax warps, not by the correction warpgroup")
+    if p_mode == "two_level_fp4":
+        gaps.append("two-level P keeps O in TMEM in units of the current tile's row factor r and rescales it "
+                    "by alpha * r_prev / r on every KV tile (a TMEM round trip of O per tile, even when the "
+                    "max does not move)")
+        gaps.append("two-level P rounding differs from fp4gen.numerics.directp.p_two_level by at most an ulp "
+                    "before each quantization: P2 = p * (1/r) and q = P2 * (1/s) use one reciprocal per row / "
+                    "block instead of a division per element, and r is clamped below at 2^-64 (tiles whose "
+                    "whole row is < 2^-52 of the row max); docs/sm100.md")
     gaps.append("the correction warpgroup writes O with plain global stores (no TMA store); the epilogue/spare "
                 "warps of the plan idle")
     gaps.append("P's block scales reach TMEM through SMEM + tcgen05.cp (not tcgen05.st)")
@@ -157,7 +173,9 @@ def context(plan) -> dict:
                f"{kv_stages} KV stages; TMEM {plan.tmem.alloc_columns} columns.")
     p_text = {"directp_fp4": f"Direct-P ({policy} policy, A={spec.p_production.a}, B={spec.p_production.b}): "
                              "E2M1 codes + E8M0 block exponents straight from the scores",
-              "exp_fp8": "exp2 on the MUFU, then E4M3 (256 p), online max"}[p_mode]
+              "exp_fp8": "exp2 on the MUFU, then E4M3 (256 p), online max",
+              "two_level_fp4": "exp2 on the MUFU (online max), then two-level NVFP4 (per-row factor "
+                               "r = rowmax(p)/2688, E2M1 codes of p/r, E4M3 scales per 16 keys)"}[p_mode]
     return dict(
         kernel_name=spec.name,
         spec_file=spec.source_file,
@@ -172,6 +190,8 @@ def context(plan) -> dict:
         causal=spec.mask.value == "causal",
         pv_fp8=pv_fp8,
         pv_block_scaled=bool(pv.block_scaled),
+        # keys per P/V block scale of the block-scaled PV (16: E4M3 scales, 32: E8M0)
+        pv_sf_vec=16 if p_mode == "two_level_fp4" else 32,
         v_k_major=pv.b_major == "K-major",
         p_mode=p_mode,
         p_policy=policy,
@@ -188,7 +208,8 @@ def context(plan) -> dict:
         regs_softmax=regs["softmax0"],
         regs_correction=regs.get("correction", regs["softmax0"]),
         regs_other=other.pop(),
-        pv_format_text="FP8 E4M3" if pv_fp8 else "MXFP4 (E2M1, 1x32 blocks, E8M0 scales)",
+        pv_format_text=("FP8 E4M3" if pv_fp8 else "NVFP4 (E2M1, 1x16 blocks, E4M3 scales)"
+                        if p_mode == "two_level_fp4" else "MXFP4 (E2M1, 1x32 blocks, E8M0 scales)"),
         pv_kind_text=pv.kind,
         p_text=p_text,
         gaps=gaps,

@@ -32,7 +32,7 @@ from fp4gen.numerics.formats import E2M1, E4M3, decode, decode_e8m0, unpack_fp4
 from fp4gen.numerics.reference import quantize_operand
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-VARIANTS = ("fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128")
+VARIANTS = ("fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128", "sage3_fp4_d128")
 # (B, Sq, Sk, H, Hkv): ragged Sq/Sk (not multiples of 128, 32 or 16), GQA, tiny
 SHAPES = [(2, 200, 333, 4, 2), (1, 1, 1, 1, 1), (1, 129, 96, 3, 1), (2, 256, 257, 2, 2)]
 
@@ -186,7 +186,7 @@ def test_prepared_operands_dequantize_to_the_reference(modules, name, shape):
         assert lay["sfv"] is None
     else:
         assert mod.V_K_MAJOR  # FP4 B operands must be K-major
-        _, _, vals = _read_fp4_operand(t["v"], t["sfv"], lay["v"], lay["sfv"], (D, Sk, Lkv), "e8m0")
+        _, _, vals = _read_fp4_operand(t["v"], t["sfv"], lay["v"], lay["sfv"], (D, Sk, Lkv), "e4m3" if mod.V_BLOCK == 16 else "e8m0")
         assert torch.equal(_bits(vals), _bits(want)), "V dequantizes differently from the reference"
         assert torch.equal(t["vs"], torch.ones(Lkv))
 

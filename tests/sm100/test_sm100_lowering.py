@@ -21,7 +21,7 @@ from fp4gen.lowering import LoweringError, sm100
 from fp4gen.lowering import conformance as C
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SUPPORTED = ("fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128")
+SUPPORTED = ("fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128", "sage3_fp4_d128")
 
 
 def plan_of(name: str):
@@ -72,9 +72,79 @@ def test_offsets_follow_the_plan_not_the_template(tmp_path):
     assert mod.TMEM["P0"] == (96, 111)
 
 
+def with_spec(plan, **changes):
+    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, **changes))
+
+
 def test_unsupported_p_production_is_refused_with_reason():
-    with pytest.raises(LoweringError, match="two_level"):
-        sm100.render(plan_of("sage3_fp4_d128"))
+    """two_level into MXFP4 P (a block32 PV) is not a variant the template implements."""
+    plan = plan_of("fa4_fp4_d128")
+    pp = dataclasses.replace(plan.spec.p_production, kind=type(plan.spec.p_production.kind)("two_level"))
+    with pytest.raises(LoweringError, match="P : mxfp4 via two_level"):
+        sm100.render(with_spec(plan, p_production=pp))
+
+
+def test_two_level_needs_nvfp4_v():
+    plan = plan_of("sage3_fp4_d128")
+    with pytest.raises(LoweringError, match="NVFP4 V with blocks of 16"):
+        sm100.render(with_spec(plan, v=plan_of("fa4_fp4_d128").spec.v))
+
+
+def test_two_level_renders_block16_pv(tmp_path):
+    mod = load_module(sm100.render(plan_of("sage3_fp4_d128")), tmp_path, "sage3")
+    assert mod.P_MODE == "two_level_fp4" and mod.TWO_LEVEL and mod.PV_SF_VEC == 16
+    assert mod.PV_BLOCK_SCALED and not mod.PV_FP8 and mod.LSE_SHIFT == 0.0
+    assert "two-level P" in mod.__doc__  # its numerics deviations are listed as known gaps
+    # V's block scales are E4M3 per 16 keys in the tcgen05 atom layout
+    lay = mod.operand_layouts(1, 256, 256, 2, 2)
+    assert lay["sfv"].cute_dtype == "Float8E4M3FN"
+    assert lay["sfv"].shape == (2, (128 // 128) * (256 // 16 // 4) * 512)
+
+
+def test_two_level_o_folding_matches_the_reference():
+    """The kernel's algebra, emulated on the CPU in float32: O kept in units of the tile's
+    row factor r (rescaled by alpha * r_prev / r before each PV, times the last r in the
+    epilogue), P2 = p * (1/r), codes of P2 * (1/s) -- against numerics' p_two_level with the
+    running max. Checks the derivation in docs/sm100.md, not the compiled kernel."""
+    import torch
+
+    from fp4gen.numerics import directp as dp
+    from fp4gen.numerics.formats import E2M1, E4M3, decode, encode
+
+    def kernel_tile(t, m):
+        p = torch.exp2(t - m[:, None])
+        pmax = p.amax(-1)
+        r = torch.where(pmax > 0, torch.clamp(pmax / 2688.0, min=2.0 ** -64), torch.ones_like(pmax))
+        b = (p * (1.0 / r)[:, None]).view(p.shape[0], -1, 16)
+        s = decode(encode(b.amax(-1) / 6.0, E4M3), E4M3)
+        inv_s = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+        deq = decode(encode(b * inv_s[..., None], E2M1), E2M1) * s[..., None]
+        return deq.view_as(p), r, p.sum(-1)
+
+    g = torch.Generator().manual_seed(0)
+    rows, n_tiles, D = 128, 4, 64
+    t = torch.randn(rows, 128 * n_tiles, generator=g) * 4.0
+    t[:8, 128:] = -float("inf")  # rows whose later tiles are fully masked (r = 1 there)
+    t[8:16, :128] -= 60.0  # a first tile far below the later max (alpha << 1)
+    v = torch.randn(128 * n_tiles, D, generator=g)
+    m = torch.full((rows,), -float("inf"))
+    o_ref, l_ref = torch.zeros(rows, D), torch.zeros(rows)
+    o_k, l_k, r_prev = torch.zeros(rows, D), torch.zeros(rows), torch.ones(rows)
+    for j in range(n_tiles):
+        tj, vj = t[:, 128 * j:128 * (j + 1)], v[128 * j:128 * (j + 1)]
+        m_new = torch.maximum(m, tj.amax(-1))
+        alpha = torch.where(torch.isinf(m), torch.ones_like(m), torch.exp2(m - m_new))
+        pv, l_inc = dp.p_two_level(tj, m_new)
+        o_ref, l_ref = o_ref * alpha[:, None] + pv @ vj, l_ref * alpha + l_inc
+        deq, r, lk_inc = kernel_tile(tj, m_new)
+        fac = torch.ones_like(r) if j == 0 else alpha * (r_prev / r)
+        o_k, l_k, r_prev = o_k * fac[:, None] + deq @ vj, l_k * alpha + lk_inc, r
+        # the quantized P the MMA consumes, times r, is the reference's P
+        assert torch.equal(deq * r[:, None], pv)
+        m = m_new
+    assert torch.equal(l_k, l_ref)
+    got, want = o_k * r_prev[:, None] / l_k[:, None], o_ref / l_ref[:, None]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
 
 
 def test_plan_without_a_required_region_is_refused():
@@ -166,7 +236,7 @@ def test_wrong_offset_is_caught(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fa4_nvfp8_d128", "fa4_nvmx_accurate_d128"])
+@pytest.mark.parametrize("name", ["fa4_nvfp8_d128", "fa4_nvmx_accurate_d128", "sage3_fp4_d128"])
 def test_other_variants_conform(name, tmp_path):
     plan = plan_of(name)
     art = C.compile_artifacts(sm100.render(plan), str(tmp_path))
@@ -174,6 +244,12 @@ def test_other_variants_conform(name, tmp_path):
     assert C.check_conformance(plan, art) == []
     if name == "fa4_nvfp8_d128":
         assert "kind::f8f6f4" in art.ptx and "block_scale.block32" not in art.ptx
+        assert not re.search(r"bar\.sync\s+3, 128", art.ptx)  # no guard in this spec
+    elif name == "sage3_fp4_d128":
+        # two-level P: exp2 on the MUFU, hardware E2M1 / E4M3 conversions, one block16 kind
+        assert "kind::mxf4nvf4.block_scale.block16" in art.ptx and "block_scale.block32" not in art.ptx
+        assert "ex2." in art.ptx
+        assert "cvt.rn.satfinite.e2m1x2.f32" in art.ptx and "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
         assert not re.search(r"bar\.sync\s+3, 128", art.ptx)  # no guard in this spec
     else:
         assert "ex2." in art.ptx  # the accurate policy puts EX2 on the value path
