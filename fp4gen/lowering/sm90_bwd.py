@@ -44,7 +44,8 @@ def context(plan) -> dict:
         raise LoweringError(f"sm90 backward tiles must be 64 x (64 x warpgroups), got {bp.tile_m} x {bp.tile_n}")
     name = spec.name
     summary = [
-        f"tiles: {bp.tile_m} queries x {bp.tile_n} keys, {bp.mma_warpgroups} MMA warpgroups + 1 TMA warp, "
+        f"tiles: {bp.tile_m} queries x {bp.tile_n} keys, {bp.mma_warpgroups} MMA warpgroups + a TMA warp "
+        "and a dQ warp, "
         f"Q/dO stages {bp.q_stages}, dS stages {bp.ds_stages}, SMEM {bp.smem_bytes} B",
         "MMAs: " + "; ".join(f"{m.formula} (A {m.a_source})" for m in bp.mmas),
         f"dQ: {bp.dq_reduction}; dK/dV: {bp.dkv_output}",

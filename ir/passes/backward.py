@@ -9,11 +9,13 @@ scores from the forward's Q/K and the stored LSE, then runs five MMAs::
     dP^T = V dO^T            already in the register order of the next A operand)
     dV  += P^T dO            A = P^T from registers
     dK  += dS^T Q            A = dS^T from registers
-    dQ   = dS K              A = dS from SMEM (dS^T written, read MN-major), added to an
-                             fp32 dQ accumulator in global memory with atomics; when the
-                             spec asks for ``deterministic`` the key tiles take turns
-                             (a per-query-tile counter), so every element sees its adds
-                             in ascending key-tile order.
+    dQ   = dS K              A = dS from SMEM (dS^T written, read MN-major); the fp32
+                             tile is staged in SMEM and a dQ warp adds it into a global
+                             accumulator with bulk reduces (cp.reduce.async.bulk, whole
+                             rows), while the MMA warps run dK; when the spec asks for
+                             ``deterministic`` the key tiles take turns (a per-query-tile
+                             counter), so every element sees its adds in ascending
+                             key-tile order.
 
 Preprocessing (D_i = rowsum(dO * O), LSE in log2 units, padding) and postprocessing
 (dQ scale and cast, the GQA sum of dK/dV) are host-side torch ops in this first version.
@@ -63,7 +65,7 @@ class BackwardPlan:
     tile_m: int  # query rows per inner step
     tile_n: int  # keys per CTA
     mma_warpgroups: int
-    producer_warps: int  # active TMA warps (one warpgroup is reserved for them)
+    producer_warps: int  # active warps of the producer warpgroup (TMA loads, dQ bulk adds)
     threads: int
     q_stages: int  # Q/dO ring depth
     ds_stages: int
@@ -72,7 +74,7 @@ class BackwardPlan:
     mma_format: str  # operand format of the five MMAs (bf16 today)
     mmas: tuple[BwdMma, ...]
     deterministic: bool
-    dq_reduction: str  # atomic_fp32 | ordered_atomic_fp32
+    dq_reduction: str  # bulk_reduce_fp32 | ordered_bulk_reduce_fp32
     dkv_output: str  # what the kernel writes for dK/dV
     preprocess: str
     postprocess: str
@@ -115,9 +117,8 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
             f"({'/'.join(sorted(f.value for f in qk_fmt))}) is not implemented",
             spec.loc("backward.reuse") or spec.loc("Q"),
             notes=("drop q k from `reuse` to recompute S from bf16 Q/K",))
-    if spec.v.format is not Format.BF16:
-        raise PlanError(f"the sm90a backward needs V in bf16 (dP = dO V^T), got {spec.v.format.value}",
-                        spec.loc("V"))
+    # V is never reused: the backward reads the caller's bf16 V (autograd saves the inputs),
+    # so a forward that quantizes V (the FP8 P/V training recipe) still has a bf16 dP = dO V^T.
     grads = tuple((n, bw.format_of(n).format.value) for n in ("dO", "dP", "dS", "dQ", "dK", "dV"))
     fp8_grads = [n for n, f in grads if f.startswith("fp8")]
     if fp8_grads:
@@ -148,6 +149,8 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         SmemItem("dO", BWD_Q_STAGES * m * d * eb, f"{BWD_Q_STAGES} stages x {m} x {d}; K-major (dP), MN-major (dV)"),
         SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
                  f"{BWD_DS_STAGES} x {n_} keys x {m} queries (dS^T), MN-major A operand of dQ"),
+        SmemItem("dQ", m * (d + 4) * 4,
+                 f"{m} x {d} fp32 staging tile for the dQ warp's bulk reduces (rows padded by 4 words)"),
         SmemItem("mbarriers", (2 + 2 * BWD_Q_STAGES) * MBARRIER_BYTES, "K/V full+empty, Q/dO ring"),
     )
     total = sum(i.bytes for i in smem)
@@ -169,7 +172,7 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         tile_m=m,
         tile_n=n_,
         mma_warpgroups=BWD_MMA_WARPGROUPS,
-        producer_warps=1,
+        producer_warps=2,
         threads=threads,
         q_stages=BWD_Q_STAGES,
         ds_stages=BWD_DS_STAGES,
@@ -178,7 +181,7 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         mma_format=mfmt,
         mmas=mmas,
         deterministic=deterministic,
-        dq_reduction="ordered_atomic_fp32" if deterministic else "atomic_fp32",
+        dq_reduction="ordered_bulk_reduce_fp32" if deterministic else "bulk_reduce_fp32",
         dkv_output="bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups",
         preprocess="host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m",
         postprocess="host: dQ = scale * dQ_accum, cast to bf16",

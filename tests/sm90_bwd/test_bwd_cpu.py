@@ -36,9 +36,10 @@ def test_plan_of_the_example_spec():
     assert (bp.tile_m, bp.tile_n, bp.mma_warpgroups, bp.head_dim, bp.causal) == (64, 128, 2, 128, True)
     assert bp.reuse == ("k", "lse", "q")
     assert bp.grad_format("dO") == "bf16" and bp.mma_format == "bf16"
-    assert not bp.deterministic and bp.dq_reduction == "atomic_fp32"
-    # K, V (128 x 128 bf16 each), 2 x Q, 2 x dO (64 x 128), 2 x dS (64 x 128), barriers
-    assert bp.smem_bytes == 2 * 32768 + 2 * 16384 + 2 * 16384 + 2 * 16384 + 48
+    assert not bp.deterministic and bp.dq_reduction == "bulk_reduce_fp32"
+    # K, V (128 x 128 bf16 each), 2 x Q, 2 x dO (64 x 128), 2 x dS (64 x 128),
+    # the fp32 dQ staging tile (64 rows of 128 + 4 padding words), barriers
+    assert bp.smem_bytes == 2 * 32768 + 2 * 16384 + 2 * 16384 + 2 * 16384 + 64 * 132 * 4 + 48
     assert bp.smem_bytes <= SMEM_LIMIT_BYTES
     assert bp.registers_total <= 65536
     assert [m.name for m in bp.mmas] == ["S", "dP", "dV", "dK", "dQ"]
@@ -48,7 +49,7 @@ def test_plan_of_the_example_spec():
 
 def test_deterministic_plan_uses_a_buffer():
     bp = plan_backward(bm.make_plan(64, True, True))
-    assert bp.deterministic and bp.dq_reduction == "ordered_atomic_fp32" and bp.head_dim == 64
+    assert bp.deterministic and bp.dq_reduction == "ordered_bulk_reduce_fp32" and bp.head_dim == 64
 
 
 def _plan(**kw):
@@ -63,11 +64,21 @@ def _plan(**kw):
     (dict(backward=Backward(formats={"dS": OperandFormat(Format.FP8E4M3)})), "FP8 gradient"),
     (dict(backward=Backward(formats={"dQ": OperandFormat(Format.FP16)})), "bf16 only"),
     (dict(q=OperandFormat(Format.FP8E4M3), k=OperandFormat(Format.FP8E4M3)), "fp8 Q/K"),
-    (dict(v=OperandFormat(Format.FP8E4M3)), "V in bf16"),
 ])
 def test_plan_refusals(kw, match):
     with pytest.raises(PlanError, match=match):
         plan_backward(_plan(**kw))
+
+
+def test_plan_accepts_a_forward_that_quantizes_v():
+    # the FP8 P/V training recipe: the backward reads the caller's bf16 V, not the forward's FP8 one
+    spec = dataclasses.replace(bm.make_spec(128, True, False), p=OperandFormat(Format.FP8E4M3),
+                               v=OperandFormat(Format.FP8E4M3))
+    from fp4gen.ir.passes.backward import plan_backward
+    from fp4gen.ir.passes import plan_kernel
+
+    bp = plan_backward(plan_kernel(spec))
+    assert bp.mma_format == "bf16" and "v" not in bp.reuse
 
 
 def test_fp8_qk_without_reuse_is_planned_as_bf16():
@@ -89,8 +100,8 @@ def test_render_contract(d, causal, det):
         assert banned not in sec
     full = bm.render_module(plan)
     compile(full, plan.spec.name, "exec")
-    # dQ by fp32 atomics; the deterministic variant takes turns per query tile
-    assert "red.global.add.v2.f32" in sec
+    # dQ by bulk reduces from SMEM; the deterministic variant takes turns per query tile
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in sec and "red.global.add" not in sec
     assert ("_bwd_ld_acquire_s32(turn)" in sec) == det and ("dq_turn" in sec) == det
 
 
@@ -126,7 +137,7 @@ def _compile(variants, tmp_path):
             ptx, gqa_ptx = ptxs
             names = mod.compile_only_backward("sm_90a")  # cached: the two above
             out[tag] = dict(names=names, s=time.time() - t, wgmma=ptx.count("wgmma.mma_async.sync"),
-                            red=ptx.count("red.global.add.v2.f32"), ex2=ptx.count("ex2.approx"),
+                            red=ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"), ex2=ptx.count("ex2.approx"),
                             acquire=ptx.count("ld.acquire.gpu"), release=ptx.count("red.release.gpu"),
                             tma=ptx.count("cp.async.bulk.tensor"),
                             st16=ptx.count("st.global.b16"), gqa_st16=gqa_ptx.count("st.global.b16"),
@@ -146,8 +157,8 @@ def _check_ptx(facts, d, det):
     assert facts["wgmma"] == 2 * (d // 16) + 2 * (64 // 16) + 128 // 16, facts
     # one exp per score a thread holds: 64 keys x 64 queries / 128 threads
     assert facts["ex2"] == 32, facts
-    # dQ: 64 x d/2 fp32 per warpgroup, one 2-wide red per column pair per thread
-    assert facts["red"] == 64 * (d // 2) // 128 // 2, facts
+    # dQ: the dQ warp adds the 64-row SMEM tile one row per bulk reduce, two rows per lane
+    assert facts["red"] == 64 // 32, facts
     # deterministic: wait for this key tile's turn (acquire), pass it on (release)
     assert (facts["acquire"] > 0 and facts["release"] == 1) if det else (facts["acquire"] == facts["release"] == 0), facts
     assert facts["tma"] >= 4, facts  # K, V, Q, dO
