@@ -2,30 +2,42 @@
 """Train a small GPT with fp4gen attention or BF16 SDPA, same seed, same data.
 
 The model is a byte-level GPT (pre-LayerNorm, learned positions, GELU MLP,
-tied embeddings); only the attention core differs between the two runs:
+tied embeddings); only the attention core differs between runs:
 
 - ``--attn sdpa``: ``torch.nn.functional.scaled_dot_product_attention``,
   causal, in bf16 under autocast on CUDA (fp32 on the CPU);
 - ``--attn fp4gen --spec FILE.attn[::KERNEL]``: ``fp4gen.torch_ops.attention``
-  with that spec's numerics (default: the paper's training recipe, NVFP4 Q/K
-  with FP8 P/V and an FP8 causal backward). It runs a generated kernel where one
+  with that spec's numerics (default: the FP8 P/V training recipe for Hopper,
+  examples/sm90_fp8_train_d128.attn). It runs a generated kernel where one
   exists for this GPU and spec, else the reference backend; the JSON records
   which one ran (``backend`` and ``dispatch_counts``).
 
+``--recipe`` names the three runs the comparison is made of (explicit
+``--attn/--spec/--backend`` flags still win):
+
+- ``sdpa``: BF16 SDPA, the baseline;
+- ``bf16``: fp4gen's generated BF16 causal forward + backward (sm90a);
+- ``fp8``:  the FP8 P/V recipe, generated FP8 forward (Q, K per-block E4M3,
+  P from exp in E4M3, V E4M3) + generated BF16 backward (sm90a).
+
 The corpus is the Python standard library's source, byte-level (see
 bench/train_data.py): nothing is downloaded. Parameters and batches come from
-``--seed``, so the two runs start from the same weights and see the same data.
+``--seed``, so every run starts from the same weights and sees the same data.
 
-    python3 bench/train_gpt.py --attn sdpa   --steps 2000
-    python3 bench/train_gpt.py --attn fp4gen --spec examples/fa4_nvfp8_d128.attn --steps 2000
-    python3 bench/plot_train.py train_sdpa.json train_fp4gen.json -o train_loss.png
-    python3 bench/train_gpt.py --attn fp4gen --steps 3 --tiny      # CPU smoke test
+    python3 bench/train_gpt.py --recipe sdpa                        # on the H200
+    python3 bench/train_gpt.py --recipe fp8
+    python3 bench/plot_train.py train_sdpa.json train_fp8.json -o train_loss.png
+    python3 bench/train_gpt.py --recipe fp8 --backend reference --steps 3 --tiny   # CPU smoke test
 
-Output: ``--out``, else ``$OUT/train_<attn>.json`` when $OUT is set (device
-runs), else ``./train_<attn>.json``. Loss is logged every ``--log-every``
-steps (the mean over that window) with the median step time; held-out loss
-every ``--eval-every`` steps and at the end. A run whose loss turns NaN/Inf
+Output: ``--out``, else ``$OUT/train_<recipe or attn>.json`` when $OUT is set
+(device runs), else ``./train_<recipe or attn>.json``. Loss is logged every
+``--log-every`` steps (the mean over that window) with the median step time;
+held-out loss every ``--eval-every`` steps and at the end. Every step's time is
+kept (``step_ms``); ``step_time`` summarises them after ``--timing-warmup``
+steps (kernel compilation, allocator warm-up). A run whose loss turns NaN/Inf
 stops there and says so (``diverged_at_step``): divergence is a result.
+``--time-budget-s`` stops a run early (``stopped_early_at_step``) so that one
+slow run cannot use up a device call.
 """
 from __future__ import annotations
 
@@ -48,7 +60,15 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DEFAULT_SPEC = "examples/fa4_nvfp8_d128.attn"
+DEFAULT_SPEC = "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_causal_d128"
+
+# --recipe: (attn, spec, backend) of each run of the comparison
+RECIPES = {
+    "sdpa": ("sdpa", None, None),
+    "bf16": ("fp4gen", "examples/sm90_bf16_d128.attn::sm90_bf16_causal_d128", "generated"),
+    "fp8": ("fp4gen", "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_causal_d128", "generated"),
+}
+RECIPE_LABELS = {"sdpa": "SDPA BF16", "bf16": "fp4gen BF16", "fp8": "fp4gen FP8 P/V"}
 
 sys.path.insert(0, str(HERE))
 from train_data import Batches, load_corpus  # noqa: E402
@@ -151,13 +171,17 @@ def fp4gen_core(spec, backend):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--attn", choices=("fp4gen", "sdpa"), required=True)
-    ap.add_argument("--spec", default=DEFAULT_SPEC,
+    ap.add_argument("--recipe", choices=sorted(RECIPES),
+                    help="one run of the comparison: sdpa (BF16 SDPA), bf16 (fp4gen generated BF16), "
+                         "fp8 (fp4gen FP8 P/V recipe, generated); sets --attn, --spec, --backend")
+    ap.add_argument("--attn", choices=("fp4gen", "sdpa"), help="required unless --recipe is given")
+    ap.add_argument("--spec",
                     help="fp4gen spec: FILE.attn, or FILE.attn::KERNEL when the file has several "
                          f"(default {DEFAULT_SPEC}); its head_dim sets the model's")
-    ap.add_argument("--backend", choices=("auto", "reference", "generated"), default="auto",
-                    help="fp4gen backend (default auto: a generated kernel where one applies)")
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--backend", choices=("auto", "reference", "generated"),
+                    help="fp4gen backend (default auto: a generated kernel where one applies; "
+                         "generated for the fp4gen recipes)")
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--tiny", action="store_true",
                     help="a CPU-sized model and data (smoke test); explicit size flags still win")
     ap.add_argument("--layers", type=int)
@@ -180,11 +204,30 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int,
                     help="CPU threads for torch (default: torch's; 1 with --tiny, which is faster on a busy CPU)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
-    ap.add_argument("--out", help="JSON path (default $OUT/train_<attn>.json or ./train_<attn>.json)")
+    ap.add_argument("--timing-warmup", type=int, default=20,
+                    help="steps left out of the step-time summary (default 20; at most half the steps)")
+    ap.add_argument("--time-budget-s", type=float,
+                    help="stop training after this many seconds (the run is then marked stopped early)")
+    ap.add_argument("--out", help="JSON path (default $OUT/train_<recipe or attn>.json, else ./)")
     args = ap.parse_args(argv)
 
+    if args.recipe:
+        attn, spec, backend = RECIPES[args.recipe]
+        if args.attn is not None and args.attn != attn:
+            ap.error(f"--recipe {args.recipe} is --attn {attn}, not --attn {args.attn}")
+        args.attn = attn
+        if attn == "fp4gen":
+            args.spec = args.spec or spec
+            args.backend = args.backend or backend
+    if args.attn is None:
+        ap.error("give --recipe or --attn")
+    if args.attn == "sdpa" and (args.spec or args.backend):
+        ap.error("--spec and --backend are for --attn fp4gen")
+    args.spec = args.spec or DEFAULT_SPEC
+    args.backend = args.backend or "auto"
+
     big = dict(layers=6, d_model=768, head_dim=128, seq=1024, batch=16, corpus_mb=32.0,
-               log_every=10, eval_every=200, eval_batches=8)
+               log_every=10, eval_every=250, eval_batches=8)
     tiny = dict(layers=2, d_model=256, head_dim=128, seq=128, batch=2, corpus_mb=0.5,
                 log_every=1, eval_every=1000, eval_batches=1)
     for name, value in (tiny if args.tiny else big).items():
@@ -197,7 +240,27 @@ def parse_args(argv=None):
     for name in ("steps", "layers", "d_model", "seq", "batch", "log_every", "eval_every", "eval_batches"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.timing_warmup < 0:
+        ap.error("--timing-warmup must be >= 0")
+    if args.time_budget_s is not None and args.time_budget_s <= 0:
+        ap.error("--time-budget-s must be positive")
     return ap, args
+
+
+def step_time_summary(step_ms, warmup: int) -> dict:
+    """Median (and spread) of the per-step times, leaving out the first ``warmup`` steps
+    (at most half of them, so a short run still has a number)."""
+    skip = min(warmup, len(step_ms) // 2)
+    kept = sorted(step_ms[skip:])
+    if not kept:
+        return {"median_ms": None, "mean_ms": None, "p10_ms": None, "p90_ms": None,
+                "steps_counted": 0, "steps_skipped": skip}
+
+    def pct(p):
+        return kept[min(len(kept) - 1, int(p * (len(kept) - 1) + 0.5))]
+
+    return {"median_ms": statistics.median(kept), "mean_ms": sum(kept) / len(kept),
+            "p10_ms": pct(0.10), "p90_ms": pct(0.90), "steps_counted": len(kept), "steps_skipped": skip}
 
 
 def lr_at(step: int, args) -> float:
@@ -299,8 +362,8 @@ def run(ap, args, argv) -> dict:
               f"forward={backend_info['forward']} backward={backend_info['backward']}"
               + (f" ({backend_info['reason']})" if backend_info.get("reason") else ""), flush=True)
 
-    log, evals, window_loss, window_ms = [], [], [], []
-    diverged_at = None
+    log, evals, window_loss, window_ms, step_ms = [], [], [], [], []
+    diverged_at, stopped_at = None, None
     tokens_per_step = args.batch * args.seq
     t_start = time.perf_counter()
     for step in range(args.steps):
@@ -318,12 +381,18 @@ def run(ap, args, argv) -> dict:
         opt.zero_grad(set_to_none=True)
         sync()
         window_ms.append((time.perf_counter() - t0) * 1e3)
+        step_ms.append(window_ms[-1])
         lv = loss.item()
         window_loss.append(lv)
         if not math.isfinite(lv):
             diverged_at = step + 1
             print(f"[train_gpt] loss is {lv} at step {step + 1}: stopping (diverged)", flush=True)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps or diverged_at:
+        elif (args.time_budget_s is not None and step + 1 < args.steps
+              and time.perf_counter() - t_start > args.time_budget_s):
+            stopped_at = step + 1
+            print(f"[train_gpt] --time-budget-s {args.time_budget_s:g} used up at step {step + 1}: "
+                  "stopping early", flush=True)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps or diverged_at or stopped_at:
             ms = statistics.median(window_ms)
             row = {"step": step + 1, "loss": sum(window_loss) / len(window_loss), "lr": lr,
                    "grad_norm": float(grad_norm), "ms_per_step": ms,
@@ -332,18 +401,28 @@ def run(ap, args, argv) -> dict:
             print(f"step {step + 1:6d}  loss {row['loss']:.4f}  lr {lr:.2e}  "
                   f"{ms:8.1f} ms/step  {row['tokens_per_s'] / 1e3:8.1f} ktok/s", flush=True)
             window_loss, window_ms = [], []
-        if diverged_at:
+        if diverged_at or stopped_at:
             break
         if (step + 1) % args.eval_every == 0 and step + 1 != args.steps:
             evals.append({"step": step + 1, "val_loss": evaluate()})
             print(f"step {step + 1:6d}  val_loss {evals[-1]['val_loss']:.4f}", flush=True)
     total_s = time.perf_counter() - t_start
+    last_step = len(step_ms)
     final_val = None if diverged_at else evaluate()
     if final_val is not None:
-        evals.append({"step": args.steps, "val_loss": final_val})
+        evals.append({"step": last_step, "val_loss": final_val})
         print(f"final val_loss {final_val:.4f}  ({total_s:.1f} s)", flush=True)
+    timing = step_time_summary(step_ms, args.timing_warmup)
+    if timing["median_ms"] is not None:
+        print(f"[train_gpt] step time: median {timing['median_ms']:.2f} ms over {timing['steps_counted']} "
+              f"steps (first {timing['steps_skipped']} left out), "
+              f"{tokens_per_step / (timing['median_ms'] / 1e3) / 1e3:.1f} ktok/s", flush=True)
 
+    label = args.recipe or args.attn
     result = {
+        "label": label,
+        "recipe": args.recipe,
+        "display": RECIPE_LABELS.get(args.recipe) if args.recipe else None,
         "attn": args.attn,
         "spec": spec_info,
         "backend": backend_info,
@@ -359,6 +438,13 @@ def run(ap, args, argv) -> dict:
         "eval": evals,
         "final_val_loss": final_val,
         "diverged_at_step": diverged_at,
+        "stopped_early_at_step": stopped_at,
+        "steps_run": last_step,
+        "ms_per_step": timing["median_ms"],
+        "step_time": dict(timing, tokens_per_step=tokens_per_step,
+                          note="wall time of forward + backward + clip + optimizer step, CUDA-synchronised; "
+                               "median over the steps after the first steps_skipped"),
+        "step_ms": [round(x, 3) for x in step_ms],
         "total_s": total_s,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python3 bench/train_gpt.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
@@ -367,7 +453,7 @@ def run(ap, args, argv) -> dict:
         from fp4gen import torch_ops
 
         result["dispatch_counts"] = torch_ops.dispatch_counts()
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ".") / f"train_{args.attn}.json"
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ".") / f"train_{label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"[train_gpt] wrote {out}", flush=True)

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["parse_file", "parse_text", "SpecError", "plan", "compile_spec", "load", "__version__"]
+__all__ = ["parse_file", "parse_text", "SpecError", "plan", "compile_spec", "load", "attention", "__version__"]
+
+
+def attention(q, k, v, **kw):
+    """fp4gen attention for torch tensors (B, S, H, D), differentiable, ``torch.compile``-able:
+    ``fp4gen.attention(q, k, v, spec="examples/x.attn::name", causal=True)``. See
+    ``fp4gen.torch_ops.attention``."""
+    from fp4gen.torch_ops import attention as _attention
+
+    return _attention(q, k, v, **kw)
 
 
 def parse_file(path):

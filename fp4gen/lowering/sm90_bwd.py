@@ -38,8 +38,10 @@ def context(plan) -> dict:
     if spec.backward is None:
         raise LoweringError(f"kernel {spec.name!r} has no backward block")
     bp = backward_plan(plan)
-    if bp.mma_format != "bf16":
-        raise LoweringError(f"the sm90 backward template has bf16 MMAs only, plan asks {bp.mma_format}")
+    fmts = {m.name: m.operand_format for m in bp.mmas}
+    if fmts["dK"] != "bf16" or fmts["dQ"] != "bf16" or fmts["dV"] != fmts["dP"] or \
+            not {fmts["S"], fmts["dP"]} <= {"bf16", "fp8e4m3"}:
+        raise LoweringError(f"the sm90 backward template has no variant for MMA formats {fmts}")
     if bp.tile_n != 64 * bp.mma_warpgroups or bp.tile_m != 64:
         raise LoweringError(f"sm90 backward tiles must be 64 x (64 x warpgroups), got {bp.tile_m} x {bp.tile_n}")
     name = spec.name
@@ -56,7 +58,10 @@ def context(plan) -> dict:
     return dict(
         kernel_name=name,
         class_name="".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Bwd",
+        s_fp8=fmts["S"] == "fp8e4m3",
+        do_fp8=fmts["dP"] == "fp8e4m3",
         origins={"backward": spec.origin("backward"), "mask": spec.origin("mask"),
+                 "reuse": spec.origin("backward.reuse"),
                  "deterministic": spec.origin("backward.deterministic")},
         head_dim=bp.head_dim,
         causal=bp.causal,

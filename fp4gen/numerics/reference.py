@@ -308,6 +308,12 @@ def _fake_quant_rows(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
     raise ReferenceError(f"gradient format {f.value} is not supported (use fp8e4m3/fp8e5m2/bf16/fp16/fp32)")
 
 
+def _hp(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
+    """An input in the forward's format when that is a float dtype, else rounded to bf16
+    (what a backward MMA reads when it does not take the forward's low-precision payload)."""
+    return x.to(_HP_DTYPES.get(fmt.format, torch.bfloat16)).to(torch.float32)
+
+
 def backward(q, k, v, o, lse, do, spec: KernelSpec):
     """Attention backward with the spec's gradient formats. Returns (dq, dk, dv) float32
     shaped like q, k, v (dk, dv summed over each GQA group).
@@ -317,9 +323,15 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
     own Direct-P values divided by the l that the LSE encodes); dO, dP, dS are rounded to
     ``spec.backward.format_of(...)`` (FP8 gradient operands: dO with its OperandFormat
     granularity (tensor/block/token, as Q), dP and dS with one scale per row of each
-    key tile); the P operand of dV = P^T dO is FP8 E4M3 with the fixed 2**8 scale when
-    the forward's P is FP8/FP4, else P's own float dtype. dQ/dK/dV are rounded to their
-    formats at the end.
+    key tile). The operands of each product follow the format of its gradient operand,
+    since one MMA cannot mix FP8 with bf16:
+
+    - dP = dO V^T and dV = P^T dO: with an FP8 dO, V as the forward quantized it and P as
+      FP8 E4M3 with the fixed 2**8 scale (when the forward's P is FP8/FP4); with a bf16 dO,
+      the bf16 V and P rounded to bf16 (or P's own float dtype).
+    - dQ = dS K and dK = dS^T Q: with an FP8 dS, the reused (quantized) Q/K; else bf16 Q/K.
+
+    dQ/dK/dV are rounded to their formats at the end.
     """
     bw = spec.backward
     if bw is None:
@@ -339,8 +351,12 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
     else:
         dO = quantize_operand(do, fdo, 3, False).vals
     dO = dO.permute(0, 2, 1, 3)  # (B, H, Sq, D)
-    vpost = st.vpost
-    vv = st.v if vpost is None else st.v * vpost[:, :, None, None]  # dequantized V for dP = dO V^T
+    do_lp = fdo.format in _FP8  # dP and dV take the forward's low-precision V and P
+    if do_lp:
+        vpost = st.vpost
+        vv = st.v if vpost is None else st.v * vpost[:, :, None, None]  # dequantized V for dP = dO V^T
+    else:
+        vv = _expand_heads(_hp(v, spec.v), H, 2).permute(0, 2, 1, 3)
     O = o.to(torch.float32).permute(0, 2, 1, 3)
     Drow = (dO * O).sum(-1)  # D_i = rowsum(dO * O)
     lse2 = lse.to(torch.float32) / LN2
@@ -351,8 +367,19 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
     m_ref = None if running_max else _guard_refs(st, spec)
     fdp, fds = bw.format_of("dP"), bw.format_of("dS")
     pf = spec.p.format
-    p_fmt = None if pf in _HP_DTYPES else E4M3
-    p_dt = _HP_DTYPES.get(pf, torch.float32)
+    p_fmt = None if (pf in _HP_DTYPES or not do_lp) else E4M3
+    p_dt = _HP_DTYPES.get(pf, torch.bfloat16)
+    if fds.format in _FP8:  # dQ, dK read the reused (quantized) Q/K
+        k_for_dq, q_for_dk = st.deq_k, st.deq_q
+    else:  # bf16 Q/K
+        qh = _hp(q, spec.q).permute(0, 2, 1, 3)
+        kh = _expand_heads(_hp(k, spec.k), H, 2).permute(0, 2, 1, 3)
+
+        def k_for_dq(c0, c1):
+            return kh[:, :, c0:c1]
+
+        def q_for_dk(r0, r1):
+            return qh[:, :, r0:r1]
     dq = torch.zeros(B, H, Sq, D, device=dev)
     dk = torch.zeros(B, H, Sk, D, device=dev)
     dv = torch.zeros(B, H, Sk, D, device=dev)
@@ -377,8 +404,8 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
             dpm = _fake_quant_rows(dO[:, :, r0:r1] @ vv[:, :, c0:c1].transpose(-1, -2), fdp)
             ds = p * (dpm - Drow[:, :, r0:r1, None])
             ds = _fake_quant_rows(ds, fds)
-            dq[:, :, r0:r1] += ds @ st.deq_k(c0, c1)
-            dk[:, :, c0:c1] += ds.transpose(-1, -2) @ st.deq_q(r0, r1)
+            dq[:, :, r0:r1] += ds @ k_for_dq(c0, c1)
+            dk[:, :, c0:c1] += ds.transpose(-1, -2) @ q_for_dk(r0, r1)
     scale = spec.scale
     dq = dq * scale
     dk = dk * scale

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..plan import REGISTERS_PER_SM, SMEM_LIMIT_BYTES, KernelPlan, PlanError, SmemItem
-from ..spec import Format, Mask, Target
+from ..spec import Format, Mask, ScaleGranularity, Target
 
 # query rows per inner step; a wgmma M-mode is 64 rows per warpgroup, and with the
 # keys as the M side of S^T, 64 queries keep S^T and dP^T at 32 registers each
@@ -71,7 +71,7 @@ class BackwardPlan:
     ds_stages: int
     reuse: tuple[str, ...]  # forward state the backward reads (q k lse scales)
     grad_formats: tuple[tuple[str, str], ...]  # (operand, format) for dO dP dS dQ dK dV
-    mma_format: str  # operand format of the five MMAs (bf16 today)
+    mma_format: str  # operand formats of the five MMAs, '+'-joined (bf16, bf16+fp8e4m3)
     mmas: tuple[BwdMma, ...]
     deterministic: bool
     dq_reduction: str  # bulk_reduce_fp32 | ordered_bulk_reduce_fp32
@@ -89,9 +89,56 @@ class BackwardPlan:
     def grad_format(self, name: str) -> str:
         return dict(self.grad_formats)[name]
 
+    def mma_format_of(self, name: str) -> str:
+        """Operand format of one of the five MMAs (S, dP, dV, dK, dQ)."""
+        return {m.name: m.operand_format for m in self.mmas}[name]
+
 
 def _elt_bytes(fmt: str) -> int:
     return 1 if fmt.startswith("fp8") else 2
+
+
+def _score_format(spec, bw) -> str:
+    """Operand format of S^T = K Q^T: the forward's Q/K when the spec reuses them, else bf16."""
+    reused = [x for x in ("q", "k") if x in bw.reuse]
+    fmts = {spec.q.format if "q" in reused else Format.BF16, spec.k.format if "k" in reused else Format.BF16}
+    if fmts == {Format.BF16}:
+        return "bf16"
+    where = spec.loc("backward.reuse") or spec.loc("Q")
+    if len(reused) != 2:
+        raise PlanError(f"reuse both q and k or neither: S = Q K^T cannot mix a reused {'/'.join(sorted(fmts))} "
+                        "operand with a bf16 one in one wgmma", where)
+    for name, op in (("Q", spec.q), ("K", spec.k)):
+        if op.format is not Format.FP8E4M3:
+            raise PlanError(f"the sm90a backward can reuse fp8e4m3 or bf16 Q/K, not {name} : {op}", where,
+                            notes=("drop q k from `reuse` to recompute S from bf16 Q/K",))
+        if op.granularity is not ScaleGranularity.BLOCK or op.block != BWD_TILE_N:
+            raise PlanError(f"reused {name} must be fp8e4m3(block={BWD_TILE_N}) (one scale per {BWD_TILE_N}-token "
+                            f"block, a whole key tile of the backward), got {name} : {op}", where)
+    return "fp8e4m3"
+
+
+def _do_format(spec, bw) -> str:
+    """Operand format of dP = dO V^T and dV = P^T dO: bf16, or FP8 dO with the forward's FP8 P and V."""
+    fdo = bw.format_of("dO")
+    if fdo.format is Format.BF16:
+        return "bf16"
+    where = spec.loc("backward.dO")
+    if fdo.format is Format.FP8E5M2:
+        raise PlanError("dO : fp8e5m2 is not implemented on sm90a; use fp8e4m3 (dO is scaled per (batch, head), "
+                        "so E4M3's range suffices and its extra mantissa bit halves the rounding error)", where)
+    if fdo.format is not Format.FP8E4M3:
+        raise PlanError(f"dO must be bf16 or fp8e4m3 on sm90a, got dO : {fdo}", where)
+    if fdo.granularity not in (ScaleGranularity.TENSOR, ScaleGranularity.NONE):
+        raise PlanError(f"dO : {fdo}: the sm90a backward scales FP8 dO per (batch, head); write `dO : fp8e4m3`", where)
+    for name, op in (("V", spec.v), ("P", spec.p)):
+        if op.format is not Format.FP8E4M3:
+            raise PlanError(f"dO : fp8e4m3 needs the forward's {name} in fp8e4m3 (a wgmma cannot mix FP8 and bf16: "
+                            f"dP = dO V^T, dV = P^T dO), got {name} : {op.format.value}", where)
+    if spec.v.granularity not in (ScaleGranularity.TENSOR, ScaleGranularity.NONE):
+        raise PlanError(f"dO : fp8e4m3 needs V scaled per (batch, head) (V : fp8e4m3(scale=tensor)), got V : {spec.v}",
+                        where)
+    return "fp8e4m3"
 
 
 def plan_backward(plan: KernelPlan) -> BackwardPlan:
@@ -108,45 +155,49 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         raise PlanError(f"the sm90a backward supports head_dim 64 and 128, not {d}", spec.loc("head_dim"),
                         notes=("dK and dV stay in registers: 2 x head_dim/2 fp32 per thread",))
     reuse = tuple(sorted(bw.reuse))
-    # Q/K as the backward sees them: the forward's formats when reused, else bf16
-    qk_fmt = {spec.q.format if "q" in bw.reuse else Format.BF16,
-              spec.k.format if "k" in bw.reuse else Format.BF16}
-    if not qk_fmt <= {Format.BF16}:
-        raise PlanError(
-            "the sm90a backward recomputes S from bf16 Q/K only so far; reusing fp8 Q/K "
-            f"({'/'.join(sorted(f.value for f in qk_fmt))}) is not implemented",
-            spec.loc("backward.reuse") or spec.loc("Q"),
-            notes=("drop q k from `reuse` to recompute S from bf16 Q/K",))
-    # V is never reused: the backward reads the caller's bf16 V (autograd saves the inputs),
-    # so a forward that quantizes V (the FP8 P/V training recipe) still has a bf16 dP = dO V^T.
+    s_fmt = _score_format(spec, bw)
     grads = tuple((n, bw.format_of(n).format.value) for n in ("dO", "dP", "dS", "dQ", "dK", "dV"))
-    fp8_grads = [n for n, f in grads if f.startswith("fp8")]
-    if fp8_grads:
-        n = fp8_grads[0]
-        raise PlanError(
-            f"FP8 gradient operands on sm90a are not implemented yet ({n} : {dict(grads)[n]})",
-            spec.loc(f"backward.{n}"),
-            notes=("FP8 wgmma reads both operands K-major: dO and dS would need transposed SMEM copies; "
-                   "use bf16 gradients for now",))
-    for n, f in grads:
-        if f not in ("bf16",):
-            raise PlanError(f"gradient {n} : {f} is not supported by the sm90a backward (bf16 only)",
+    do_fmt = _do_format(spec, bw)
+    for n in ("dP", "dS"):
+        f = bw.format_of(n).format
+        if f.value.startswith("fp8"):
+            raise PlanError(
+                f"FP8 {n} on sm90a is not implemented yet ({n} : {f.value})", spec.loc(f"backward.{n}"),
+                notes=("dS feeds dQ = dS K and dK = dS^T Q: in FP8 both need K-major (transposed) copies "
+                       "of dS, Q and K; dP never feeds an MMA (it stays fp32 in registers)",))
+    for n in ("dQ", "dK", "dV", "dP", "dS"):
+        f = bw.format_of(n).format
+        if f is not Format.BF16:
+            raise PlanError(f"gradient {n} : {f.value} is not supported by the sm90a backward (bf16)",
                             spec.loc(f"backward.{n}"))
     mfmt = "bf16"
     m, n_ = BWD_TILE_M, BWD_TILE_N
     mmas = (
-        BwdMma("S", "S^T = K Q^T", "smem", "K", "K", mfmt, "keys: 64 per warpgroup"),
-        BwdMma("dP", "dP^T = V dO^T", "smem", "K", "K", mfmt, "keys: 64 per warpgroup"),
-        BwdMma("dV", "dV += P^T dO", "registers", "K", "MN", mfmt, "keys: 64 per warpgroup"),
+        BwdMma("S", "S^T = K Q^T", "smem", "K", "K", s_fmt, "keys: 64 per warpgroup"),
+        BwdMma("dP", "dP^T = V dO^T", "smem", "K", "K", do_fmt, "keys: 64 per warpgroup"),
+        BwdMma("dV", "dV += P^T dO", "registers", "K", "K" if do_fmt != "bf16" else "MN", do_fmt,
+               "keys: 64 per warpgroup"),
         BwdMma("dK", "dK += dS^T Q", "registers", "K", "MN", mfmt, "keys: 64 per warpgroup"),
         BwdMma("dQ", "dQ = dS K", "smem", "MN", "MN", mfmt, f"head dim: {d // 2} columns per warpgroup"),
     )
     eb = _elt_bytes(mfmt)
-    smem = (
-        SmemItem("K", n_ * d * eb, f"{n_} keys x {d}, loaded once per CTA; read K-major (S) and MN-major (dQ)"),
-        SmemItem("V", n_ * d * eb, f"{n_} keys x {d}, loaded once per CTA"),
-        SmemItem("Q", BWD_Q_STAGES * m * d * eb, f"{BWD_Q_STAGES} stages x {m} x {d}; K-major (S), MN-major (dK)"),
-        SmemItem("dO", BWD_Q_STAGES * m * d * eb, f"{BWD_Q_STAGES} stages x {m} x {d}; K-major (dP), MN-major (dV)"),
+    ob = _elt_bytes(do_fmt)
+    qs = BWD_Q_STAGES
+    smem = [
+        SmemItem("K", n_ * d * eb, f"{n_} keys x {d} bf16, loaded once per CTA; read MN-major by dQ"
+                 + ("" if s_fmt != "bf16" else " and K-major by S")),
+        SmemItem("V", n_ * d * ob, f"{n_} keys x {d} {do_fmt}, loaded once per CTA (dP)"),
+        SmemItem("Q", qs * m * d * eb, f"{qs} stages x {m} x {d} bf16; MN-major (dK)"
+                 + ("" if s_fmt != "bf16" else ", K-major (S)")),
+        SmemItem("dO", qs * m * d * ob, f"{qs} stages x {m} x {d} {do_fmt}; K-major (dP)"
+                 + (", MN-major (dV)" if do_fmt == "bf16" else "")),
+    ]
+    if s_fmt != "bf16":
+        smem += [SmemItem("K8", n_ * d, f"{n_} keys x {d} {s_fmt}: the forward's payload, K-major (S)"),
+                 SmemItem("Q8", qs * m * d, f"{qs} stages x {m} x {d} {s_fmt}: the forward's payload, K-major (S)")]
+    if do_fmt != "bf16":
+        smem += [SmemItem("dO^T", qs * d * m, f"{qs} stages x {d} x {m} {do_fmt}, queries contiguous (dV, K-major)")]
+    smem = tuple(smem) + (
         SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
                  f"{BWD_DS_STAGES} x {n_} keys x {m} queries (dS^T), MN-major A operand of dQ"),
         SmemItem("dQ", m * (d + 4) * 4,
@@ -164,8 +215,14 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         "causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the "
         "query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end"
         if spec.mask is Mask.CAUSAL else "no mask: every query tile, the key tail masked",
-        "P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers",
+        "P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers"
+        if do_fmt == "bf16" else
+        "dV = P^T dO in FP8: P as e4m3(2^8 P) from registers (queries permuted per 32, dO^T to match), "
+        "dO and V with one fp32 scale per (batch, head); dS rounded to bf16; dP stays fp32 in registers",
     ]
+    if s_fmt != "bf16":
+        notes.append("S^T recomputed from the forward's FP8 Q/K payloads and 128-token block scales "
+                     "(bit-identical to the forward's P); dQ/dK read the bf16 Q/K")
     return BackwardPlan(
         head_dim=d,
         causal=spec.mask is Mask.CAUSAL,
@@ -178,7 +235,7 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         ds_stages=BWD_DS_STAGES,
         reuse=reuse,
         grad_formats=grads,
-        mma_format=mfmt,
+        mma_format="+".join(sorted({m_.operand_format for m_ in mmas})),
         mmas=mmas,
         deterministic=deterministic,
         dq_reduction="ordered_bulk_reduce_fp32" if deterministic else "bulk_reduce_fp32",

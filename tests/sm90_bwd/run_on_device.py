@@ -66,22 +66,24 @@ def main():
     log({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
          "command": " ".join(sys.argv)})
     gen = tempfile.mkdtemp(prefix="fp4gen_bwd_")
-    variants = [(128, True, False)] if a.quick else [(128, True, False), (64, True, False),
-                                                      (128, False, False), (128, True, True)]
+    # (head_dim, causal, deterministic, fp8): fp8 True = FP8 S, dP, dV; "s" = FP8 S only
+    variants = [(128, True, False, False), (128, True, False, True)] if a.quick else [
+        (128, True, False, False), (64, True, False, False), (128, False, False, False), (128, True, True, False),
+        (128, True, False, True), (64, True, False, True), (128, False, False, True), (128, True, False, "s")]
     mods = {}
-    for d, causal, det in variants:
+    for d, causal, det, fp8 in variants:
         t = time.time()
         try:
-            plan = bm.make_plan(d, causal, det)
+            plan = bm.make_plan(d, causal, det, fp8)
             mod = bm.load_module(plan, gen)
             mod._bwd_compile(None)
-            mods[(d, causal, det)] = (plan.spec, mod)
-            log({"compiled": f"d{d} causal={causal} det={det}", "s": round(time.time() - t, 1)})
+            mods[(d, causal, det, fp8)] = (plan.spec, mod)
+            log({"compiled": f"d{d} causal={causal} det={det} fp8={fp8}", "s": round(time.time() - t, 1)})
         except Exception as e:
-            log({"compile_error": f"d{d} causal={causal} det={det}", "error": traceback.format_exc()[-1500:]})
+            log({"compile_error": f"d{d} causal={causal} det={det} fp8={fp8}", "error": traceback.format_exc()[-1500:]})
 
     table = []
-    for (d, causal, det), (spec, mod) in mods.items():
+    for (d, causal, det, fp8), (spec, mod) in mods.items():
         cases = list(bm.CASES) if not det else ["basic", "ragged_200", "gqa_6_2"]
         for case in cases:
             try:
@@ -106,67 +108,61 @@ def main():
         errs = " ".join(
             f"{n}={r[n]['vs_oracle']:.2e}|{r[n]['vs_f64']:.2e}|{r[n]['oracle_vs_f64']:.2e}"
             for n in ("dq", "dk", "dv") if n in r)
-        tag = f"d{r['d']} {'causal' if r['causal'] else 'full  '} {'det' if r['deterministic'] else '   '}"
+        tag = (f"d{r['d']} {'causal' if r['causal'] else 'full  '} {'det' if r['deterministic'] else '   '} "
+               f"{'fp8' if r.get('fp8') else 'bf16'}")
         print(f"{'PASS' if r['pass'] else 'FAIL'}  {tag}  {r['case']:<14} {errs} {r.get('error', '')[-300:]}")
         if "diag" in r:
             print("      per-tile rel-L2 vs oracle:", json.dumps(r["diag"])[:600])
     n_pass = sum(r["pass"] for r in table)
     print(f"{n_pass}/{len(table)} passed")
 
-    if a.no_bench or (128, True, False) not in mods:
+    if a.no_bench:
         return
-    spec, mod = mods[(128, True, False)]
+    timed = [(name, mods[key][1]) for name, key in (("bf16", (128, True, False, False)),
+                                                    ("fp8", (128, True, False, True)),
+                                                    ("fp8_s_only", (128, True, False, "s"))) if key in mods]
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as e:  # noqa: BLE001
-        flash_attn_func = None
         log({"fa4": "unavailable", "error": str(e)[:300]})
-    print("\n== timing, causal d128 backward (median ms, TFLOP/s = 2.5 * 2*B*H*S*S*D / t) ==")
-    for B, S, H in ((2, 4096, 16), (2, 16384, 16)):
+        return
+    from triton.testing import do_bench
+
+    print("\n== timing, causal d128 backward, H16, B*S = 32k (median ms; TFLOP/s = 2.5 * 2*B*H*S*S*D / t;"
+          " 'all' = the whole backward() call incl. quantization and pre/post-processing, 'kernel' = the"
+          " launch alone) ==")
+    for S in (4096, 8192, 16384):
+        B, H, D = 32768 // S, 16, 128
+        row = {"B": B, "S": S, "H": H, "D": D, "causal": True, "pass": "bwd"}
         try:
-            D = 128
             torch.manual_seed(0)
             q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            o, lse = None, None
-            row = {"B": B, "S": S, "H": H, "D": D, "causal": True, "pass": "bwd"}
             flops = 2.5 * 4 * B * H * S * S * D / 2
-            if flash_attn_func is not None:
-                qf, kf, vf = (x.detach().requires_grad_(True) for x in (q, k, v))
+            qf, kf, vf = (x.detach().requires_grad_(True) for x in (q, k, v))
+            out, lse = flash_attn_func(qf, kf, vf, causal=True, return_lse=True)[:2]
+            o, lse = out.detach(), lse.float().contiguous()
+            g = torch.autograd.grad(out, (qf, kf, vf), do, retain_graph=True)
+            ms = do_bench(lambda: torch.autograd.grad(out, (qf, kf, vf), do, retain_graph=True), return_mode="median")
+            row["fa4_ms"], row["fa4_tflops"] = ms, flops / ms / 1e9
+            line = f"S{S:5d} B{B}: FA4 {row['fa4_tflops']:.0f}"
+            for name, mod in timed:
                 try:
-                    res = flash_attn_func(qf, kf, vf, causal=True, return_lse=True)
-                    out, lse = res[0], res[1]
-                except TypeError:
-                    res = flash_attn_func(qf, kf, vf, causal=True)
-                    out = res[0] if isinstance(res, tuple) else res
-                o = out.detach()
-
-                def fa4():
-                    torch.autograd.grad(out, (qf, kf, vf), do, retain_graph=True)
-                ms = bench_ms(fa4)
-                row["fa4_ms"], row["fa4_tflops"] = ms, flops / ms / 1e9
-            if lse is None:
-                o, lse = bm.torch_forward(q, k, v, True, D ** -0.5) if S <= 4096 else (None, None)
-            if o is None:
-                log(dict(row, skipped="no forward available for the timing inputs"))
-                continue
-            lse = lse.float().contiguous()
-            ms = bench_ms(lambda: mod.backward(q, k, v, o, lse, do))
-            row["fp4gen_ms"], row["fp4gen_tflops"] = ms, flops / ms / 1e9
-            if "fa4_ms" in row:
-                row["ratio_vs_fa4"] = row["fa4_ms"] / ms
-                # our backward on FA4's own forward state, against FA4's gradients
-                dq, dk, dv = mod.backward(q, k, v, o, lse, do)
-                g = torch.autograd.grad(out, (qf, kf, vf), do, retain_graph=True)
-                row["rel_l2_vs_fa4"] = [bm.rel_l2(x, y) for x, y in zip((dq, dk, dv), g)]
+                    res = mod.backward(q, k, v, o, lse, do)
+                    row[f"{name}_rel_l2_vs_fa4"] = [bm.rel_l2(x, y) for x, y in zip(res, g)]
+                    t_all = do_bench(lambda: mod.backward(q, k, v, o, lse, do), return_mode="median")
+                    kern = mod.bench_backward_kernel(q, k, v, o, lse, do)
+                    t_k = do_bench(kern, return_mode="median")
+                    row[f"{name}_ms"], row[f"{name}_kernel_ms"] = t_all, t_k
+                    row[f"{name}_tflops"], row[f"{name}_kernel_tflops"] = flops / t_all / 1e9, flops / t_k / 1e9
+                    line += (f" | {name} all {flops / t_all / 1e9:.0f} ({ms / t_all:.2f}x) kernel {flops / t_k / 1e9:.0f}"
+                             f" ({ms / t_k:.2f}x) err {max(row[f'{name}_rel_l2_vs_fa4']):.1e}")
+                except Exception:  # noqa: BLE001
+                    row[f"{name}_error"] = traceback.format_exc()[-1500:]
+                    line += f" | {name} ERROR"
             log(row)
-            print(f"B{B} S{S} H{H}: fp4gen {row['fp4gen_ms']:.3f} ms {row['fp4gen_tflops']:.0f} TFLOP/s"
-                  + (f" | FA4 {row['fa4_ms']:.3f} ms {row['fa4_tflops']:.0f} TFLOP/s | ratio {row['ratio_vs_fa4']:.2f}"
-                     f" | rel-L2 vs FA4 grads {['%.1e' % e for e in row['rel_l2_vs_fa4']]}"
-                     if "fa4_ms" in row else ""))
+            print(line, flush=True)
         except Exception:  # noqa: BLE001
-            log({"B": B, "S": S, "H": H, "bench_error": traceback.format_exc()[-1500:]})
-            continue
-        del q, k, v, do, o, lse
+            log(dict(row, bench_error=traceback.format_exc()[-1500:]))
         torch.cuda.empty_cache()
 
 

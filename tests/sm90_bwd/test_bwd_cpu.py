@@ -18,7 +18,7 @@ import bwd_modules as bm  # noqa: E402
 
 from fp4gen.ir.passes.backward import BackwardPlan, plan_backward  # noqa: E402
 from fp4gen.ir.plan import KernelPlan, PlanError, SMEM_LIMIT_BYTES  # noqa: E402
-from fp4gen.ir.spec import Backward, Format, OperandFormat, Target  # noqa: E402
+from fp4gen.ir.spec import Backward, Format, OperandFormat, ScaleGranularity, Target  # noqa: E402
 from fp4gen.lowering.sm90_bwd import render_backward  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples")
@@ -60,10 +60,18 @@ def _plan(**kw):
     (dict(backward=None), "no backward block"),
     (dict(target=Target.SM100A), "sm90a"),
     (dict(head_dim=256), "head_dim 64 and 128"),
-    (dict(backward=Backward(formats={"dO": OperandFormat(Format.FP8E5M2)})), "FP8 gradient"),
-    (dict(backward=Backward(formats={"dS": OperandFormat(Format.FP8E4M3)})), "FP8 gradient"),
-    (dict(backward=Backward(formats={"dQ": OperandFormat(Format.FP16)})), "bf16 only"),
-    (dict(q=OperandFormat(Format.FP8E4M3), k=OperandFormat(Format.FP8E4M3)), "fp8 Q/K"),
+    (dict(backward=Backward(formats={"dO": OperandFormat(Format.FP8E5M2)})), "fp8e5m2 is not implemented"),
+    # FP8 dO needs the forward's P and V in FP8 (one wgmma cannot mix FP8 and bf16)
+    (dict(backward=Backward(formats={"dO": OperandFormat(Format.FP8E4M3)})), "needs the forward's V in fp8e4m3"),
+    (dict(backward=Backward(formats={"dS": OperandFormat(Format.FP8E4M3)})), "FP8 dS on sm90a is not implemented"),
+    (dict(backward=Backward(formats={"dQ": OperandFormat(Format.FP16)})), "dQ : fp16 is not supported"),
+    # reused FP8 Q/K must carry the forward's 128-token block scales (one per key tile)
+    (dict(q=OperandFormat(Format.FP8E4M3), k=OperandFormat(Format.FP8E4M3)), r"must be fp8e4m3\(block=128\)"),
+    (dict(q=OperandFormat(Format.FP8E4M3, ScaleGranularity.BLOCK, 128),
+          k=OperandFormat(Format.FP8E4M3, ScaleGranularity.BLOCK, 128),
+          backward=Backward(reuse=frozenset({"q", "lse"}))), "reuse both q and k or neither"),
+    (dict(q=OperandFormat(Format.NVFP4, ScaleGranularity.BLOCK, 16, Format.E4M3),
+          k=OperandFormat(Format.NVFP4, ScaleGranularity.BLOCK, 16, Format.E4M3)), "can reuse fp8e4m3 or bf16 Q/K"),
 ])
 def test_plan_refusals(kw, match):
     with pytest.raises(PlanError, match=match):
@@ -124,10 +132,10 @@ def _compile(variants, tmp_path):
         import bwd_modules as bm
         out = {{}}
         dump = os.environ["CUTE_DSL_DUMP_DIR"]  # read once per process by the DSL
-        for d, causal, det in {variants!r}:
-            tag = f"d{{d}}_{{int(causal)}}_{{int(det)}}"
+        for d, causal, det, *fp8 in {variants!r}:
+            tag = f"d{{d}}_{{int(causal)}}_{{int(det)}}" + ("_fp8" if fp8 and fp8[0] else "")
             dd = os.path.join({str(tmp_path)!r}, tag); os.makedirs(dd)
-            mod = bm.load_module(bm.make_plan(d, causal, det), dd)
+            mod = bm.load_module(bm.make_plan(d, causal, det, fp8[0] if fp8 else False), dd)
             t = time.time()
             ptxs = []
             for gqa in (False, True):  # bf16 dK/dV; fp32 per-head dK/dV (GQA)
@@ -135,11 +143,14 @@ def _compile(variants, tmp_path):
                 # the newest dump (two variants may share one truncated file name)
                 ptxs.append(open(max(glob.glob(os.path.join(dump, "*.ptx")), key=os.path.getmtime)).read())
             ptx, gqa_ptx = ptxs
-            names = mod.compile_only_backward("sm_90a")  # cached: the two above
+            names = mod.compile_only_backward("sm_90a")  # cached: the two above (+ pre/post kernels)
             out[tag] = dict(names=names, s=time.time() - t, wgmma=ptx.count("wgmma.mma_async.sync"),
                             red=ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"), ex2=ptx.count("ex2.approx"),
                             acquire=ptx.count("ld.acquire.gpu"), release=ptx.count("red.release.gpu"),
                             tma=ptx.count("cp.async.bulk.tensor"),
+                            wgmma_e4m3=ptx.count("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3")
+                            + ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3")
+                            + ptx.count("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"),
                             st16=ptx.count("st.global.b16"), gqa_st16=gqa_ptx.count("st.global.b16"),
                             gqa_st32=gqa_ptx.count("st.global.b32"))
         print(json.dumps(out))
@@ -176,6 +187,19 @@ def test_compile_sm90a(tmp_path):
         assert f["names"][0].endswith(".backward")
         assert f["names"][1].endswith(".backward_gqa")
         _check_ptx(f, d, det)
+
+
+def test_compile_sm90a_fp8(tmp_path):
+    """FP8 S (reused Q/K), dP and dV: k32 e4m3 wgmmas for those three, bf16 for dK and dQ."""
+    d = 128
+    f = _compile([(d, True, False, True)], tmp_path)[f"d{d}_1_0_fp8"]
+    assert f["names"][:2] == ["sm90_bwd_fp8_d128_causal.backward", "sm90_bwd_fp8_d128_causal.backward_gqa"]
+    # S^T, dP^T: K = d in k32 steps; dV: K = 64 queries in k32 steps
+    assert f["wgmma_e4m3"] == 2 * (d // 32) + 64 // 32, f
+    # dK (K = 64 queries) and dQ (K = 128 keys) stay bf16 k16
+    assert f["wgmma"] - f["wgmma_e4m3"] == 64 // 16 + 128 // 16, f
+    assert f["ex2"] == 32 and f["red"] == 2, f
+    assert f["tma"] >= 7, f  # K, V8, K8, Q, dO8, Q8, dO^T
 
 
 @pytest.mark.slow

@@ -1,0 +1,347 @@
+"""Pre- and post-processing kernels of the Hopper attention backward (CuTe DSL).
+
+They replace chains of torch ops (each a full pass over (B, S, H, D) tensors, with fp32
+temporaries) that cost about as much as a fifth of the backward kernel at S = 4k:
+
+- ``_Pre``: per query row, D_i = rowsum(dO_i * O_i) in fp32, LSE in log2 units (+inf for
+  rows past Sq and for rows the forward saw nothing of, so that P = 0 there), and a zeroed
+  fp32 dQ accumulator row. With ``fp8``: dO is quantized with its per-(batch, head) scale
+  into an e4m3 payload (natural layout, the B operand of dP^T = V dO^T) and D_i is summed
+  from the dequantized dO, which is the dO that dP sees.
+- ``_Post``: dQ = softmax_scale * dQ_acc rounded to bf16, (B, H, Sqp, D) -> (B, Sq, H, D).
+- ``_ScaleQuant``: x / scale[b, h] -> e4m3 payload (natural layout), e.g. V for dP.
+
+Layout of the work (all three): a CTA of 256 threads covers 256 / (D/8) token rows of one
+(batch, head); a thread owns 8 consecutive elements of one row (16-byte loads of bf16).
+Row sums reduce over the D/8 threads of a row with butterfly shuffles.
+
+Arithmetic contract (what the tests compare against): D_i in fp32 (summation order is the
+kernel's: 8 products per thread, then the butterfly), lse2 = fl32(lse * fl32(log2 e)),
+dQ = bf16_rne(fl32(acc * scale)), FP8 payload = e4m3_rne_satfinite(x / scale) (IEEE
+division, as ``fp4gen.device.quantize``).
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .quantize import _asm, _struct, _words, ld_v4_pred, quant8, st_v2_pred
+
+THREADS = 256
+LOG2E = math.log2(math.e)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_COMPILED: dict = {}
+
+
+@dsl_user_op
+def bf16x2_to_f32(w, *, loc=None, ip=None):
+    """One word of two bf16 (element 0 low) -> two fp32 (exact)."""
+    res = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
+               "{\n.reg .b32 a, b;\nshl.b32 a, $2, 16;\nand.b32 b, $2, 0xffff0000;\n"
+               "mov.b32 $0, a;\nmov.b32 $1, b;\n}",
+               "=f,=f,r", [Uint32(w)], loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def e4m3x4_to_f32(w, *, loc=None, ip=None):
+    """One word of four e4m3 (element 0 in the low byte) -> four fp32 (exact, via f16)."""
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 4),
+               "{\n.reg .b16 lo, hi;\n.reg .b32 h0, h1;\n.reg .f16 a, b, c, d;\n"
+               "mov.b32 {lo, hi}, $4;\ncvt.rn.f16x2.e4m3x2 h0, lo;\ncvt.rn.f16x2.e4m3x2 h1, hi;\n"
+               "mov.b32 {a, b}, h0;\nmov.b32 {c, d}, h1;\n"
+               "cvt.f32.f16 $0, a;\ncvt.f32.f16 $1, b;\ncvt.f32.f16 $2, c;\ncvt.f32.f16 $3, d;\n}",
+               "=f,=f,=f,=f,r", [Uint32(w)], loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> one word of two bf16 (round to nearest even; ``a`` in the low half)."""
+    return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [Float32(a), Float32(b)],
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_v4_f32(addr, *, loc=None, ip=None):
+    res = _asm(_struct(4), "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,l", [Int64(addr)], side_effects=True, loc=loc, ip=ip)
+    return _words(res, 4, loc, ip)
+
+
+@dsl_user_op
+def st_v4_pred(addr, a, b, c, d, pred, *, loc=None, ip=None):
+    """16 bytes to global memory if ``pred`` != 0."""
+    _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}",
+         "l,r,r,r,r,r", [Int64(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d), Int32(pred)],
+         side_effects=True, loc=loc, ip=ip)
+
+
+def _as_f32(w) -> Float32:
+    return Float32(llvm.bitcast(T.f32(), Uint32(w).ir_value()))
+
+
+class _Rows:
+    """Shared thread -> (row, 8-element chunk) mapping."""
+
+    def __init__(self, head_dim: int):
+        self.d = head_dim
+        self.vpr = head_dim // 8  # threads per row (16 bytes of bf16 each)
+        self.rpc = THREADS // self.vpr  # rows per CTA
+
+
+class _Pre(_Rows):
+    def __init__(self, head_dim: int, fp8: bool):
+        super().__init__(head_dim)
+        self.fp8 = fp8
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mScale: cute.Tensor,
+                 mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor, mdO8: cute.Tensor, stream):
+        # mO, mdO (B, Sq, H, D) bf16; mLSE (B, H, Sq) fp32; mScale (B, H) fp32 (dO's FP8 scale,
+        # unused without fp8); mLSE2, mDsum (B, H, Sqp); mdQacc (B, H, Sqp, D) fp32;
+        # mdO8 (B, Sq, H, D) uint8 (unused without fp8)
+        grid = (cute.ceil_div(cute.size(mLSE2.shape[2]), self.rpc), cute.size(mO.shape[2]),
+                cute.size(mO.shape[0]))
+        self.kernel(mO, mdO, mLSE, mScale, mLSE2, mDsum, mdQacc, mdO8).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mScale: cute.Tensor,
+               mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor, mdO8: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        Sq = mO.shape[1]
+        H = mO.shape[2]
+        Sqp = mLSE2.shape[2]
+        row = tidx // self.vpr
+        col = tidx % self.vpr
+        s = blk * self.rpc + row
+        valid = s < Sq
+        tok = (Int64(batch) * Sq + s) * H + head  # token row in (B, S, H)
+        wo = ld_v4_pred(mO.iterator.toint() + tok * (self.d * 2) + col * 16, valid)
+        wd = ld_v4_pred(mdO.iterator.toint() + tok * (self.d * 2) + col * 16, valid)
+        acc = Float32(0.0)
+        if cutlass.const_expr(self.fp8):
+            scale = mScale[batch, head]
+            q = quant8(wd[0], wd[1], wd[2], wd[3], scale)
+            st_v2_pred(mdO8.iterator.toint() + tok * self.d + col * 8, q[0], q[1], valid)
+            for h in cutlass.range_constexpr(2):
+                dq4 = e4m3x4_to_f32(q[h])
+                for j in cutlass.range_constexpr(2):
+                    o2 = bf16x2_to_f32(wo[2 * h + j])
+                    acc = acc + (dq4[2 * j] * scale) * o2[0]
+                    acc = acc + (dq4[2 * j + 1] * scale) * o2[1]
+        else:
+            for j in cutlass.range_constexpr(4):
+                o2 = bf16x2_to_f32(wo[j])
+                d2 = bf16x2_to_f32(wd[j])
+                acc = acc + d2[0] * o2[0]
+                acc = acc + d2[1] * o2[1]
+        for off in [self.vpr >> (i + 1) for i in range(int(math.log2(self.vpr)))]:  # the row's threads
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+        if s < Sqp:
+            if col == 0:
+                lse2 = Float32.inf
+                if valid:
+                    lse = mLSE[batch, head, s]
+                    if lse != -Float32.inf:
+                        lse2 = lse * Float32(LOG2E)
+                mLSE2[batch, head, s] = lse2
+                mDsum[batch, head, s] = acc  # 0 past Sq: the loads gave zeros
+            # this thread's 8 fp32 of the dQ accumulator row start at zero
+            base = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + s) * (self.d * 4) + col * 32
+            z = Uint32(0)
+            st_v4_pred(base, z, z, z, z, Int32(1))
+            st_v4_pred(base + 16, z, z, z, z, Int32(1))
+
+
+class _Post(_Rows):
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+        # mdQacc (B, H, Sqp, D) fp32 -> mdQ (B, Sq, H, D) bf16
+        grid = (cute.ceil_div(cute.size(mdQ.shape[1]), self.rpc), cute.size(mdQ.shape[2]),
+                cute.size(mdQ.shape[0]))
+        self.kernel(mdQacc, mdQ, scale).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        Sq = mdQ.shape[1]
+        H = mdQ.shape[2]
+        Sqp = mdQacc.shape[2]
+        row = tidx // self.vpr
+        col = tidx % self.vpr
+        s = blk * self.rpc + row
+        if s < Sq:
+            src = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + s) * (self.d * 4) + col * 32
+            a = ld_v4_f32(src)
+            b = ld_v4_f32(src + 16)
+            w = [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+            out = [f32x2_to_bf16x2(_as_f32(w[2 * j]) * scale, _as_f32(w[2 * j + 1]) * scale) for j in range(4)]
+            tok = (Int64(batch) * Sq + s) * H + head
+            st_v4_pred(mdQ.iterator.toint() + tok * (self.d * 2) + col * 16, out[0], out[1], out[2], out[3],
+                       Int32(1))
+
+
+class _ScaleQuant(_Rows):
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mScale: cute.Tensor, mY: cute.Tensor, stream):
+        # mX (B, S, H, D) bf16, mScale (B, H) fp32 -> mY (B, S, H, D) uint8 (e4m3 bits)
+        grid = (cute.ceil_div(cute.size(mX.shape[1]), self.rpc), cute.size(mX.shape[2]),
+                cute.size(mX.shape[0]))
+        self.kernel(mX, mScale, mY).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mScale: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        S = mX.shape[1]
+        H = mX.shape[2]
+        row = tidx // self.vpr
+        col = tidx % self.vpr
+        s = blk * self.rpc + row
+        valid = s < S
+        tok = (Int64(batch) * S + s) * H + head
+        w = ld_v4_pred(mX.iterator.toint() + tok * (self.d * 2) + col * 16, valid)
+        q = quant8(w[0], w[1], w[2], w[3], mScale[batch, head])
+        st_v2_pred(mY.iterator.toint() + tok * self.d + col * 8, q[0], q[1], valid)
+
+
+# ------------------------------------------------------------------ host side
+
+
+def _use_tvm_ffi() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def _fake_args(kind: str, d: int):
+    from cutlass.cute.runtime import make_fake_compact_tensor as fake
+
+    sym = cute.sym_int
+    b, s, h, sqp = sym(), sym(), sym(), sym()
+    x = fake(cutlass.BFloat16, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+    y8 = fake(cutlass.Uint8, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+    sc = fake(Float32, (b, h), stride_order=(1, 0), assumed_align=4)
+    acc = fake(Float32, (b, h, sqp, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+    if kind in ("pre", "pre_fp8"):
+        lse = fake(Float32, (b, h, s), stride_order=(2, 1, 0), assumed_align=4)
+        lse2 = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=4)
+        dsum = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=4)
+        # dO's payload has its own extents: without fp8 a 1-row placeholder is passed
+        do8 = fake(cutlass.Uint8, (sym(), sym(), sym(), d), stride_order=(3, 2, 1, 0), assumed_align=16)
+        return (x, x, lse, sc, lse2, dsum, acc, do8)
+    if kind == "post":
+        return (acc, x, Float32(1.0))
+    return (x, sc, y8)  # "quant"
+
+
+def _compile(kind: str, d: int, tvm_ffi=None):
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"backward pre/post-processing: head dim must be one of {SUPPORTED_HEAD_DIMS}; got {d}")
+    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
+    key = (kind, d, tvm_ffi)
+    if key not in _COMPILED:
+        op = {"pre": lambda: _Pre(d, False), "pre_fp8": lambda: _Pre(d, True), "post": lambda: _Post(d),
+              "quant": lambda: _ScaleQuant(d)}[kind]()
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+        opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
+        _COMPILED[key] = cute.compile(op, *_fake_args(kind, d), stream, options=opts)
+    return _COMPILED[key]
+
+
+def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
+    """Compile the four kernels for ``head_dim`` without a GPU; return their names."""
+    if arch != "sm_90a":
+        raise ValueError(f"the backward pre/post-processing kernels are Hopper kernels: arch must be 'sm_90a', got {arch!r}")
+    names = []
+    for kind in ("pre", "pre_fp8", "post", "quant"):
+        _compile(kind, head_dim, tvm_ffi=False)
+        names.append(f"bwd_{kind}_d{head_dim}")
+    return names
+
+
+def _launch(kind: str, d: int, *args):
+    import torch
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    with torch.cuda.device(tensors[0].device):
+        tvm_ffi = _use_tvm_ffi()
+        kern = _compile(kind, d, tvm_ffi)
+        if tvm_ffi:
+            kern(*args)
+            return
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        def conv(a):
+            if not isinstance(a, torch.Tensor):
+                return Float32(a)
+            ct = from_dlpack(a, assumed_align=16 if a.dim() == 4 else 4)
+            return ct.mark_layout_dynamic(leading_dim=a.dim() - 1)
+
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        kern(*[conv(a) for a in args], stream)
+
+
+def preprocess(o, do, lse, sqp: int, scale_do=None):
+    """(lse2, dsum, dq_acc[, do8]) for the backward kernel: see the module docstring.
+    o, do (B, Sq, H, D) bf16 compact; lse (B, H, Sq) fp32; ``scale_do`` (B, H) fp32 quantizes
+    dO to e4m3 (returned as a fourth tensor)."""
+    import torch
+
+    B, Sq, H, D = do.shape
+    dev = do.device
+    lse2 = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
+    dsum = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((B, H, sqp, D), dtype=torch.float32, device=dev)
+    fp8 = scale_do is not None
+    do8 = torch.empty((B, Sq, H, D), dtype=torch.uint8, device=dev) if fp8 else \
+        torch.empty((1, 1, 1, D), dtype=torch.uint8, device=dev)
+    sc = scale_do.contiguous() if fp8 else torch.ones((B, H), dtype=torch.float32, device=dev)
+    _launch("pre_fp8" if fp8 else "pre", D, o, do, lse.contiguous(), sc, lse2, dsum, dq_acc, do8)
+    out = (lse2, dsum, dq_acc)
+    return out + (do8.view(torch.float8_e4m3fn),) if fp8 else out
+
+
+def postprocess(dq_acc, sq: int, softmax_scale: float):
+    """dQ (B, Sq, H, D) bf16 = bf16(softmax_scale * dq_acc[:, :, :Sq]) from (B, H, Sqp, D) fp32."""
+    import torch
+
+    B, H, _, D = dq_acc.shape
+    dq = torch.empty((B, sq, H, D), dtype=torch.bfloat16, device=dq_acc.device)
+    _launch("post", D, dq_acc, dq, float(softmax_scale))
+    return dq
+
+
+def quantize_per_head(x, scale):
+    """e4m3 payload of x / scale[b, h] (natural layout), x (B, S, H, D) bf16 compact."""
+    import torch
+
+    y = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    _launch("quant", x.shape[3], x, scale.contiguous(), y)
+    return y.view(torch.float8_e4m3fn)
+
+
+def scale_per_head(x):
+    """FP8 scale per (batch, head) of x (B, S, H, D) bf16: amax / 448 as fl32(amax * fl32(1/448)),
+    1 where amax == 0 (the fused quantizer's contract, ``fp4gen.device.quantize``)."""
+    import torch
+
+    from . import quantize as dquant
+
+    x = dquant._prep(x, "x")
+    B, S, H, D = x.shape
+    nb = (S + dquant.BLOCK - 1) // dquant.BLOCK
+    amax_bits = torch.empty((B, H, nb), dtype=torch.int32, device=x.device)
+    dquant._launch("amax", D, x, x, amax_bits)  # bf16 |amax| bit patterns per 128 tokens
+    a = (amax_bits.amax(-1) << 16).view(torch.float32)
+    return torch.where(a == 0, torch.ones_like(a), a * (1.0 / 448.0))
