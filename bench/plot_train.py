@@ -39,8 +39,9 @@ def label_of(run: dict) -> str:
         name = "SDPA" if run.get("attn") == "sdpa" else str(run.get("attn", "?"))
         return f"{name} BF16" if amp == "bf16" else f"{name} fp32"
     spec = run.get("spec") or {}
-    name = run.get("display") or "fp4gen"
-    return f"{name}: {spec.get('kernel', '?')} [{ran_on(run)}]"
+    where = ran_on(run)
+    tag = "" if where == "fwd+bwd generated" else f" [{where}]"  # the usual case goes unsaid
+    return f"{spec.get('kernel', '?')}{tag}"
 
 
 def step_ms(run: dict) -> float:
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_diff, ax_time) = plt.subplots(1, 3, figsize=(19, 5.2))
+    fig, (ax_loss, ax_diff, ax_time) = plt.subplots(1, 3, figsize=(21, 6.5))
     base = runs[0]
     base_loss = {r["step"]: r["loss"] for r in base.get("log") or []}
     for i, run in enumerate(runs):
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         lo, hi = min(finals), max(finals)
         ax_loss.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.05 * (hi - lo + 1e-3))
     ax_loss.grid(alpha=0.3)
-    ax_loss.legend(fontsize=8, loc="upper right")
+    ax_loss.legend(fontsize=7, loc="upper right")
     ax_diff.axhline(0.0, color="black", lw=0.8)
     ax_diff.set_title(f"training loss minus {label_of(base)} (mean of {args.smooth} windows)", fontsize=10)
     ax_diff.set_xlabel("step")

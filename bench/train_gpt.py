@@ -12,13 +12,15 @@ tied embeddings); only the attention core differs between runs:
   exists for this GPU and spec, else the reference backend; the JSON records
   which one ran (``backend`` and ``dispatch_counts``).
 
-``--recipe`` names the three runs the comparison is made of (explicit
+``--recipe`` names the runs the comparison is made of (explicit
 ``--attn/--spec/--backend`` flags still win):
 
 - ``sdpa``: BF16 SDPA, the baseline;
 - ``bf16``: fp4gen's generated BF16 causal forward + backward (sm90a);
 - ``fp8``:  the FP8 P/V recipe, generated FP8 forward (Q, K per-block E4M3,
-  P from exp in E4M3, V E4M3) + generated BF16 backward (sm90a).
+  P from exp in E4M3, V E4M3) + generated FP8 backward (S from the forward's
+  FP8 Q/K, dP and dV in FP8 with dO E4M3, dK and dQ in BF16) (sm90a);
+- ``fp8-bf16grad``: the same FP8 forward with an all-BF16 backward.
 
 The corpus is the Python standard library's source, byte-level (see
 bench/train_data.py): nothing is downloaded. Parameters and batches come from
@@ -67,8 +69,11 @@ RECIPES = {
     "sdpa": ("sdpa", None, None),
     "bf16": ("fp4gen", "examples/sm90_bf16_d128.attn::sm90_bf16_causal_d128", "generated"),
     "fp8": ("fp4gen", "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_causal_d128", "generated"),
+    "fp8-bf16grad": ("fp4gen", "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_bf16grad_causal_d128",
+                     "generated"),
 }
-RECIPE_LABELS = {"sdpa": "SDPA BF16", "bf16": "fp4gen BF16", "fp8": "fp4gen FP8 P/V"}
+RECIPE_LABELS = {"sdpa": "SDPA BF16", "bf16": "fp4gen BF16", "fp8": "fp4gen FP8 P/V, FP8 dO/dV",
+                 "fp8-bf16grad": "fp4gen FP8 P/V, BF16 backward"}
 
 sys.path.insert(0, str(HERE))
 from train_data import Batches, load_corpus  # noqa: E402
@@ -173,7 +178,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", choices=sorted(RECIPES),
                     help="one run of the comparison: sdpa (BF16 SDPA), bf16 (fp4gen generated BF16), "
-                         "fp8 (fp4gen FP8 P/V recipe, generated); sets --attn, --spec, --backend")
+                         "fp8 (fp4gen FP8 P/V recipe with FP8 dO/dV, generated), fp8-bf16grad (same forward, "
+                         "BF16 backward); sets --attn, --spec, --backend")
     ap.add_argument("--attn", choices=("fp4gen", "sdpa"), help="required unless --recipe is given")
     ap.add_argument("--spec",
                     help="fp4gen spec: FILE.attn, or FILE.attn::KERNEL when the file has several "

@@ -103,7 +103,7 @@ def test_train_gpt_fp8_recipe_tiny(tmp_path, monkeypatch, capsys):
     assert [r["file"] for r in s["runs"]] == ["train_sdpa.json", "train_fp8.json"]
     assert s["runs"][1]["ms_per_step"] == fp8["ms_per_step"]
     assert s["runs"][1]["final_val_loss"] == fp8["final_val_loss"]
-    assert "FP8 P/V" in s["runs"][1]["label"] and "reference" in s["runs"][1]["label"]
+    assert s["runs"][1]["label"].startswith("sm90_fp8_train_causal_d128") and "reference" in s["runs"][1]["label"]
     # a run that left no file (failed, timed out) is skipped with a warning, the rest is plotted
     assert plot.main([str(tmp_path / "train_sdpa.json"), str(tmp_path / "train_bf16.json"),
                       "-o", str(png), "--summary", str(summ)]) == 0
