@@ -17,6 +17,7 @@ TMEM columns come from the plan (see TMEM below); nothing here chooses them.
 
 STATUS -- compiled for sm_100a and checked statically (fp4gen.lowering.conformance);
 never run on Blackwell hardware. Known gaps (also in docs/sm100.md):
+  - backward not generated: the sm100a backward planner refuses this spec's backward block (examples/fa4_fp4_d128.attn:31:5): the sm100a backward recomputes S^T with bf16 MMAs; reusing the forward's nvfp4 Q and K payloads (block-scaled QK^T in the backward, dequantized Q/K for dK/dQ) is not implemented
   - the guard sample(m=110, l=16) uses software dot products against the sampled keys read from global memory (scalar byte loads, once per CTA): correct by construction only, never run
   - the correction warpgroup writes O with plain global stores (no TMA store); the epilogue/spare warps of the plan idle
   - P's block scales reach TMEM through SMEM + tcgen05.cp (not tcgen05.st)

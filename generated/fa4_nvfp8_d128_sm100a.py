@@ -17,6 +17,7 @@ TMEM columns come from the plan (see TMEM below); nothing here chooses them.
 
 STATUS -- compiled for sm_100a and checked statically (fp4gen.lowering.conformance);
 never run on Blackwell hardware. Known gaps (also in docs/sm100.md):
+  - backward not generated: the sm100a backward planner refuses this spec's backward block (examples/fa4_nvfp8_d128.attn:22:5): the sm100a backward recomputes S^T with bf16 MMAs; reusing the forward's nvfp4 Q and K payloads (block-scaled QK^T in the backward, dequantized Q/K for dK/dQ) is not implemented
   - O rescaling (online max) is done by the softmax warps, not by the correction warpgroup
   - the correction warpgroup writes O with plain global stores (no TMA store); the epilogue/spare warps of the plan idle
   - P's block scales reach TMEM through SMEM + tcgen05.cp (not tcgen05.st)

@@ -61,15 +61,24 @@ _RUNNER = textwrap.dedent("""
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     t = time.time()
-    names = m.compile_only("sm_100a")
+    if sys.argv[3] == "backward":  # the bf16 variant only: one kernel, one kept MLIR
+        names = m.compile_only_backward("sm_100a", variants=("bf16",))
+        compiled = m.LAST_COMPILED_BACKWARD
+    else:
+        names = m.compile_only("sm_100a")
+        compiled = m.LAST_COMPILED
     dt = time.time() - t
-    open(sys.argv[2], "w").write(m.LAST_COMPILED.artifacts.PTX)
+    open(sys.argv[2], "w").write(compiled.artifacts.PTX)
     print(json.dumps({"seconds": dt, "names": names}))
 """)
 
 
-def compile_artifacts(source: str, workdir: Optional[str] = None, timeout: int = 900) -> Artifacts:
-    """Compile a generated sm100a module (its source text) for sm_100a; return PTX + MLIR."""
+def compile_artifacts(source: str, workdir: Optional[str] = None, timeout: int = 900, *,
+                      backward: bool = False) -> Artifacts:
+    """Compile a generated sm100a module (its source text) for sm_100a; return PTX + MLIR.
+
+    ``backward``: compile the module's backward kernel (``compile_only_backward``, bf16 dK/dV
+    variant) instead of the forward."""
     import json
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="fp4gen_sm100_"))
@@ -82,7 +91,8 @@ def compile_artifacts(source: str, workdir: Optional[str] = None, timeout: int =
         old.unlink()
     env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", CUTE_DSL_KEEP="ir", CUTE_DSL_DUMP_DIR=str(dump))
     ptx_path = tmp / "kernel.ptx"
-    r = subprocess.run([sys.executable, "-c", _RUNNER, str(mod), str(ptx_path)], env=env, cwd=str(tmp),
+    r = subprocess.run([sys.executable, "-c", _RUNNER, str(mod), str(ptx_path),
+                        "backward" if backward else "forward"], env=env, cwd=str(tmp),
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"sm_100a compilation failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
@@ -427,6 +437,276 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
         out.append(Mismatch("mlir.mma_per_kv_tile", {"QK": want_qk, "PV": want_pv},
                             [{"QK": a, "PV": b} for a, b in f.loop_mma], "mlir",
                             "tcgen05.mma issued per iteration of the KV loop"))
+    return out
+
+
+# ----------------------------------------------------------------------------- the backward
+#
+# The sm100a backward (templates/sm100/bwd.py.j2) issues five tcgen05.mma products per query
+# tile. In the kept IR each ``cute.gemm`` names its tiled-MMA type, whose printed form carries
+# the operand majors and where A comes from: ``ab_major = (k, k)`` S^T and dP^T (the first and
+# second half of those in the loop, in issue order), ``frag_kind = ts`` (A from TMEM) dV,
+# ``ab_major = (k, mn)`` with SMEM A dK, ``ab_major = (mn, mn)`` dQ.
+
+_BWD_MMAS = ("S", "dP", "dV", "dK", "dQ")
+
+
+def _bwd_mma_class(atom_type: str) -> str:
+    m = re.search(r"ab_major = \((\w+), (\w+)\)", atom_type)
+    fk = re.search(r"frag_kind = (\w+)", atom_type)
+    majors = (m.group(1), m.group(2)) if m else ("?", "?")
+    if fk and fk.group(1) == "ts":
+        return "dV"
+    if majors == ("k", "k"):
+        return "SdP"
+    if majors == ("k", "mn"):
+        return "dK"
+    if majors == ("mn", "mn"):
+        return "dQ"
+    return "?"
+
+
+@dataclass
+class _BwdFacts:
+    alloc_columns: list = field(default_factory=list)
+    acc: dict = field(default_factory=lambda: {n: set() for n in _BWD_MMAS})
+    dv_a: set = field(default_factory=set)  # dV's A operand (P^T) in TMEM
+    tmem_st: set = field(default_factory=set)
+    tmem_ld: set = field(default_factory=set)
+    loop_mma: list = field(default_factory=list)  # {S, dP, dV, dK, dQ: count} per MMA-issuing scf.for
+    unclassified: list = field(default_factory=list)
+
+
+def backward_mlir_facts(mlir_text: str) -> _BwdFacts:
+    """TMEM columns of every backward product, the P^T stores and the TMEM loads, from the kept IR."""
+    ops, aliases = _split_ops(mlir_text)
+
+    def expand(t: str) -> str:
+        return aliases.get(t, t)
+
+    facts = _BwdFacts()
+    lines = mlir_text.splitlines()
+    for op in ops:
+        if op.name == "cute_nvgpu.arch.sm100.alloc_tmem":
+            c = _def(op, 0)
+            m = re.search(r"arith\.constant (\d+)", c.line) if c else None
+            facts.alloc_columns.append(int(m.group(1)) if m else "dynamic")
+        elif op.name == "cute.copy":
+            types = op.sig_types()
+            atom = expand(types[0]) if types else ""
+            if "tmem_store" in atom:
+                facts.tmem_st |= _use(op, 2)
+            elif "tmem_load" in atom:
+                facts.tmem_ld |= _use(op, 1)
+    # the MMA-issuing loops: classify each gemm, S^T / dP^T by issue order within the loop
+    for op in ops:
+        if op.name != "scf.for":
+            continue
+        depth, gemms = 0, []
+        for ln, line in enumerate(lines[op.lineno - 1:], op.lineno):
+            st = line.strip()
+            if "cute.gemm(" in st:
+                gemms.append(ln)
+            depth += st.count("{") - st.count("}")
+            if depth <= 0 and st.endswith("}"):
+                break
+        if not gemms:
+            continue
+        by_line = {o.lineno: o for o in ops if o.name == "cute.gemm"}
+        classes = []
+        for ln in gemms:
+            g = by_line.get(ln)
+            if g is None:
+                continue
+            t = g.sig_types()
+            classes.append((_bwd_mma_class(expand(t[0]) if t else ""), g))
+        sdp = [g for c, g in classes if c == "SdP"]
+        half = len(sdp) // 2
+        named = {id(g): ("S" if i < half else "dP") for i, g in enumerate(sdp)}
+        counts = {n: 0 for n in _BWD_MMAS}
+        for c, g in classes:
+            name = named.get(id(g), c)
+            if name not in counts:
+                facts.unclassified.append(g.line[:120])
+                continue
+            counts[name] += 1
+            facts.acc[name] |= _use(g, 1)
+            if name == "dV":
+                facts.dv_a |= _use(g, 2)
+        facts.loop_mma.append(counts)
+    return facts
+
+
+# The transposed operands are views of the same SMEM bytes through another MMA's layout
+# (templates/sm100/bwd.py.j2: ``view``). The kernel's signature prints every SMEM layout as
+# ``!cute.composed_layout<"S<b,m,s> o 0 o SHAPE:STRIDE">`` in argument order; for each pair the
+# element (row, col) of one must sit at the same offset, under the same swizzle, as element
+# (col, row) of the other. Layouts are in the tcgen05 operand form ((MN, K), MMA_MN, MMA_K, stage).
+_BWD_SMEM_ARGS = ("sK", "sV", "sQ", "sdO", "sdSt", "sQt", "sdOt", "sdS", "sKt", "tP")
+_BWD_SMEM_VIEWS = (("sQ", "sQt"), ("sdO", "sdOt"), ("sK", "sKt"), ("sdSt", "sdS"))
+_COMPOSED = re.compile(r'!cute\.composed_layout<"(S<\d+,\d+,\d+>) o 0 o ([^":]+):([^"]+)">')
+
+
+def _leaves(shape, stride):
+    if isinstance(shape, tuple):
+        out = []
+        for a, b in zip(shape, stride):
+            out += _leaves(a, b)
+        return out
+    return [(shape, stride)]
+
+
+class _OperandLayout:
+    """offset(mn, k, stage) of a tcgen05 SMEM operand layout printed by CuTe DSL (colex order)."""
+
+    def __init__(self, swizzle: str, shape: str, stride: str):
+        import ast
+
+        sh, st = ast.literal_eval(shape), ast.literal_eval(stride)
+        self.swizzle = swizzle
+        self.mn = _leaves(sh[0][0], st[0][0]) + _leaves(sh[1], st[1])
+        self.k = _leaves(sh[0][1], st[0][1]) + _leaves(sh[2], st[2])
+        self.stage = _leaves(sh[3], st[3]) if len(sh) > 3 else [(1, 0)]
+
+    @staticmethod
+    def _at(leaves, i):
+        off = 0
+        for n, d in leaves:
+            off += (i % n) * d
+            i //= n
+        return off
+
+    def extent(self, leaves):
+        e = 1
+        for n, _ in leaves:
+            e *= n
+        return e
+
+    def offset(self, mn, k, stage=0):
+        return self._at(self.mn, mn) + self._at(self.k, k) + self._at(self.stage, stage)
+
+
+def backward_smem_layouts(mlir_text: str) -> dict:
+    """name -> _OperandLayout of the backward kernel's SMEM operand layouts (its signature)."""
+    head = next((ln for ln in mlir_text.splitlines() if "cuda.kernel @" in ln and "AttentionBwdSm100" in ln), "")
+    found = _COMPOSED.findall(head)
+    if len(found) != len(_BWD_SMEM_ARGS):
+        return {}
+    return {n: _OperandLayout(*f) for n, f in zip(_BWD_SMEM_ARGS, found)}
+
+
+def smem_view_mismatches(mlir_text: str) -> list:
+    """Pairs of SMEM layouts that are not each other's transposed view of the same bytes."""
+    lays = backward_smem_layouts(mlir_text)
+    if not lays:
+        return [Mismatch("mlir.bwd.smem.layouts", f"{len(_BWD_SMEM_ARGS)} composed layouts in the kernel signature",
+                         "not found", "mlir")]
+    out = []
+    for a, b in _BWD_SMEM_VIEWS:
+        la, lb = lays[a], lays[b]
+        dims = (la.extent(la.mn), la.extent(la.k), la.extent(la.stage))
+        if la.swizzle != lb.swizzle or dims != (lb.extent(lb.k), lb.extent(lb.mn), lb.extent(lb.stage)):
+            out.append(Mismatch("mlir.bwd.smem.transposed_view", f"{a} and {b}: same swizzle, transposed extents",
+                                f"{la.swizzle} {dims} vs {lb.swizzle}", "mlir"))
+            continue
+        bad = next(((i, j, s) for s in range(dims[2]) for i in range(dims[0]) for j in range(dims[1])
+                    if la.offset(i, j, s) != lb.offset(j, i, s)), None)
+        if bad is not None:
+            i, j, s_ = bad
+            out.append(Mismatch("mlir.bwd.smem.transposed_view", f"{b}({j}, {i}) at the offset of {a}({i}, {j})",
+                                f"{lb.offset(j, i, s_)} != {la.offset(i, j, s_)} (stage {s_})", "mlir",
+                                "a transposed operand view reads other bytes than the buffer holds"))
+    return out
+
+
+def expected_backward_counts(bp) -> dict:
+    """tcgen05.mma instructions per query tile of each product (K / 16 for kind::f16)."""
+    return {m.name: m.instructions for m in bp.mmas}
+
+
+def check_backward_conformance(bp, artifacts: Artifacts) -> list:
+    """Compare a compiled sm100a backward with its ``BackwardPlanSm100``; return the mismatches."""
+    out: list[Mismatch] = []
+    regs = {r.name: (r.first_col, r.last_col) for r in bp.tmem.regions}
+    ptx = artifacts.ptx
+
+    # --- PTX: the MMA kind, barriers, allocation, exp, the dQ reduction
+    kinds = set(re.findall(r"tcgen05\.mma\.cta_group::\d\.(kind::[\w]+)", ptx))
+    if kinds != {bp.mma_kind}:
+        out.append(Mismatch("ptx.bwd.mma.kind", [bp.mma_kind], sorted(kinds), "ptx"))
+    n_bar = len(re.findall(r"^\s*mbarrier\.init", ptx, re.M))
+    if n_bar != bp.mbarriers:
+        out.append(Mismatch("ptx.bwd.mbarrier.count", bp.mbarriers, n_bar, "ptx"))
+    if not re.search(r"tcgen05\.alloc\.cta_group::1", ptx):
+        out.append(Mismatch("ptx.bwd.tcgen05.alloc", "present", "absent", "ptx"))
+    if not re.search(r"^\s*ex2\.", ptx, re.M):
+        out.append(Mismatch("ptx.bwd.ex2", ">0", 0, "ptx", "P^T = exp2(S^T c - LSE2) is recomputed"))
+    n_red = len(re.findall(r"^\s*red\.global\.add\.v4\.f32", ptx, re.M))
+    if n_red != bp.head_dim // 4:
+        out.append(Mismatch("ptx.bwd.dq.red", bp.head_dim // 4, n_red, "ptx",
+                            "red.global.add.v4.f32 per dQ row (one thread per query)"))
+    ordered = bool(re.search(r"ld\.acquire\.gpu", ptx)) and bool(re.search(r"red\.release\.gpu", ptx))
+    if ordered != (bp.dq_reduction == "ordered_atomic_fp32"):
+        out.append(Mismatch("ptx.bwd.dq.order", bp.dq_reduction, "turns (acquire/release)" if ordered else "none",
+                            "ptx", "deterministic dQ takes turns per query tile"))
+    # P^T stores: one per 32 queries (16 columns of bf16 pairs), together covering P's columns
+    p_cols = regs["P"][1] - regs["P"][0] + 1
+    want_w = p_cols // (bp.tile_m // 32)
+    widths = [int(x) for x in re.findall(r"tcgen05\.st\.sync\.aligned\.32x32b\.x(\d+)", ptx)]
+    if set(widths) != {want_w} or sum(widths) != p_cols:
+        out.append(Mismatch("ptx.bwd.p_store.width", f"{bp.tile_m // 32} x tcgen05.st .x{want_w} ({p_cols} columns)",
+                            widths, "ptx"))
+    # every P^T store is waited on and dS^T (generic-proxy SMEM stores) fenced before the arrive
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    for i, ln in enumerate(lines):
+        if not ln.startswith("tcgen05.st."):
+            continue
+        between = []
+        for nxt in lines[i + 1:]:
+            if nxt.startswith("mbarrier.arrive"):
+                break
+            between.append(nxt)
+        if not any(x.startswith("tcgen05.wait::st") for x in between):
+            out.append(Mismatch("ptx.bwd.fence.tmem_store", "tcgen05.wait::st before the arrive", "missing", "ptx",
+                                f"PTX line {i + 1}: {ln[:60]}"))
+            break
+        if not any(x.startswith("fence.proxy.async") for x in between):
+            out.append(Mismatch("ptx.bwd.fence.ds_smem", "fence.proxy.async before the arrive", "missing", "ptx",
+                                "dS^T is written to SMEM by the compute threads and read by tcgen05.mma"))
+            break
+
+    # --- MLIR: allocation, accumulators, P^T, loads, MMAs per query tile
+    f = backward_mlir_facts(artifacts.mlir)
+    if f.alloc_columns != [bp.tmem.alloc_columns]:
+        out.append(Mismatch("mlir.bwd.tmem.alloc", bp.tmem.alloc_columns, f.alloc_columns, "mlir"))
+    for m in bp.mmas:
+        want = {regs[m.accumulator][0]}
+        if f.acc[m.name] != want:
+            out.append(Mismatch(f"mlir.bwd.{m.name}.accumulator", sorted(want), sorted(f.acc[m.name], key=str), "mlir",
+                                f"first column of {m.accumulator} ({m.formula})"))
+    if f.dv_a != {regs["P"][0]}:
+        out.append(Mismatch("mlir.bwd.dV.A(P)", [regs["P"][0]], sorted(f.dv_a, key=str), "mlir",
+                            "dV += P^T dO reads P^T from TMEM at P's first column"))
+    # the stores go through the dV MMA's A fragment (the chunk offsets are its layout's, not
+    # pointer arithmetic): every store is based inside P, at P's first column
+    if not f.tmem_st or any(not _in(o, regs["P"]) for o in f.tmem_st) or regs["P"][0] not in f.tmem_st:
+        out.append(Mismatch("mlir.bwd.tcgen05.st.P", f"P's first column {regs['P'][0]} (inside {regs['P']})",
+                            sorted(f.tmem_st, key=str), "mlir", "P^T stores"))
+    ld_regions = ["S", "dP", "dV", "dK", "dQ"]
+    stray = sorted((o for o in f.tmem_ld if not any(_in(o, regs[n]) for n in ld_regions)), key=str)
+    if stray:
+        out.append(Mismatch("mlir.bwd.tcgen05.ld.src", f"columns inside {ld_regions}", stray, "mlir"))
+    missing = [n for n in ld_regions if regs[n][0] not in f.tmem_ld]
+    if missing:
+        out.append(Mismatch("mlir.bwd.tcgen05.ld.src", {n: regs[n][0] for n in missing}, sorted(f.tmem_ld, key=str),
+                            "mlir", "never loaded at the planned first column"))
+    want_counts = expected_backward_counts(bp)
+    if want_counts not in f.loop_mma:
+        out.append(Mismatch("mlir.bwd.mma_per_query_tile", want_counts, f.loop_mma, "mlir",
+                            "tcgen05.mma issued per iteration of the MMA warp's query loop"))
+    if f.unclassified:
+        out.append(Mismatch("mlir.bwd.mma.unknown", [], f.unclassified, "mlir", "an MMA the plan does not have"))
+    out += smem_view_mismatches(artifacts.mlir)
     return out
 
 

@@ -217,5 +217,24 @@ def context(plan) -> dict:
 
 
 def render(plan) -> str:
-    """Source text of the generated sm100a module for ``plan``."""
-    return template_env("sm100").get_template("fwd.py.j2").render(**context(plan))
+    """Source text of the generated sm100a module for ``plan``: the forward, plus the backward
+    section (``sm100_bwd.render_backward``) when the spec has a backward block that the sm100a
+    backward planner accepts. A refused backward block is listed among the module's known gaps
+    with the planner's message (the forward stays usable)."""
+    ctx = context(plan)
+    bwd = None
+    if plan.spec.backward is not None:
+        from fp4gen.ir.plan import PlanError
+
+        from .sm100_bwd import backward_plan, render_backward
+
+        try:
+            bp = backward_plan(plan)
+        except PlanError as e:
+            where = f" ({e.loc})" if e.loc else ""
+            ctx["gaps"] = [f"backward not generated: the sm100a backward planner refuses this spec's backward "
+                           f"block{where}: {e.message}"] + ctx["gaps"]
+        else:
+            bwd = render_backward(plan, bp)
+    src = template_env("sm100").get_template("fwd.py.j2").render(**ctx)
+    return src + ("\n\n" + bwd if bwd else "")

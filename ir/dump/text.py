@@ -107,9 +107,17 @@ def to_text(plan: KernelPlan) -> str:
     if plan.backward is not None:
         b = plan.backward
         L.append("")
+        roles = getattr(b, "roles", None)  # sm100a: warp roles and a TMEM map instead of MMA warpgroups
+        who = (", ".join(f"{r.name} x{r.warps}" for r in roles) + " warps" if roles
+               else f"{b.mma_warpgroups} MMA warpgroups")
         L.append(f"Backward ({'causal' if b.causal else 'no mask'}): {b.tile_n} keys per CTA, {b.tile_m}-row query "
-                 f"steps, {b.mma_warpgroups} MMA warpgroups, {b.mma_format} MMAs, dQ by {b.dq_reduction}, "
+                 f"steps, {who}, {b.mma_format} MMAs, dQ by {b.dq_reduction}, "
                  f"smem {b.smem_bytes} of {b.smem_limit} bytes, reuse {' '.join(b.reuse) or 'none'}")
+        tmem = getattr(b, "tmem", None)
+        if tmem is not None:
+            L.append(f"  TMEM: {tmem.alloc_columns} columns allocated; "
+                     + ", ".join(f"{r.name} {r.first_col}..{r.last_col}"
+                                 + (f" (over {r.alias_of})" if r.alias_of else "") for r in tmem.regions))
         for m in b.mmas:
             L.append(f"  {m.name:3} {m.formula:28} A {m.a_source} ({m.a_major}-major), B {m.b_major}-major; "
                      f"{m.warpgroup_split}")

@@ -38,6 +38,10 @@ BWD_TILE_N = 128
 BWD_MMA_WARPGROUPS = 2
 BWD_Q_STAGES = 2  # Q/dO ring
 BWD_DS_STAGES = 2  # dS in SMEM, double-buffered so one barrier per query tile suffices
+# Registers: the CTA starts with what the launch gave every thread (65536 / 384 threads,
+# rounded down to 8: 168) and setmaxnreg only moves them between warpgroups: an increase
+# the decreases did not pay for waits forever (a hang, seen on the H200 with a 56 + 2 x 224
+# split). So producer + 2 x MMA warpgroup <= 3 x 168 = 504 per thread slot: 24 + 2 x 240.
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 MBARRIER_BYTES = 8
@@ -209,7 +213,8 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         raise PlanError(f"backward SMEM {total} B exceeds {SMEM_LIMIT_BYTES} B", spec.loc("head_dim"))
     threads = 128 * (BWD_MMA_WARPGROUPS + 1)
     regs = 128 * PRODUCER_REGISTERS + 128 * BWD_MMA_WARPGROUPS * CONSUMER_REGISTERS
-    assert regs <= REGISTERS_PER_SM
+    launch_regs = REGISTERS_PER_SM // threads // 8 * 8  # what each thread starts with
+    assert regs <= threads * launch_regs, (regs, threads, launch_regs)  # else setmaxnreg.inc hangs
     deterministic = bool(bw.deterministic)
     notes = [
         "causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the "
@@ -253,11 +258,20 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
 
 
 def attach_backward(plan: KernelPlan) -> KernelPlan:
-    """Record the backward plan on sm90a plans whose spec has a backward block.
+    """Record the backward plan on plans whose spec has a backward block.
 
-    Other targets keep ``backward=None``: the sm100a backward is not planned yet
-    (its gradient formats are still checked by ``legalize``).
+    sm90a: ``plan_backward`` (refusals raise). sm100a: ``backward_sm100.plan_backward_sm100``
+    when it accepts the block; a block it refuses (e.g. FP8 gradients, NVFP4 Q/K reuse) leaves
+    ``backward=None`` so the forward still plans, and ``lowering.sm100`` lists the refusal among
+    the generated module's known gaps.
     """
-    if plan.spec.backward is None or plan.spec.target is not Target.SM90A:
+    if plan.spec.backward is None:
+        return plan
+    if plan.spec.target is Target.SM100A:
+        from .backward_sm100 import backward_plan_sm100_or_none
+
+        bp = backward_plan_sm100_or_none(plan)
+        return plan if bp is None else replace(plan, backward=bp)
+    if plan.spec.target is not Target.SM90A:
         return plan
     return replace(plan, backward=plan_backward(plan))

@@ -1,0 +1,122 @@
+"""sm100a backward: a finished ``KernelPlan`` -> the Python source of the backward section.
+
+The section (``templates/sm100/bwd.py.j2``) is appended to the forward module rendered
+by ``sm100.py``. It is self-contained (its own lazy CuTe DSL imports, names prefixed
+``_bwd``/``BWD_``) and defines, at module level,
+
+- ``backward(q, k, v, o, lse, do, *, softmax_scale=None) -> (dq, dk, dv)``
+- ``compile_only_backward(arch="sm_100a", variants=("bf16", "gqa")) -> list[str]``
+
+It reads ``KERNEL_NAME``, ``SOFTMAX_SCALE`` and ``_require_sm100`` from the forward part.
+Every decision comes from the ``BackwardPlanSm100``
+(``fp4gen.ir.passes.backward_sm100.plan_backward_sm100``); this file turns it into a
+jinja2 context and refuses plans the template cannot express.
+"""
+from __future__ import annotations
+
+from . import LoweringError, template_env
+
+TEMPLATE = "bwd.py.j2"
+# TMEM regions the template addresses (all must be in the backward plan's map)
+REGIONS = ("S", "P", "dP", "dV", "dK", "dQ")
+# warps the template numbers, in order: compute 0-3, dQ 4-7, MMA 8, load 9, spare 10-11
+ROLE_WARPS = (("compute", 4), ("dq", 4), ("mma", 1), ("load", 1), ("spare", 2))
+
+
+def backward_plan(plan):
+    """The plan's BackwardPlanSm100: the one the planner recorded, else planned here (raises
+    PlanError with the spec line when the sm100a backward refuses the spec)."""
+    from fp4gen.ir.passes.backward_sm100 import BackwardPlanSm100, plan_backward_sm100
+
+    bp = getattr(plan, "backward", None)
+    if isinstance(bp, BackwardPlanSm100):
+        return bp
+    return plan_backward_sm100(plan)
+
+
+def context(plan, bp=None) -> dict:
+    spec = plan.spec
+    if spec.target.value != "sm100a":
+        raise LoweringError(f"the sm100a backward got a plan for {spec.target.value}")
+    if spec.backward is None:
+        raise LoweringError(f"kernel {spec.name!r} has no backward block")
+    bp = bp if bp is not None else backward_plan(plan)
+    if bp.mma_format != "bf16" or bp.mma_kind != "kind::f16":
+        raise LoweringError(f"the sm100a backward template has bf16 MMAs (kind::f16) only, plan asks "
+                            f"{bp.mma_format} ({bp.mma_kind})")
+    if bp.tile_m != 128 or bp.tile_n != 128 or bp.head_dim not in (64, 128):
+        raise LoweringError(f"the sm100a backward template is written for 128 x 128 tiles and head_dim 64/128; "
+                            f"plan has {bp.tile_m} x {bp.tile_n}, head_dim {bp.head_dim}")
+    roles = tuple((r.name, r.warps) for r in bp.roles)
+    if roles != ROLE_WARPS:
+        raise LoweringError(f"the sm100a backward template numbers its warps {ROLE_WARPS}; the plan has {roles}")
+    regs = {r.name: r.registers for r in bp.roles}
+    if len({regs["mma"], regs["load"], regs["spare"]}) != 1:
+        raise LoweringError(f"setmaxnreg works per warpgroup: mma, load and spare warps share one budget ({regs})")
+    cols = {r.name: (r.first_col, r.last_col) for r in bp.tmem.regions}
+    missing = [n for n in REGIONS if n not in cols]
+    if missing:
+        raise LoweringError(f"the backward TMEM map lacks {', '.join(missing)}")
+    if cols["P"][0] != cols["S"][0]:
+        # the compute thread stores P^T chunk c (16 columns) over S^T chunk c // 2, which it has
+        # already loaded; any other offset would overwrite scores it still has to read
+        raise LoweringError(f"the template writes P^T over the first columns of S^T (P at {cols['P'][0]}, "
+                            f"S at {cols['S'][0]})")
+    if cols["P"][1] - cols["P"][0] + 1 != bp.tile_m // 2:
+        raise LoweringError(f"P^T is {bp.tile_m} bf16 queries = {bp.tile_m // 2} columns; plan has {cols['P']}")
+
+    summary = [
+        f"tiles: {bp.tile_m} queries x {bp.tile_n} keys; warps: "
+        + ", ".join(f"{r.name} {r.warps} ({r.registers} regs)" for r in bp.roles),
+        "MMAs: " + "; ".join(f"{m.formula} (A {m.a_source} {m.a_major}-major, B {m.b_major}-major, acc TMEM {m.accumulator})"
+                             for m in bp.mmas),
+        "TMEM (alloc " + str(bp.tmem.alloc_columns) + "): " + ", ".join(
+            f"{r.name} {r.first_col}-{r.last_col}" + (f" (over {r.alias_of})" if r.alias_of else "")
+            for r in bp.tmem.regions),
+        f"SMEM {bp.smem_bytes} of {bp.smem_limit} B (Q/dO stages {bp.q_stages}); {bp.mbarriers} mbarriers",
+        f"dQ: {bp.dq_reduction}; dK/dV: {bp.dkv_output}",
+        f"pre: {bp.preprocess}",
+        f"post: {bp.postprocess}",
+        "reuse: " + " ".join(bp.reuse) + "; gradients: " + ", ".join(f"{n} {f}" for n, f in bp.grad_formats),
+    ]
+    gaps = [
+        "never run: the kernel compiles for sm_100a and conforms statically (TMEM columns, MMA kinds and "
+        "counts, barriers), but no Blackwell GPU has executed it",
+        "P^T reaches TMEM through the dV MMA's own A-operand fragment (tcgen05.make_tmem_copy of it, as "
+        "CUTLASS's Blackwell fmha backward does); how the hardware reads that layout is unverified",
+        "LSE2 and D are read from global memory (16-byte loads, the same addresses in every compute thread), "
+        "not staged in SMEM by the load warp",
+        "dK/dV rows are written with scalar global stores by the compute threads (no SMEM + TMA store)",
+        "dQ is reduced with red.global.add.v4.f32 from registers, not SMEM + TMA reduce-add",
+        "one CTA per key tile (no persistent scheduler, no 2-CTA MMA); serial per query tile (no overlap of "
+        "the next tile's S^T with this tile's dS^T)",
+    ]
+    return dict(
+        kernel_name=spec.name,
+        origins={"backward": spec.origin("backward"), "reuse": spec.origin("backward.reuse"),
+                 "mask": spec.origin("mask"), "deterministic": spec.origin("backward.deterministic")},
+        plan_summary=summary,
+        gaps=gaps,
+        head_dim=bp.head_dim,
+        causal=bp.causal,
+        tile_m=bp.tile_m,
+        tile_n=bp.tile_n,
+        q_stages=bp.q_stages,
+        deterministic=bp.deterministic,
+        dq_aliases_dp=bp.dq_aliases_dp,
+        n_warps=sum(w for _, w in roles),
+        regs_compute=regs["compute"],
+        regs_dq=regs["dq"],
+        regs_other=regs["mma"],
+        # setmaxnreg.inc for budgets above the launch share, .dec otherwise (per warpgroup)
+        reg_ops={n: "increase" if regs[n] > bp.registers_at_launch else "decrease"
+                 for n in ("compute", "dq", "mma")},
+        tmem_alloc_cols=bp.tmem.alloc_columns,
+        tmem_regions=[(r.name, r.first_col, r.last_col) for r in bp.tmem.regions],
+    )
+
+
+def render_backward(plan, bp=None) -> str:
+    """Source text of the backward section for ``plan`` (append to the sm100a forward module);
+    ``bp`` overrides the plan's backward plan (tests render deliberately wrong plans)."""
+    return template_env("sm100").get_template(TEMPLATE).render(**context(plan, bp))
