@@ -162,6 +162,10 @@ def cmd_compile(args) -> int:
     paths = compile_specs(specs, args.output, target=args.target)
     for p in paths:
         print(f"wrote {p}")
+    from fp4gen.driver import backward_gaps
+
+    for line in backward_gaps(specs, target=args.target):  # the forward was written; say what was not
+        print(f"warning: {line}", file=sys.stderr)
     extra = [e for e in emit if e != "py"]
     if extra:
         from fp4gen.driver import parse_target

@@ -175,3 +175,24 @@ def emit_artifacts(module_path: Path, target: str, kinds: Sequence[str], timeout
         tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-15:])
         raise UserError(f"compiling {module_path.name} for {arch} failed:\n{tail}")
     return dump
+
+
+def backward_gaps(specs: Iterable[KernelSpec], *, target=None) -> list[str]:
+    """One line per spec whose ``backward`` block is not generated (the sm100a backward planner
+    refuses it; the forward is still generated): 'file:line:col: kernel: reason'. sm90a specs
+    never appear here: their backward refusals are errors."""
+    from fp4gen.ir.passes.backward_sm100 import plan_backward_sm100
+    from fp4gen.ir.plan import PlanError
+    from fp4gen.ir.spec import Target
+
+    out = []
+    for spec in specs:
+        spec = retarget(spec, parse_target(target)) if target else spec
+        if spec.backward is None or spec.target is not Target.SM100A:
+            continue
+        try:
+            plan_backward_sm100(plan_spec(spec))
+        except PlanError as e:
+            where = f"{e.loc}: " if e.loc else ""
+            out.append(f"{where}{spec.name}: backward not generated: {e.message}")
+    return out
