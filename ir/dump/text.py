@@ -119,8 +119,8 @@ def to_text(plan: KernelPlan) -> str:
                      + ", ".join(f"{r.name} {r.first_col}..{r.last_col}"
                                  + (f" (over {r.alias_of})" if r.alias_of else "") for r in tmem.regions))
         for m in b.mmas:
-            L.append(f"  {m.name:3} {m.formula:28} A {m.a_source} ({m.a_major}-major), B {m.b_major}-major; "
-                     f"{m.warpgroup_split}")
+            L.append(f"  {m.name:3} {m.formula:28} {m.operand_format:8} A {m.a_source} ({m.a_major}-major), "
+                     f"B {m.b_major}-major; {m.warpgroup_split}")
     if plan.events:
         L.append("")
         L.append("Events of KV tile j (each role runs its lines top to bottom; j-1 = previous tile)")
