@@ -90,16 +90,7 @@ def _module(d, causal, det, tmp_path_factory):
 @pytest.fixture
 def cpu_backward(monkeypatch):
     """Let the generated backward run on CPU tensors with the emulated kernel."""
-    from fp4gen.runtime import checks
-
-    orig = checks.check_backward
-
-    def check_backward_cpu(*a, **kw):
-        kw.update(device_type=None, tma=False)
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(checks, "check_backward", check_backward_cpu)
-    monkeypatch.setattr(checks, "require_arch", lambda *a, **kw: None)
+    bm.allow_cpu_backward(monkeypatch)
 
     def patch(mod):
         monkeypatch.setattr(mod, "_bwd_launch", lambda args, s, off, gqa: emulate_kernel(mod, args, s, off, gqa))

@@ -99,16 +99,7 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
 def cpu_fp8_backward(monkeypatch):
     """Let the generated FP8 backward run on CPU tensors: torch stand-ins for the CUDA-only
     quantization and preprocessing kernels, the emulated kernel for the launch."""
-    from fp4gen.runtime import checks
-
-    orig = checks.check_backward
-
-    def check_backward_cpu(*a, **kw):
-        kw.update(device_type=None, tma=False)
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(checks, "check_backward", check_backward_cpu)
-    monkeypatch.setattr(checks, "require_arch", lambda *a, **kw: None)
+    bm.allow_cpu_backward(monkeypatch)
 
     def patch(mod):
         # the forward module's quantizers with the numerics oracle's arithmetic (fast=False):
