@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import shlex
 import sys
@@ -135,17 +134,10 @@ def parse_args(argv=None):
 
 
 def ensure_fp4gen_importable():
-    """On the GPU machine fp4gen is not pip-installed: map the checkout's packages by hand."""
-    try:
-        import fp4gen.generated  # noqa: F401
-        import fp4gen.runtime  # noqa: F401
-        return
-    except ImportError:
-        pass
-    sys.path.insert(0, str(ROOT))
-    from fp4gen.runtime.srctree import use_source_tree
+    sys.path.insert(0, str(HERE))
+    from checkout import ensure_fp4gen_importable as ensure
 
-    use_source_tree(ROOT)
+    ensure()
 
 
 def load_module(item: str):

@@ -80,17 +80,10 @@ from train_data import Batches, load_corpus  # noqa: E402
 
 
 def ensure_fp4gen_importable():
-    """On the GPU machine fp4gen is not pip-installed: map the checkout's packages by hand."""
-    try:
-        import fp4gen.ir  # noqa: F401
-        import fp4gen.torch_ops  # noqa: F401
-        return
-    except ImportError:
-        pass
-    sys.path.insert(0, str(ROOT))
-    from fp4gen.runtime.srctree import use_source_tree
+    sys.path.insert(0, str(HERE))
+    from checkout import ensure_fp4gen_importable as ensure
 
-    use_source_tree(ROOT)
+    ensure()
 
 
 # ---------------------------------------------------------------------------

@@ -647,7 +647,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T as _bwd_T, dsl_user_op as _bwd_user_op
+from cutlass.cutlass_dsl import dsl_user_op as _bwd_user_op
 from cutlass._mlir.dialects import llvm as _bwd_llvm
 from cutlass.utils import LayoutEnum  # the forward imports it from here too
 
@@ -1250,8 +1250,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     from fp4gen.runtime import checks
 
     checks.check_softmax_scale(KERNEL_NAME, softmax_scale)
-    sizes = checks.check_backward(KERNEL_NAME, q, k, v, o, lse, do, dtypes=(_bwd_torch.bfloat16,),
-                                  head_dim=BWD_HEAD_DIM)
+    checks.check_backward(KERNEL_NAME, q, k, v, o, lse, do, dtypes=(_bwd_torch.bfloat16,),
+                          head_dim=BWD_HEAD_DIM)
     checks.require_arch("sm_90a", kernel=KERNEL_NAME, device=q.device)
     # the kernel is compiled for compact (B, S, H, D) tensors
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
@@ -1273,7 +1273,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     lse2, dsum, dq_acc, do_in = _bwd_prep.preprocess(o, do, lse, sqp, scale_do)
     scale_v = _bwd_prep.scale_per_head(v)
     v_in = _bwd_prep.quantize_per_head(v, scale_v)
-    extra = ()
+    extra = ()  # the FP8 operands and their scales, in the kernel's argument order
     if prepared is not None:
         q8, k8, scale_q, scale_k = prepared[0], prepared[1], prepared[3], prepared[4]
     else:
@@ -1299,25 +1299,6 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
         dk = dk_h.view(B, Sk, Hkv, g, D).sum(3).to(k.dtype)
         dv = dv_h.view(B, Sk, Hkv, g, D).sum(3).to(v.dtype)
     return dq.contiguous(), dk, dv
-
-
-def bench_backward_kernel(q, k, v, o, lse, do, **kw):
-    """For benchmarks: run ``backward`` once and return a function that relaunches only its
-    kernel on the operands that call prepared (quantization and pre/post-processing excluded;
-    the dQ accumulator keeps accumulating, which does not change the work)."""
-    global _bwd_launch
-    real, seen = _bwd_launch, []
-
-    def capture(*call):
-        seen.append(call)
-        real(*call)
-
-    _bwd_launch = capture
-    try:
-        backward(q, k, v, o, lse, do, **kw)
-    finally:
-        _bwd_launch = real
-    return lambda: real(*seen[0])
 
 
 from fp4gen.device import bwd_prep as _bwd_prep  # noqa: E402  (fused pre/post-processing)

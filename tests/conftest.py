@@ -35,3 +35,21 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
     for it in gpu_items:
         it.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_backward_checks(monkeypatch):
+    """Let a generated ``backward`` run its host code on CPU tensors: the runtime checks skip
+    the device and TMA-alignment requirements and ``require_arch`` passes (the tests that use
+    this replace the kernel launch with an emulation). Returns ``monkeypatch``."""
+    from fp4gen.runtime import checks
+
+    orig = checks.check_backward
+
+    def check_backward_cpu(*a, **kw):
+        kw.update(device_type=None, tma=False)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(checks, "check_backward", check_backward_cpu)
+    monkeypatch.setattr(checks, "require_arch", lambda *a, **kw: None)
+    return monkeypatch

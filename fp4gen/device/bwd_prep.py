@@ -30,7 +30,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .quantize import _asm, _struct, _words, ld_v4_pred, quant8, st_v2_pred
+from .quantize import _asm, _struct, _use_tvm_ffi, _words, launch, ld_v4_pred, quant8, st_v2_pred
 
 THREADS = 256
 LOG2E = math.log2(math.e)
@@ -217,12 +217,6 @@ class _ScaleQuant(_Rows):
 # ------------------------------------------------------------------ host side
 
 
-def _use_tvm_ffi() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tvm_ffi") is not None
-
-
 def _fake_args(kind: str, d: int):
     from cutlass.cute.runtime import make_fake_compact_tensor as fake
 
@@ -270,26 +264,7 @@ def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
 
 
 def _launch(kind: str, d: int, *args):
-    import torch
-
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    with torch.cuda.device(tensors[0].device):
-        tvm_ffi = _use_tvm_ffi()
-        kern = _compile(kind, d, tvm_ffi)
-        if tvm_ffi:
-            kern(*args)
-            return
-        import cuda.bindings.driver as cuda
-        from cutlass.cute.runtime import from_dlpack
-
-        def conv(a):
-            if not isinstance(a, torch.Tensor):
-                return Float32(a)
-            ct = from_dlpack(a, assumed_align=16 if a.dim() == 4 else 4)
-            return ct.mark_layout_dynamic(leading_dim=a.dim() - 1)
-
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        kern(*[conv(a) for a in args], stream)
+    launch(lambda tvm_ffi: _compile(kind, d, tvm_ffi), *args)
 
 
 def preprocess(o, do, lse, sqp: int, scale_do=None):

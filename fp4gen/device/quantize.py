@@ -388,24 +388,34 @@ def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
     return names
 
 
-def _launch(kind: str, d: int, *tensors):
+def launch(compile_for, *args):
+    """Run a kernel on torch tensors (and Python floats, passed as Float32) on the current
+    stream. ``compile_for(tvm_ffi)`` returns the compiled kernel for that calling convention.
+    Shared by the device-side helper kernels (this quantizer, ``bwd_prep``)."""
     import torch
 
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
     with torch.cuda.device(tensors[0].device):
         tvm_ffi = _use_tvm_ffi()
-        kern = _compile(kind, d, tvm_ffi)
+        kern = compile_for(tvm_ffi)
         if tvm_ffi:
-            kern(*tensors)
+            kern(*args)
             return
         import cuda.bindings.driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
-        def conv(t):
-            ct = from_dlpack(t, assumed_align=4 if t.element_size() == 4 and t.dim() < 4 else 16)
-            return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+        def conv(a):
+            if not isinstance(a, torch.Tensor):
+                return Float32(a)
+            ct = from_dlpack(a, assumed_align=4 if a.element_size() == 4 and a.dim() < 4 else 16)
+            return ct.mark_layout_dynamic(leading_dim=a.dim() - 1)
 
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        kern(*[conv(t) for t in tensors], stream)
+        kern(*[conv(a) for a in args], stream)
+
+
+def _launch(kind: str, d: int, *tensors):
+    launch(lambda tvm_ffi: _compile(kind, d, tvm_ffi), *tensors)
 
 
 def _prep(x, what: str):

@@ -125,18 +125,9 @@ def modules(tmp_path_factory):
 
 
 @pytest.fixture
-def on_cpu(monkeypatch):
+def on_cpu(cpu_backward_checks):
     """Let a generated backward run on CPU tensors with the emulated kernel."""
-    from fp4gen.runtime import checks
-
-    orig = checks.check_backward
-
-    def check_backward_cpu(*a, **kw):
-        kw.update(device_type=None, tma=False)
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(checks, "check_backward", check_backward_cpu)
-    monkeypatch.setattr(checks, "require_arch", lambda *a, **kw: None)
+    monkeypatch = cpu_backward_checks
 
     def patch(mod, offset_error=0):
         monkeypatch.setattr(mod, "_require_sm100", lambda: None)

@@ -93,22 +93,6 @@ def load_module(plan, directory: str):
     return mod
 
 
-def allow_cpu_backward(monkeypatch):
-    """Let a generated ``backward`` run its host code on CPU tensors: the runtime checks skip
-    the device and TMA-alignment requirements, ``require_arch`` passes (the kernel launch is
-    replaced by an emulation in the tests that use this)."""
-    from fp4gen.runtime import checks
-
-    orig = checks.check_backward
-
-    def check_backward_cpu(*a, **kw):
-        kw.update(device_type=None, tma=False)
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(checks, "check_backward", check_backward_cpu)
-    monkeypatch.setattr(checks, "require_arch", lambda *a, **kw: None)
-
-
 # ------------------------------------------------------------------ checking
 
 def torch_forward(q, k, v, causal, scale):

@@ -88,9 +88,9 @@ def _module(d, causal, det, tmp_path_factory):
 
 
 @pytest.fixture
-def cpu_backward(monkeypatch):
+def cpu_backward(cpu_backward_checks):
     """Let the generated backward run on CPU tensors with the emulated kernel."""
-    bm.allow_cpu_backward(monkeypatch)
+    monkeypatch = cpu_backward_checks
 
     def patch(mod):
         monkeypatch.setattr(mod, "_bwd_launch", lambda args, s, off, gqa: emulate_kernel(mod, args, s, off, gqa))

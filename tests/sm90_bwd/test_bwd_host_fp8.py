@@ -96,10 +96,10 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
 
 
 @pytest.fixture
-def cpu_fp8_backward(monkeypatch):
+def cpu_fp8_backward(cpu_backward_checks):
     """Let the generated FP8 backward run on CPU tensors: torch stand-ins for the CUDA-only
     quantization and preprocessing kernels, the emulated kernel for the launch."""
-    bm.allow_cpu_backward(monkeypatch)
+    monkeypatch = cpu_backward_checks
 
     def patch(mod):
         # the forward module's quantizers with the numerics oracle's arithmetic (fast=False):
