@@ -34,7 +34,7 @@ from fp4gen.device import softmax as dsoftmax
 KERNEL_NAME = "sm90_bf16_causal_d128"
 TARGET = "sm90a"
 SPEC_FILE = "examples/sm90_bf16_d128.attn"
-PLAN_JSON = "{\"backward\": {\"causal\": true, \"consumer_registers\": 240, \"deterministic\": false, \"dkv_output\": \"bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups\", \"dq_reduction\": \"bulk_reduce_fp32\", \"ds_stages\": 2, \"grad_formats\": [[\"dO\", \"bf16\"], [\"dP\", \"bf16\"], [\"dS\", \"bf16\"], [\"dQ\", \"bf16\"], [\"dK\", \"bf16\"], [\"dV\", \"bf16\"]], \"head_dim\": 128, \"mma_format\": \"bf16\", \"mma_warpgroups\": 2, \"mmas\": [{\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"S^T = K Q^T\", \"name\": \"S\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"dP^T = V dO^T\", \"name\": \"dP\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"MN\", \"formula\": \"dV += P^T dO\", \"name\": \"dV\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"MN\", \"formula\": \"dK += dS^T Q\", \"name\": \"dK\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"MN\", \"a_source\": \"smem\", \"b_major\": \"MN\", \"formula\": \"dQ = dS K\", \"name\": \"dQ\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"head dim: 64 columns per warpgroup\"}], \"notes\": [\"causal: bottom-right aligned (key j visible to query i iff j \u003c= i + Sk - Sq); a CTA skips the query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end\", \"P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers\"], \"postprocess\": \"host: dQ = scale * dQ_accum, cast to bf16\", \"preprocess\": \"host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -\u003e +inf), padded to tile_m\", \"producer_registers\": 24, \"producer_warps\": 2, \"q_stages\": 2, \"registers_total\": 64512, \"reuse\": [\"k\", \"lse\", \"q\"], \"smem\": [{\"bytes\": 32768, \"detail\": \"128 keys x 128 bf16, loaded once per CTA; read MN-major by dQ and K-major by S\", \"name\": \"K\"}, {\"bytes\": 32768, \"detail\": \"128 keys x 128 bf16, loaded once per CTA (dP)\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"2 stages x 64 x 128 bf16; MN-major (dK), K-major (S)\", \"name\": \"Q\"}, {\"bytes\": 32768, \"detail\": \"2 stages x 64 x 128 bf16; K-major (dP), MN-major (dV)\", \"name\": \"dO\"}, {\"bytes\": 32768, \"detail\": \"2 x 128 keys x 64 queries (dS^T), MN-major A operand of dQ\", \"name\": \"dS\"}, {\"bytes\": 33792, \"detail\": \"64 x 128 fp32 staging tile for the dQ warp\u0027s bulk reduces (rows padded by 4 words)\", \"name\": \"dQ\"}, {\"bytes\": 48, \"detail\": \"K/V full+empty, Q/dO ring\", \"name\": \"mbarriers\"}], \"smem_bytes\": 197680, \"smem_limit\": 232448, \"threads\": 384, \"tile_m\": 64, \"tile_n\": 128}, \"contracts\": [{\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"Q\", \"payload\": \"bf16\", \"quantized_by\": \"none (input dtype)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"smem (TMA)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"K\", \"payload\": \"bf16\", \"quantized_by\": \"none (input dtype)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"smem (TMA ring)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"P\", \"payload\": \"bf16\", \"quantized_by\": \"consumer warpgroups (exp2 on MUFU, then convert)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"registers (wgmma A operand)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"MN-major\", \"notes\": [], \"operand\": \"V\", \"payload\": \"bf16\", \"quantized_by\": \"none (input dtype)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"smem (TMA ring)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"row-major (B, S, H, D)\", \"notes\": [], \"operand\": \"O\", \"payload\": \"bf16\", \"quantized_by\": \"epilogue (O / l, converted)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"global (via smem, TMA store)\"}], \"cost\": {\"assumptions\": [\"tensor-core dense rates per SM per clock (2 FLOP per MAC): sm90a bf16/fp16 4096, fp8 8192 (989 TFLOP/s BF16 / 132 SMs / 1.83 GHz; i.e. 1024 per tensor core, 4 per SM); sm100a bf16 8192, fp8 and mixed mxf8f6f4 16384, fp4 (mxf4nvf4) 32768 (4x bf16)\", \"MUFU.EX2 16/clk/SM; FP32 FMA/FADD/FMNMX 128/clk/SM (FFMA2 not counted); integer/PRMT 64/clk/SM\", \"conversions (F2I/I2F, cvt fp32-\u003ee4m3x2 / e2m1x2 / bf16x2, 2 values each) 16 instr/clk/SM (a lead from the brief, to be checked in SASS)\", \"shared memory 128 B/clk/SM read by the MMAs (operands re-read per stage/warpgroup)\", \"TMEM ld/st 512 B/clk/SM (assumed); S loaded once, P stored once, O loaded+stored once per tile by the correction warps (worst case: the row max moved in every tile)\", \"TMA fill 64 B/clk/SM from L2 (K/V reused across CTAs); HBM not modelled\", \"exp path per score: 1 EX2, 3 FP32 ops (scale-subtract FFMA, row-sum FADD, max FMNMX), 1/2 cvt; block-scaled fp4 P adds 2 FP32 ops (block max, scale multiply); two-level adds 3\", \"Direct-P fast per score: 6 FP32 ops (affine x, classifier FFMA, 2 clamps, magic-number round, normaliser from the code), +1 block max for MX P; 1/4 PRMT to pack; no EX2, no cvt\", \"Direct-P accurate: fast path + 1 EX2 per 2 scores (the part computed with hardware EX2; a guess)\"], \"chosen\": \"exp\", \"event_cycles\": [[\"cp_sf\", 32], [\"epilogue\", 512.0], [\"load_k\", 512.0], [\"load_v\", 512.0], [\"pv\", 512.0], [\"pv_half\", 256.0], [\"qk\", 512.0], [\"rescale\", 64.0], [\"rowmax\", 64.0], [\"softmax\", 512.0]], \"paths\": [{\"bottleneck\": \"mma\", \"cycles_per_tile\": 2048.0, \"path\": \"exp\", \"serial_cycles\": 5248.0, \"units\": [{\"cycles\": 2048.0, \"detail\": \"QK wgmma.bf16 (-\u003e f32) 1024 + PV wgmma.bf16 (-\u003e f32) 1024\", \"unit\": \"mma\"}, {\"cycles\": 1024.0, \"detail\": \"16384 EX2\", \"unit\": \"mufu\"}, {\"cycles\": 384.0, \"detail\": \"3 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 512.0, \"detail\": \"0.5 cvt x 16384 scores\", \"unit\": \"cvt\"}, {\"cycles\": 0.0, \"detail\": \"-\", \"unit\": \"alu\"}, {\"cycles\": 1280.0, \"detail\": \"163840 B of MMA operands\", \"unit\": \"smem\"}]}], \"target\": \"sm90a\"}, \"events\": [{\"cost\": \"load_k\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_K\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"K_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"K_empty\", \"dj\": -2}], \"what\": \"TMA K tile into the smem ring\", \"writes\": []}, {\"cost\": \"load_v\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_V\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"V_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"V_empty\", \"dj\": -2}], \"what\": \"TMA V tile into the smem ring\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"S_full[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"O_done[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"P_full[0]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[0]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"S_full[1]\", \"K_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"O_done[1]\", \"V_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"P_full[1]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[1]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"S_full[0]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [\"P_full[0]\"], \"stage\": 0, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [\"O_rescaled[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"S_full[1]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [\"P_full[1]\"], \"stage\": 1, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [\"O_rescaled[1]\"], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}], \"mma\": [{\"a\": \"bf16\", \"a_major\": \"K-major\", \"a_source\": \"smem\", \"b\": \"bf16\", \"b_major\": \"K-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 4096, \"kind\": \"wgmma.bf16 (-\u003e f32)\", \"name\": \"QK\", \"sf_block\": null, \"sf_dtype\": null}, {\"a\": \"bf16\", \"a_major\": \"K-major\", \"a_source\": \"registers\", \"b\": \"bf16\", \"b_major\": \"MN-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 4096, \"kind\": \"wgmma.bf16 (-\u003e f32)\", \"name\": \"PV\", \"sf_block\": null, \"sf_dtype\": null}], \"notes\": [], \"pipeline\": {\"kv_stages\": 2, \"mma_order\": \"per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) (intra-warpgroup overlap); the two consumers take turns on the tensor core (ping-pong)\", \"notes\": [], \"q_stages\": 2, \"registers_limit\": 65536, \"registers_total\": 64512, \"roles\": [{\"does\": \"one warp issues TMA loads of Q, K, V (the others idle)\", \"name\": \"producer\", \"registers\": 24, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 0..63, softmax and P in registers\", \"name\": \"consumer0\", \"registers\": 240, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 64..127, softmax and P in registers\", \"name\": \"consumer1\", \"registers\": 240, \"warps\": 4}], \"smem\": [{\"bytes\": 32768, \"detail\": \"128x128 bf16\", \"name\": \"Q\"}, {\"bytes\": 65536, \"detail\": \"2 x 128x128 bf16\", \"name\": \"K\"}, {\"bytes\": 65536, \"detail\": \"2 x 128x128 bf16\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"128x128 bf16 (epilogue staging)\", \"name\": \"O\"}, {\"bytes\": 80, \"detail\": \"10 mbarriers\", \"name\": \"barriers\"}], \"smem_bytes\": 196688, \"smem_limit\": 232448, \"tile_m\": 128, \"tile_n\": 128}, \"publish\": {\"mode\": \"whole\", \"notes\": [\"sm90a: P stays in the consumer\u0027s registers (wgmma A operand); halves do not apply, P is handed over whole\"], \"parts\": [{\"barrier\": \"P_full\", \"index\": 1, \"keys\": [0, 127], \"p_columns\": null, \"unblocks\": \"the whole PV MMA; after it the stage\u0027s S is free\", \"with_scales\": false}], \"s_free_after\": \"the PV wgmma has read P from the consumer\u0027s registers (wgmma.wait_group)\"}, \"sm90\": {\"consumer_registers\": 240, \"consumer_warpgroups\": 2, \"intra_warpgroup_overlap\": true, \"kv_stages\": 2, \"l_from_mma\": false, \"pingpong\": true, \"producer_registers\": 24, \"smem_bytes\": 196688, \"tile_m\": 128, \"tile_n\": 128, \"v_transposed\": false}, \"spec\": {\"backward\": {\"deterministic\": false, \"formats\": {}, \"reuse\": [\"k\", \"lse\", \"q\"]}, \"guard\": {\"kind\": \"none\", \"l\": 0, \"m\": 0}, \"head_dim\": 128, \"k\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"locs\": {\"K\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 23}, \"O\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 26}, \"P\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 24}, \"Q\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 22}, \"V\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 25}, \"backward\": {\"col\": 3, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 30}, \"backward.deterministic\": {\"col\": 19, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 32}, \"backward.reuse\": {\"col\": 5, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 31}, \"head_dim\": {\"col\": 12, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 20}, \"mask\": {\"col\": 12, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 21}, \"name\": {\"col\": 11, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 18}, \"schedule\": {\"col\": 3, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 27}, \"schedule.tile\": {\"col\": 10, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 28}, \"target\": {\"col\": 12, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 19}}, \"mask\": \"causal\", \"name\": \"sm90_bf16_causal_d128\", \"o\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"p\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"p_production\": {\"a\": 1.5, \"b\": 1.2, \"kind\": \"exp\", \"policy\": \"fast\"}, \"q\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"schedule\": {\"kv_stages\": null, \"p_publish\": \"halves\", \"q_stages\": 2, \"tile_m\": 128, \"tile_n\": 128, \"tmem_regions\": null}, \"softmax_scale\": null, \"source_file\": \"examples/sm90_bf16_d128.attn\", \"target\": \"sm90a\", \"v\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}}, \"tmem\": null}"
+PLAN_JSON = "{\"backward\": {\"causal\": true, \"consumer_registers\": 240, \"deterministic\": false, \"dkv_output\": \"bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups\", \"dq_reduction\": \"bulk_reduce_fp32\", \"ds_stages\": 2, \"grad_formats\": [[\"dO\", \"bf16\"], [\"dP\", \"bf16\"], [\"dS\", \"bf16\"], [\"dQ\", \"bf16\"], [\"dK\", \"bf16\"], [\"dV\", \"bf16\"]], \"head_dim\": 128, \"mma_format\": \"bf16\", \"mma_warpgroups\": 2, \"mmas\": [{\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"S^T = K Q^T\", \"name\": \"S\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"dP^T = V dO^T\", \"name\": \"dP\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"MN\", \"formula\": \"dV += P^T dO\", \"name\": \"dV\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"MN\", \"formula\": \"dK += dS^T Q\", \"name\": \"dK\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"MN\", \"a_source\": \"smem\", \"b_major\": \"MN\", \"formula\": \"dQ = dS K\", \"name\": \"dQ\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"head dim: 64 columns per warpgroup\"}], \"notes\": [\"causal: bottom-right aligned (key j visible to query i iff j \u003c= i + Sk - Sq); a CTA skips the query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end\", \"P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers\"], \"postprocess\": \"host: dQ = scale * dQ_accum, cast to bf16\", \"preprocess\": \"host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -\u003e +inf), padded to tile_m\", \"producer_registers\": 24, \"producer_warps\": 2, \"q_stages\": 2, \"registers_total\": 64512, \"reuse\": [\"k\", \"lse\", \"q\"], \"smem\": [{\"bytes\": 32768, \"detail\": \"128 keys x 128 bf16, loaded once per CTA; read MN-major by dQ and K-major by S\", \"name\": \"K\"}, {\"bytes\": 32768, \"detail\": \"128 keys x 128 bf16, loaded once per CTA (dP)\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"2 stages x 64 x 128 bf16; MN-major (dK), K-major (S)\", \"name\": \"Q\"}, {\"bytes\": 32768, \"detail\": \"2 stages x 64 x 128 bf16; K-major (dP), MN-major (dV)\", \"name\": \"dO\"}, {\"bytes\": 32768, \"detail\": \"2 x 128 keys x 64 queries (dS^T), MN-major A operand of dQ\", \"name\": \"dS\"}, {\"bytes\": 32768, \"detail\": \"64 x 128 fp32 staging tile in fragment order (16-byte stores, one contiguous bulk reduce)\", \"name\": \"dQ\"}, {\"bytes\": 1024, \"detail\": \"2 stages x 64 fp32 LSE2 and D rows, bulk-copied with Q/dO\", \"name\": \"LSE/D\"}, {\"bytes\": 48, \"detail\": \"K/V full+empty, Q/dO ring\", \"name\": \"mbarriers\"}], \"smem_bytes\": 197680, \"smem_limit\": 232448, \"threads\": 384, \"tile_m\": 64, \"tile_n\": 128}, \"contracts\": [{\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"Q\", \"payload\": \"bf16\", \"quantized_by\": \"none (input dtype)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"smem (TMA)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"K\", \"payload\": \"bf16\", \"quantized_by\": \"none (input dtype)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"smem (TMA ring)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"P\", \"payload\": \"bf16\", \"quantized_by\": \"consumer warpgroups (exp2 on MUFU, then convert)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"registers (wgmma A operand)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"MN-major\", \"notes\": [], \"operand\": \"V\", \"payload\": \"bf16\", \"quantized_by\": \"none (input dtype)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"smem (TMA ring)\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"row-major (B, S, H, D)\", \"notes\": [], \"operand\": \"O\", \"payload\": \"bf16\", \"quantized_by\": \"epilogue (O / l, converted)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"global (via smem, TMA store)\"}], \"cost\": {\"assumptions\": [\"tensor-core dense rates per SM per clock (2 FLOP per MAC): sm90a bf16/fp16 4096, fp8 8192 (989 TFLOP/s BF16 / 132 SMs / 1.83 GHz; i.e. 1024 per tensor core, 4 per SM); sm100a bf16 8192, fp8 and mixed mxf8f6f4 16384, fp4 (mxf4nvf4) 32768 (4x bf16)\", \"MUFU.EX2 16/clk/SM; FP32 FMA/FADD/FMNMX 128/clk/SM (FFMA2 not counted); integer/PRMT 64/clk/SM\", \"conversions (F2I/I2F, cvt fp32-\u003ee4m3x2 / e2m1x2 / bf16x2, 2 values each) 16 instr/clk/SM (a lead from the brief, to be checked in SASS)\", \"shared memory 128 B/clk/SM read by the MMAs (operands re-read per stage/warpgroup)\", \"TMEM ld/st 512 B/clk/SM (assumed); S loaded once, P stored once, O loaded+stored once per tile by the correction warps (worst case: the row max moved in every tile)\", \"TMA fill 64 B/clk/SM from L2 (K/V reused across CTAs); HBM not modelled\", \"exp path per score: 1 EX2, 3 FP32 ops (scale-subtract FFMA, row-sum FADD, max FMNMX), 1/2 cvt; block-scaled fp4 P adds 2 FP32 ops (block max, scale multiply); two-level adds 3\", \"Direct-P fast per score: 6 FP32 ops (affine x, classifier FFMA, 2 clamps, magic-number round, normaliser from the code), +1 block max for MX P; 1/4 PRMT to pack; no EX2, no cvt\", \"Direct-P accurate: fast path + 1 EX2 per 2 scores (the part computed with hardware EX2; a guess)\"], \"chosen\": \"exp\", \"event_cycles\": [[\"cp_sf\", 32], [\"epilogue\", 512.0], [\"load_k\", 512.0], [\"load_v\", 512.0], [\"pv\", 512.0], [\"pv_half\", 256.0], [\"qk\", 512.0], [\"rescale\", 64.0], [\"rowmax\", 64.0], [\"softmax\", 512.0]], \"paths\": [{\"bottleneck\": \"mma\", \"cycles_per_tile\": 2048.0, \"path\": \"exp\", \"serial_cycles\": 5248.0, \"units\": [{\"cycles\": 2048.0, \"detail\": \"QK wgmma.bf16 (-\u003e f32) 1024 + PV wgmma.bf16 (-\u003e f32) 1024\", \"unit\": \"mma\"}, {\"cycles\": 1024.0, \"detail\": \"16384 EX2\", \"unit\": \"mufu\"}, {\"cycles\": 384.0, \"detail\": \"3 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 512.0, \"detail\": \"0.5 cvt x 16384 scores\", \"unit\": \"cvt\"}, {\"cycles\": 0.0, \"detail\": \"-\", \"unit\": \"alu\"}, {\"cycles\": 1280.0, \"detail\": \"163840 B of MMA operands\", \"unit\": \"smem\"}]}], \"target\": \"sm90a\"}, \"events\": [{\"cost\": \"load_k\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_K\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"K_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"K_empty\", \"dj\": -2}], \"what\": \"TMA K tile into the smem ring\", \"writes\": []}, {\"cost\": \"load_v\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_V\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"V_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"V_empty\", \"dj\": -2}], \"what\": \"TMA V tile into the smem ring\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"S_full[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"O_done[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"P_full[0]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[0]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"S_full[1]\", \"K_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"O_done[1]\", \"V_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"P_full[1]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[1]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"S_full[0]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [\"P_full[0]\"], \"stage\": 0, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [\"O_rescaled[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"S_full[1]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [\"P_full[1]\"], \"stage\": 1, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [\"O_rescaled[1]\"], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}], \"mma\": [{\"a\": \"bf16\", \"a_major\": \"K-major\", \"a_source\": \"smem\", \"b\": \"bf16\", \"b_major\": \"K-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 4096, \"kind\": \"wgmma.bf16 (-\u003e f32)\", \"name\": \"QK\", \"sf_block\": null, \"sf_dtype\": null}, {\"a\": \"bf16\", \"a_major\": \"K-major\", \"a_source\": \"registers\", \"b\": \"bf16\", \"b_major\": \"MN-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 4096, \"kind\": \"wgmma.bf16 (-\u003e f32)\", \"name\": \"PV\", \"sf_block\": null, \"sf_dtype\": null}], \"notes\": [], \"pipeline\": {\"kv_stages\": 2, \"mma_order\": \"per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) (intra-warpgroup overlap); the two consumers take turns on the tensor core (ping-pong)\", \"notes\": [], \"q_stages\": 2, \"registers_limit\": 65536, \"registers_total\": 64512, \"roles\": [{\"does\": \"one warp issues TMA loads of Q, K, V (the others idle)\", \"name\": \"producer\", \"registers\": 24, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 0..63, softmax and P in registers\", \"name\": \"consumer0\", \"registers\": 240, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 64..127, softmax and P in registers\", \"name\": \"consumer1\", \"registers\": 240, \"warps\": 4}], \"smem\": [{\"bytes\": 32768, \"detail\": \"128x128 bf16\", \"name\": \"Q\"}, {\"bytes\": 65536, \"detail\": \"2 x 128x128 bf16\", \"name\": \"K\"}, {\"bytes\": 65536, \"detail\": \"2 x 128x128 bf16\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"128x128 bf16 (epilogue staging)\", \"name\": \"O\"}, {\"bytes\": 80, \"detail\": \"10 mbarriers\", \"name\": \"barriers\"}], \"smem_bytes\": 196688, \"smem_limit\": 232448, \"tile_m\": 128, \"tile_n\": 128}, \"publish\": {\"mode\": \"whole\", \"notes\": [\"sm90a: P stays in the consumer\u0027s registers (wgmma A operand); halves do not apply, P is handed over whole\"], \"parts\": [{\"barrier\": \"P_full\", \"index\": 1, \"keys\": [0, 127], \"p_columns\": null, \"unblocks\": \"the whole PV MMA; after it the stage\u0027s S is free\", \"with_scales\": false}], \"s_free_after\": \"the PV wgmma has read P from the consumer\u0027s registers (wgmma.wait_group)\"}, \"sm90\": {\"consumer_registers\": 240, \"consumer_warpgroups\": 2, \"intra_warpgroup_overlap\": true, \"kv_stages\": 2, \"l_from_mma\": false, \"pingpong\": true, \"producer_registers\": 24, \"smem_bytes\": 196688, \"tile_m\": 128, \"tile_n\": 128, \"v_transposed\": false}, \"spec\": {\"backward\": {\"deterministic\": false, \"formats\": {}, \"reuse\": [\"k\", \"lse\", \"q\"]}, \"guard\": {\"kind\": \"none\", \"l\": 0, \"m\": 0}, \"head_dim\": 128, \"k\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"locs\": {\"K\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 23}, \"O\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 26}, \"P\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 24}, \"Q\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 22}, \"V\": {\"col\": 7, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 25}, \"backward\": {\"col\": 3, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 30}, \"backward.deterministic\": {\"col\": 19, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 32}, \"backward.reuse\": {\"col\": 5, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 31}, \"head_dim\": {\"col\": 12, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 20}, \"mask\": {\"col\": 12, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 21}, \"name\": {\"col\": 11, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 18}, \"schedule\": {\"col\": 3, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 27}, \"schedule.tile\": {\"col\": 10, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 28}, \"target\": {\"col\": 12, \"file\": \"examples/sm90_bf16_d128.attn\", \"line\": 19}}, \"mask\": \"causal\", \"name\": \"sm90_bf16_causal_d128\", \"o\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"p\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"p_production\": {\"a\": 1.5, \"b\": 1.2, \"kind\": \"exp\", \"policy\": \"fast\"}, \"q\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"schedule\": {\"kv_stages\": null, \"p_publish\": \"halves\", \"q_stages\": 2, \"tile_m\": 128, \"tile_n\": 128, \"tmem_regions\": null}, \"softmax_scale\": null, \"source_file\": \"examples/sm90_bf16_d128.attn\", \"target\": \"sm90a\", \"v\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}}, \"tmem\": null}"
 
 HEAD_DIM = 128
 CAUSAL = True
@@ -589,10 +589,13 @@ _BWD_BAR_DS = 1  # named barrier: every MMA warp has written its dS^T into SMEM
 _BWD_BAR_DQ_FULL = 2  # named barrier: the MMA warps have written this query tile's dQ into SMEM
 _BWD_BAR_DQ_EMPTY = 3  # named barrier: the dQ warp has read the SMEM tile out (it may be rewritten)
 _BWD_DQ_SYNC_THREADS = _BWD_MMA_THREADS + 32  # both dQ barriers: the MMA warps and the dQ warp
-# dQ staging tile in SMEM: fp32 rows padded by 4 words. A warp's accumulator store covers 8 rows
-# x 8 columns; with a 132-word row pitch those 8 rows start 4 banks apart, so a 256-byte store
-# takes the minimum two wavefronts, and each row stays 16-byte aligned for the bulk reduce.
-_BWD_DQ_PITCH = 128 + 4
+# dQ staging tile in SMEM and the dQ accumulator in global memory hold each 64-query tile in the
+# MMA warps' register order ("fragment order", fp4gen.device.bwd_prep.dq_fragment_index): warpgroup
+# w's thread t stores its accumulator registers 4i..4i+3 at float w*64*D/2 + 512i + 4t, so
+# every store is a conflict-free 16-byte STS and the dQ warp moves the whole tile with a few bulk
+# reduces; the post-processing kernel puts the rows back in order.
+_BWD_DQ_TILE_FLOATS = 64 * 128
+_BWD_DQ_REDUCE_LANES = 8  # the dQ warp splits a tile's bulk reduce over this many lanes
 
 
 @_bwd_user_op
@@ -606,6 +609,24 @@ def _bwd_bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None):
          Int32(num_bytes).ir_value(loc=loc, ip=ip)],
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=_bwd_llvm.AsmDialect.AD_ATT,
+    )
+
+
+@_bwd_user_op
+def _bwd_bulk_load(gmem_ptr, smem_ptr, mbar_ptr, num_bytes: int, *, loc=None, ip=None):
+    """``num_bytes`` (a multiple of 16) global -> SMEM by the TMA unit, completing on ``mbar_ptr``
+    (the Q/dO stage's barrier: its transaction count includes these bytes)."""
+    _bwd_llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         smem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         mbar_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [$1], [$0], $3, [$2];",
+        "l,r,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=_bwd_llvm.AsmDialect.AD_ATT,
@@ -636,7 +657,8 @@ class Sm90Bf16CausalD128Sm90Bwd:
     Inputs (torch layouts): q, do (B, Sq, H, D) and k, v (B, Sk, Hkv, D) bf16;
     lse2, dsum (B, H, Sqp) fp32 with Sqp = Sq rounded up to 64 (LSE in log2 units,
     +inf past Sq or for empty rows, so P = 0 there; dsum = rowsum(dO * O), 0 past Sq).
-    Outputs: dq_acc fp32 (B, H, Sqp, D), accumulated with atomics;
+    Outputs: dq_acc fp32 (B, H, Sqp, D), each 64-row tile in fragment order
+    (fp4gen.device.bwd_prep.dq_fragment_index), accumulated with bulk reduces;
     dk, dv (B, Sk, H, D) per query head, dk scaled by softmax_scale: bf16 when H == Hkv,
     fp32 for GQA (the host sums each group).
     """
@@ -706,6 +728,7 @@ class Sm90Bf16CausalD128Sm90Bwd:
         self.qdo_bytes = (cute.size_in_bytes(_BWD_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
                           + cute.size_in_bytes(_BWD_DO_DTYPE, cute.select(sdO_layout, mode=[0, 1])))
         self.kv_bytes = cute.size_in_bytes(_BWD_DTYPE, sK_layout) + cute.size_in_bytes(_BWD_DO_DTYPE, sV_layout)
+        self.qdo_bytes += 2 * bm * 4  # the stage's LSE2 and D rows (fp32)
 
         @cute.struct
         class SharedStorage:
@@ -716,7 +739,10 @@ class Sm90Bf16CausalD128Sm90Bwd:
             sQ: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * _BWD_DQ_PITCH], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, _BWD_DQ_TILE_FLOATS], 128]
+            # LSE2 and D of each Q/dO stage's queries, loaded with the stage (no global loads in the loop)
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bm * BWD_Q_STAGES], 128]
+            sDsum: cute.struct.Align[cute.struct.MemRange[Float32, bm * BWD_Q_STAGES], 128]
 
         self.shared_storage = SharedStorage
         grid = (cute.ceil_div(cute.size(mK.shape[0]), bn), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
@@ -784,7 +810,9 @@ class Sm90Bf16CausalD128Sm90Bwd:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((BWD_TILE_M, BWD_HEAD_DIM), stride=(_BWD_DQ_PITCH, 1)))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(_BWD_DQ_TILE_FLOATS))
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((BWD_TILE_M, BWD_Q_STAGES)))
+        sDsum = storage.sDsum.get_tensor(cute.make_layout((BWD_TILE_M, BWD_Q_STAGES)))
         sQ8, sK8 = sQ, sK  # S^T reads the bf16 tiles
 
         n_block, head, batch = cute.arch.block_idx()
@@ -802,7 +830,8 @@ class Sm90Bf16CausalD128Sm90Bwd:
                 loads_kv = [(tma_atom_K, mK, sK, head_kv), (tma_atom_V, mV, sV, head_kv)]
                 loads_q = [(tma_atom_Q, mQ, sQ, head), (tma_atom_dO, mdO, sdO, head)]
                 self.producer(loads_kv, loads_q, None,
-                              pipe_kv, pipe_qdo, n_block, batch, m_block_min, m_block_max)
+                              (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head, batch,
+                              m_block_min, m_block_max)
             if warp_idx == 1:
                 self.dq_writer(sdQ, mdQacc, None, batch, head, n_block,
                                m_block_min, m_block_max)
@@ -824,14 +853,16 @@ class Sm90Bf16CausalD128Sm90Bwd:
             self.consumer(
                 (mma_s0, mma_s1), (mma_dp0, mma_dp1), mma_dv, mma_dk, (mma_q0, mma_q1),
                 sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdO, pipe_kv, pipe_qdo,
-                mLSE2, mDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
+                sLSE, sDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
                 m_block_min, m_block_max, seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx - 128)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def producer(self, loads_kv, loads_q, load_dot, pipe_kv, pipe_qdo, n_block, batch, m_block_min, m_block_max):
+    def producer(self, loads_kv, loads_q, load_dot, rows_g, rows_s, pipe_kv, pipe_qdo, n_block, head, batch,
+                 m_block_min, m_block_max):
         """One warp: this CTA's key-side tiles (K, V) once, then the query-side tiles
-        (Q, dO) of each query tile into the ring, one barrier per stage."""
+        (Q, dO) and rows (LSE2, D) of each query tile into the ring,
+        one barrier per stage."""
         d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
         one = cute.make_layout(1)
 
@@ -856,12 +887,19 @@ class Sm90Bf16CausalD128Sm90Bwd:
                 bar = pipe_qdo.producer_get_barrier(state)
                 for i in cutlass.range_constexpr(len(qs)):  # (atom, smem, gmem) of each query-side tile
                     cute.copy(qs[i][0], qs[i][2][None, m_block], qs[i][1][None, state.index], tma_bar_ptr=bar)
+                # LSE2 and D: 64 fp32 each (rows padded to the tile); one lane issues them (the
+                # tile copies above elect one themselves): every issue adds its bytes to the barrier
+                if cute.arch.lane_idx() == 0:
+                    for i in cutlass.range_constexpr(2):
+                        g = rows_g[i]
+                        src = g.iterator + cute.crd2idx((batch, head, m_block * bm), g.layout)
+                        _bwd_bulk_load(src, rows_s[i][None, state.index].iterator, bar, bm * 4)
                 state.advance()
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
     def consumer(self, mma_s, mma_dp, mma_dv, mma_dk, mma_q, sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdOt,
-                 pipe_kv, pipe_qdo, mLSE2, mDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
+                 pipe_kv, pipe_qdo, sLSE, sDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
                  n_block, head, batch, m_block_min, m_block_max,
                  seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx):
         d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
@@ -888,13 +926,26 @@ class Sm90Bf16CausalD128Sm90Bwd:
 
         s_shape = thr_s.partition_shape_C((bn, bm))
         tScS = thr_s.partition_C(cute.make_identity_tensor((bn, bm)))  # (key, query) in the tile
-        tSsdS = thr_s.partition_C(sdS)  # where this thread's dS^T values go (query pairs adjacent)
+        # dS^T -> SMEM with stmatrix: an accumulator row (a key) holds query pairs, i.e. 8x8 blocks of
+        # the row-major (keys x queries) tile, four blocks per instruction
+        st_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), _BWD_DTYPE), mma_s[0])
+        thr_st_dS = st_dS.get_slice(tidx)
+        tSsdS = thr_st_dS.partition_D(sdS)
+        # LSE2 / D of the thread's queries: the stage's rows broadcast over the keys, same partition
+        # as the scores (each thread reads its query columns, in pairs)
+        row_layout = cute.make_layout((bn, bm, BWD_Q_STAGES), stride=(0, 1, bm))
+        tSsLSE = thr_s.partition_C(cute.make_tensor(sLSE.iterator, row_layout))
+        tSsDsum = thr_s.partition_C(cute.make_tensor(sDsum.iterator, row_layout))
         acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((bn, d)))
         acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((bn, d)))
         tdVrP = thr_dv.make_fragment_A(thr_dv.partition_shape_A((bn, bm)))
         tdKrdS = thr_dk.make_fragment_A(thr_dk.partition_shape_A((bn, bm)))
         dq_shape = thr_q.partition_shape_C((bm, d))
-        tdQsdQ = thr_q.partition_C(sdQ)
+        # this thread's dQ registers in fragment order: 4 floats per 16-byte store, 512 floats apart
+        dq_regs = cute.size(dq_shape)
+        tdQsdQ = cute.make_tensor(sdQ.iterator + wg * (_BWD_DQ_TILE_FLOATS // 2) + (tidx % 128) * 4,
+                                  cute.make_layout((4, dq_regs // 4), stride=(1, 512)))
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
@@ -931,14 +982,18 @@ class Sm90Bf16CausalD128Sm90Bwd:
                                 S[r, j] = -Float32.inf
                 # P^T = exp2(S^T * c - LSE2): rows of the forward's softmax, recomputed. Column
                 # by column, so each query's LSE2 / D (L1-resident) is live for two values only.
+                lse_row = cute.make_rmem_tensor(n_cols, Float32)
+                cute.autovec_copy(_bwd_dlayout.acc_mn(tSsLSE[None, None, None, state.index])[0, None], lse_row)
                 for j in cutlass.range_constexpr(n_cols):
-                    lse2 = mLSE2[batch, head, q0 + c_mn[0, j][1]]
+                    lse2 = lse_row[j]
                     for r in cutlass.range_constexpr(n_rows):
                         S[r, j] = _bwd_ptx.ex2(S[r, j] * score_scale - lse2)
                 warpgroup.wait_group(0)  # dP^T is ready
                 dP = _bwd_dlayout.acc_mn(acc_dP)
+                dsum_row = cute.make_rmem_tensor(n_cols, Float32)
+                cute.autovec_copy(_bwd_dlayout.acc_mn(tSsDsum[None, None, None, state.index])[0, None], dsum_row)
                 for j in cutlass.range_constexpr(n_cols):
-                    dsum = mDsum[batch, head, q0 + c_mn[0, j][1]]
+                    dsum = dsum_row[j]
                     for r in cutlass.range_constexpr(n_rows):
                         dP[r, j] = S[r, j] * (dP[r, j] - dsum)  # dS^T
                 # both A operands converted before any MMA reads them: S^T and dP^T die here,
@@ -948,8 +1003,8 @@ class Sm90Bf16CausalD128Sm90Bwd:
                 self.gemm((mma_dv, mma_dv), acc_dV, tdVrP, tVrdOt[None, None, None, state.index])
                 # dS^T -> SMEM (dQ's A operand, MN-major), visible to the async proxy; the bf16
                 # A fragment holds the values in accumulator order
-                cute.autovec_copy(cute.make_tensor(tdKrdS.iterator, acc_dP.layout),
-                                  tSsdS[None, None, None, ds_stage])
+                cute.copy(st_dS, thr_st_dS.retile(cute.make_tensor(tdKrdS.iterator, acc_dP.layout)),
+                          tSsdS[None, None, None, ds_stage])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_BWD_BAR_DS, number_of_threads=_BWD_MMA_THREADS)
                 # dQ before dK: its result is wanted first (it leaves through SMEM while dK runs)
@@ -959,7 +1014,7 @@ class Sm90Bf16CausalD128Sm90Bwd:
                 warpgroup.wait_group(1)  # dV and dQ are done, dK still running
                 # hand dQ to the dQ warp: wait until it has read the previous tile out of SMEM
                 cute.arch.barrier(barrier_id=_BWD_BAR_DQ_EMPTY, number_of_threads=_BWD_DQ_SYNC_THREADS)
-                cute.autovec_copy(acc_dQ, tdQsdQ)
+                cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, dq_regs // 4))), tdQsdQ)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier_arrive(barrier_id=_BWD_BAR_DQ_FULL, number_of_threads=_BWD_DQ_SYNC_THREADS)
                 warpgroup.wait_group(0)
@@ -981,19 +1036,18 @@ class Sm90Bf16CausalD128Sm90Bwd:
     @cute.jit
     def dq_writer(self, sdQ, mdQacc, mdQturn, batch, head, n_block, m_block_min, m_block_max):
         """One warp: adds each query tile's dQ contribution from SMEM into the fp32 global
-        accumulator with bulk reduces (a row of 128 fp32 per reduce, two rows per lane),
-        then frees the SMEM tile for the MMA warps' next one."""
+        accumulator (both in fragment order, so the tile is one contiguous run: a bulk reduce
+        per lane over 8 lanes), then frees the SMEM tile for the MMA warps' next one."""
         lane = cute.arch.lane_idx()
-        row_bytes = BWD_HEAD_DIM * 4
+        chunk = _BWD_DQ_TILE_FLOATS // _BWD_DQ_REDUCE_LANES  # floats per lane's reduce
         if m_block_min < m_block_max:
             # the staging tile starts out free
             cute.arch.barrier_arrive(barrier_id=_BWD_BAR_DQ_EMPTY, number_of_threads=_BWD_DQ_SYNC_THREADS)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                g = cute.local_tile(mdQacc[batch, head, None, None], (BWD_TILE_M, BWD_HEAD_DIM), (m_block, 0))
+                tile = mdQacc.iterator + cute.crd2idx((batch, head, m_block * BWD_TILE_M, 0), mdQacc.layout)
                 cute.arch.barrier(barrier_id=_BWD_BAR_DQ_FULL, number_of_threads=_BWD_DQ_SYNC_THREADS)
-                for i in cutlass.range_constexpr(BWD_TILE_M // 32):
-                    row = lane + 32 * i
-                    _bwd_bulk_add_f32(g[row, None].iterator, sdQ[row, None].iterator, row_bytes)
+                if lane < _BWD_DQ_REDUCE_LANES:
+                    _bwd_bulk_add_f32(tile + lane * chunk, sdQ.iterator + lane * chunk, chunk * 4)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM read out; the adds may still be in flight
                 if m_block + 1 < m_block_max:  # the MMA warps wait for no tile after the last
@@ -1139,7 +1193,7 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     if q.is_cuda:
         dq = _bwd_prep.postprocess(dq_acc, Sq, scale)
     else:
-        dq = (dq_acc[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
+        dq = (_bwd_prep.dq_fragments_to_rows(dq_acc)[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
     if g == 1:
         dk, dv = dk_h, dv_h
     else:  # GQA: the query heads of a group share one key/value head

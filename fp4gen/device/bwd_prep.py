@@ -8,7 +8,9 @@ temporaries) that cost about as much as a fifth of the backward kernel at S = 4k
   fp32 dQ accumulator row. With ``fp8``: dO is quantized with its per-(batch, head) scale
   into an e4m3 payload (natural layout, the B operand of dP^T = V dO^T) and D_i is summed
   from the dequantized dO, which is the dO that dP sees.
-- ``_Post``: dQ = softmax_scale * dQ_acc rounded to bf16, (B, H, Sqp, D) -> (B, Sq, H, D).
+- ``_Post``: dQ = softmax_scale * dQ_acc rounded to bf16, (B, H, Sqp, D) -> (B, Sq, H, D). The
+  accumulator holds each 64-query tile in the backward kernel's *fragment order*
+  (``dq_fragment_index``), which ``_Post`` undoes.
 - ``_ScaleQuant``: x / scale[b, h] -> e4m3 payload (natural layout), e.g. V for dP.
 
 Layout of the work (all three): a CTA of 256 threads covers 256 / (D/8) token rows of one
@@ -33,6 +35,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .quantize import _asm, _struct, _use_tvm_ffi, _words, launch, ld_v4_pred, quant8, st_v2_pred
 
 THREADS = 256
+DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
 LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _COMPILED: dict = {}
@@ -161,33 +164,51 @@ class _Pre(_Rows):
             st_v4_pred(base + 16, z, z, z, z, Int32(1))
 
 
-class _Post(_Rows):
+class _Post:
+    """Thread u of a tile reads floats 16u..16u+15 of the tile (fragment order: four lanes'
+    16-byte chunks, see ``dq_fragment_index``) and writes 8 columns of two query rows."""
+
+    def __init__(self, head_dim: int):
+        self.d = head_dim
+        self.per_tile = 4 * head_dim  # threads per 64-row tile (16 floats each)
+
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
-        # mdQacc (B, H, Sqp, D) fp32 -> mdQ (B, Sq, H, D) bf16
-        grid = (cute.ceil_div(cute.size(mdQ.shape[1]), self.rpc), cute.size(mdQ.shape[2]),
-                cute.size(mdQ.shape[0]))
+        # mdQacc (B, H, Sqp, D) fp32 in fragment order -> mdQ (B, Sq, H, D) bf16
+        tiles = cute.ceil_div(cute.size(mdQ.shape[1]), DQ_TILE_M)
+        grid = (cute.ceil_div(tiles * self.per_tile, THREADS), cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0]))
         self.kernel(mdQacc, mdQ, scale).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         blk, head, batch = cute.arch.block_idx()
+        d = self.d
         Sq = mdQ.shape[1]
         H = mdQ.shape[2]
         Sqp = mdQacc.shape[2]
-        row = tidx // self.vpr
-        col = tidx % self.vpr
-        s = blk * self.rpc + row
-        if s < Sq:
-            src = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + s) * (self.d * 4) + col * 32
-            a = ld_v4_f32(src)
-            b = ld_v4_f32(src + 16)
-            w = [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
-            out = [f32x2_to_bf16x2(_as_f32(w[2 * j]) * scale, _as_f32(w[2 * j + 1]) * scale) for j in range(4)]
-            tok = (Int64(batch) * Sq + s) * H + head
-            st_v4_pred(mdQ.iterator.toint() + tok * (self.d * 2) + col * 16, out[0], out[1], out[2], out[3],
-                       Int32(1))
+        u_all = blk * THREADS + tidx
+        tile = u_all // self.per_tile
+        u = u_all % self.per_tile
+        # u = ((wg * d/16 + c) * 4 + w4) * 8 + lrow: warpgroup, 8-column chunk, warp, row in the warp's 8
+        lrow = u % 8
+        w4 = (u // 8) % 4
+        c = (u // 32) % (d // 16)
+        wg = u // (2 * d)
+        row0 = tile * DQ_TILE_M + 16 * w4 + lrow
+        col0 = wg * (d // 2) + 8 * c
+        if tile * DQ_TILE_M < Sqp:
+            src = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + tile * DQ_TILE_M) * (d * 4) + u * 64
+            w = []
+            for i in cutlass.range_constexpr(4):
+                w += ld_v4_f32(src + 16 * i)
+            for r in cutlass.range_constexpr(2):  # rows row0 and row0 + 8
+                s = row0 + 8 * r
+                out = [f32x2_to_bf16x2(_as_f32(w[4 * l4 + 2 * r]) * scale, _as_f32(w[4 * l4 + 2 * r + 1]) * scale)
+                       for l4 in range(4)]
+                tok = (Int64(batch) * Sq + s) * H + head
+                st_v4_pred(mdQ.iterator.toint() + tok * (d * 2) + col0 * 2, out[0], out[1], out[2], out[3],
+                           Int32(s < Sq))
 
 
 class _ScaleQuant(_Rows):
@@ -287,8 +308,53 @@ def preprocess(o, do, lse, sqp: int, scale_do=None):
     return out + (do8.view(torch.float8_e4m3fn),) if fp8 else out
 
 
+def dq_fragment_index(head_dim: int) -> list:
+    """(row, col) of each float of a 64 x head_dim dQ tile in fragment order: the order in which
+    the backward's two MMA warpgroups hold dQ = dS K in registers and store it, 16 bytes per
+    thread per store. Float f = wg * 32 * head_dim + 512 * c + 4 * t + 2 * r + e belongs to
+    warpgroup wg (columns wg * head_dim / 2 ...), thread t = 32 * w4 + lane of it, register
+    4c + 2r + e of the m64 wgmma accumulator: row 16 * w4 + lane / 4 + 8r, column
+    wg * head_dim / 2 + 8c + 2 (lane % 4) + e."""
+    d = head_dim
+    out = []
+    for wg in range(2):
+        for c in range(d // 16):
+            for t in range(128):
+                w4, lane = divmod(t, 32)
+                for r in range(2):
+                    for e in range(2):
+                        out.append((16 * w4 + lane // 4 + 8 * r, wg * (d // 2) + 8 * c + 2 * (lane % 4) + e))
+    return out
+
+
+def _dq_perm(head_dim: int, device):
+    import torch
+
+    idx = dq_fragment_index(head_dim)
+    return torch.tensor([r * head_dim + c for r, c in idx], dtype=torch.long, device=device)
+
+
+def dq_rows_to_fragments(x):
+    """(B, H, Sqp, D) row-major -> the same tensor shape in fragment order (per 64-row tile)."""
+    B, H, S, D = x.shape
+    t = x.reshape(B, H, S // DQ_TILE_M, DQ_TILE_M * D)
+    return t[..., _dq_perm(D, x.device)].reshape(B, H, S, D)
+
+
+def dq_fragments_to_rows(x):
+    """Inverse of ``dq_rows_to_fragments``."""
+    import torch
+
+    B, H, S, D = x.shape
+    t = x.reshape(B, H, S // DQ_TILE_M, DQ_TILE_M * D)
+    out = torch.empty_like(t)
+    out[..., _dq_perm(D, x.device)] = t
+    return out.reshape(B, H, S, D)
+
+
 def postprocess(dq_acc, sq: int, softmax_scale: float):
-    """dQ (B, Sq, H, D) bf16 = bf16(softmax_scale * dq_acc[:, :, :Sq]) from (B, H, Sqp, D) fp32."""
+    """dQ (B, Sq, H, D) bf16 = bf16(softmax_scale * dq_acc[:, :, :Sq]) from (B, H, Sqp, D) fp32
+    in fragment order (``dq_fragment_index``)."""
     import torch
 
     B, H, _, D = dq_acc.shape

@@ -204,8 +204,9 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
     smem = tuple(smem) + (
         SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
                  f"{BWD_DS_STAGES} x {n_} keys x {m} queries (dS^T), MN-major A operand of dQ"),
-        SmemItem("dQ", m * (d + 4) * 4,
-                 f"{m} x {d} fp32 staging tile for the dQ warp's bulk reduces (rows padded by 4 words)"),
+        SmemItem("dQ", m * d * 4,
+                 f"{m} x {d} fp32 staging tile in fragment order (16-byte stores, one contiguous bulk reduce)"),
+        SmemItem("LSE/D", 2 * qs * m * 4, f"{qs} stages x {m} fp32 LSE2 and D rows, bulk-copied with Q/dO"),
         SmemItem("mbarriers", (2 + 2 * BWD_Q_STAGES) * MBARRIER_BYTES, "K/V full+empty, Q/dO ring"),
     )
     total = sum(i.bytes for i in smem)

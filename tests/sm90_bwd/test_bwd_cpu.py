@@ -152,7 +152,10 @@ def _compile(variants, tmp_path):
                             + ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3")
                             + ptx.count("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"),
                             st16=ptx.count("st.global.b16"), gqa_st16=gqa_ptx.count("st.global.b16"),
-                            gqa_st32=gqa_ptx.count("st.global.b32"))
+                            gqa_st32=gqa_ptx.count("st.global.b32"),
+                            stmatrix=ptx.count("stmatrix.sync.aligned"), lds_v2=ptx.count("ld.shared.v2.b32"),
+                            sts_v4=ptx.count("st.shared.v4.b32"), ldg=ptx.count("ld.global"),
+                            bulk_g2s=ptx.count("cp.async.bulk.shared::cta.global"))
         print(json.dumps(out))
     """)
     dump = tmp_path / "dump"
@@ -168,8 +171,15 @@ def _check_ptx(facts, d, det):
     assert facts["wgmma"] == 2 * (d // 16) + 2 * (64 // 16) + 128 // 16, facts
     # one exp per score a thread holds: 64 keys x 64 queries / 128 threads
     assert facts["ex2"] == 32, facts
-    # dQ: the dQ warp adds the 64-row SMEM tile one row per bulk reduce, two rows per lane
-    assert facts["red"] == 64 // 32, facts
+    # dQ: the SMEM tile is in fragment order (one contiguous run): one bulk reduce per lane (8 lanes)
+    assert facts["red"] == 1, facts
+    # ... written by the MMA warps with 16-byte stores: d/2 x 64 fp32 per warpgroup, 4 per store
+    assert facts["sts_v4"] == d // 16, facts
+    # dS^T -> SMEM with stmatrix: 64 x 64 bf16 per warpgroup, 4 registers per thread per x4 store
+    assert facts["stmatrix"] == 4, facts
+    # LSE2 and D come with each Q/dO stage (two bulk copies) and are read from SMEM in column pairs:
+    # no global loads in the kernel at all (bf16 variants)
+    assert facts["bulk_g2s"] == 2 and facts["lds_v2"] == 16 and facts["ldg"] == 0, facts
     # deterministic: wait for this key tile's turn (acquire), pass it on (release)
     assert (facts["acquire"] > 0 and facts["release"] == 1) if det else (facts["acquire"] == facts["release"] == 0), facts
     assert facts["tma"] >= 4, facts  # K, V, Q, dO
@@ -198,7 +208,7 @@ def test_compile_sm90a_fp8(tmp_path):
     assert f["wgmma_e4m3"] == 2 * (d // 32) + 64 // 32, f
     # dK (K = 64 queries) and dQ (K = 128 keys) stay bf16 k16
     assert f["wgmma"] - f["wgmma_e4m3"] == 64 // 16 + 128 // 16, f
-    assert f["ex2"] == 32 and f["red"] == 2, f
+    assert f["ex2"] == 32 and f["red"] == 1 and f["stmatrix"] == 4 and f["bulk_g2s"] == 2, f
     assert f["tma"] >= 7, f  # K, V8, K8, Q, dO8, Q8, dO^T
 
 

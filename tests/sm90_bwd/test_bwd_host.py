@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_modules as bm  # noqa: E402
+from fp4gen.device.bwd_prep import dq_rows_to_fragments  # noqa: E402
 
 _MODS = {}
 
@@ -49,6 +50,7 @@ def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
     n_kb = -(-Sk // BN)
     K = pad_rows(k.repeat_interleave(g, dim=2).permute(0, 2, 1, 3), n_kb * BN)
     V = pad_rows(v.repeat_interleave(g, dim=2).permute(0, 2, 1, 3), n_kb * BN)
+    dq_rows = torch.zeros(dq_acc.shape)  # the kernel adds fragment-ordered tiles (bwd_prep)
     causal = mod.BWD_CAUSAL
     for n in range(n_kb):
         k0 = n * BN
@@ -72,11 +74,12 @@ def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
             Pb, dSb = P.to(bf).float(), dS.to(bf).float()
             dV += Pb @ dOt
             dK += dSb @ Qt
-            dq_acc[:, :, q0:q0 + BM] += dSb.transpose(-1, -2) @ Kt
+            dq_rows[:, :, q0:q0 + BM] += dSb.transpose(-1, -2) @ Kt
         rows = slice(k0, min(k0 + BN, Sk))
         nr = rows.stop - rows.start
         dk_h[:, rows] = (dK[:, :, :nr] * softmax_scale).permute(0, 2, 1, 3).to(dk_h.dtype)
         dv_h[:, rows] = dV[:, :, :nr].permute(0, 2, 1, 3).to(dv_h.dtype)
+    dq_acc += dq_rows_to_fragments(dq_rows)
 
 
 def _module(d, causal, det, tmp_path_factory):

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_modules as bm  # noqa: E402
+from fp4gen.device.bwd_prep import dq_rows_to_fragments  # noqa: E402
 
 _MODS = {}
 E4M3 = torch.float8_e4m3fn
@@ -63,6 +64,7 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
     sq = scale_q.repeat_interleave(QB, dim=2)  # (B, H, per query)
     sk = scale_k.repeat_interleave(g, dim=1).repeat_interleave(QB, dim=2)
     svdo = (scale_v.repeat_interleave(g, dim=1) * scale_do)  # (B, H)
+    dq_rows = torch.zeros(dq_acc.shape)  # the kernel adds fragment-ordered tiles (bwd_prep)
     for n in range(n_kb):
         k0 = n * BN
         dK = torch.zeros(B, H, BN, D)
@@ -87,12 +89,13 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
                 qt = torch.nn.functional.pad(qt, (0, BM - qt.shape[3]))
             dV += P8 @ qt.transpose(-1, -2)
             dK += dSb @ Q[:, :, q0:q0 + BM].to(bf).float()
-            dq_acc[:, :, q0:q0 + BM] += dSb.transpose(-1, -2) @ Kb[:, :, k0:k0 + BN].to(bf).float()
+            dq_rows[:, :, q0:q0 + BM] += dSb.transpose(-1, -2) @ Kb[:, :, k0:k0 + BN].to(bf).float()
         rows = slice(k0, min(k0 + BN, Sk))
         nr = rows.stop - rows.start
         dV = dV * (scale_do[..., None, None] / 256.0)
         dk_h[:, rows] = (dK[:, :, :nr] * softmax_scale).permute(0, 2, 1, 3).to(dk_h.dtype)
         dv_h[:, rows] = dV[:, :, :nr].permute(0, 2, 1, 3).to(dv_h.dtype)
+    dq_acc += dq_rows_to_fragments(dq_rows)
 
 
 @pytest.fixture
