@@ -75,3 +75,22 @@ def test_bad_input_is_a_clear_error(tmp_path_factory):
         mod.backward(q, k, v, o, lse[:, :1], do)
     with pytest.raises(TypeError, match="dtype"):
         mod.backward(q.float(), k, v, o, lse, do)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("sq", [1, 64, 200])
+def test_postprocess_undoes_the_fragment_order(d, sq):
+    """The post-processing kernel reads the dQ accumulator in the kernel's fragment order
+    (bwd_prep.dq_fragment_index) and writes bf16(scale * dQ) in (B, Sq, H, D): bit-exact
+    against the same arithmetic in torch on a row-major tensor."""
+    from fp4gen.device import bwd_prep
+
+    torch.manual_seed(sq + d)
+    B, H = 2, 3
+    sqp = -(-sq // 64) * 64
+    rows = torch.randn(B, H, sqp, d, device="cuda", dtype=torch.float32)
+    got = bwd_prep.postprocess(bwd_prep.dq_rows_to_fragments(rows), sq, 0.125)
+    want = (rows[:, :, :sq] * 0.125).to(torch.bfloat16).permute(0, 2, 1, 3)
+    assert got.shape == (B, sq, H, d)
+    assert torch.equal(got, want)
