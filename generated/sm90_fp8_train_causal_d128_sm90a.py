@@ -1211,9 +1211,9 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
         gv = _bwd_dlayout.acc_mn(tdVgdV)
         for r in cutlass.range_constexpr(cute.size(k_mn, mode=[0])):
             if key0 + c_mn[r, 0][0] < seqlen_k:
-                for j in cutlass.range_constexpr(cute.size(k_mn, mode=[1])):
-                    gk[r, j] = k_mn[r, j]
-                    gv[r, j] = v_mn[r, j]
+                # a row's column pairs are adjacent in memory: one 4-byte (bf16) or 8-byte (fp32) store each
+                cute.autovec_copy(k_mn[r, None], gk[r, None])
+                cute.autovec_copy(v_mn[r, None], gv[r, None])
 
 
 # ---------------------------------------------------------------- backward host side

@@ -152,7 +152,7 @@ def _compile(variants, tmp_path):
                             + ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3")
                             + ptx.count("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"),
                             st16=ptx.count("st.global.b16"), gqa_st16=gqa_ptx.count("st.global.b16"),
-                            gqa_st32=gqa_ptx.count("st.global.b32"),
+                            st32=ptx.count("st.global.b32"), gqa_st64=gqa_ptx.count("st.global.v2.b32"),
                             stmatrix=ptx.count("stmatrix.sync.aligned"), lds_v2=ptx.count("ld.shared.v2.b32"),
                             sts_v4=ptx.count("st.shared.v4.b32"), ldg=ptx.count("ld.global"),
                             bulk_g2s=ptx.count("cp.async.bulk.shared::cta.global"))
@@ -183,8 +183,10 @@ def _check_ptx(facts, d, det):
     # deterministic: wait for this key tile's turn (acquire), pass it on (release)
     assert (facts["acquire"] > 0 and facts["release"] == 1) if det else (facts["acquire"] == facts["release"] == 0), facts
     assert facts["tma"] >= 4, facts  # K, V, Q, dO
-    # dK, dV: 64 x d per warpgroup -> d/2 values each per thread, bf16; fp32 for GQA
-    assert facts["st16"] == d and facts["gqa_st16"] == 0 and facts["gqa_st32"] == d, facts
+    # dK, dV: 64 x d per warpgroup -> d/2 values each per thread, stored as column pairs:
+    # 4-byte bf16 pairs; 8-byte fp32 pairs for GQA
+    assert facts["st16"] == 0 and facts["st32"] == d // 2, facts
+    assert facts["gqa_st16"] == 0 and facts["gqa_st64"] == d // 2, facts
 
 
 FAST = [(128, True, False), (64, True, True)]
