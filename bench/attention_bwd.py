@@ -24,7 +24,9 @@ P/V recipe: the FP8 forward's o and LSE) are reported beside it, not gated.
 Shapes: causal, S in --seqlens (4096, 8192, 16384), B = --tokens // S (32k tokens), H=16,
 D=128. TFLOP/s use the standard causal backward count: 2.5 x the forward's
 4*B*H*S*S*D/2. Times are medians of ``triton.testing.do_bench(..., return_mode="median")``
-(CUDA events when triton is missing).
+(CUDA events when triton is missing), taken in ``--rounds`` interleaved rounds per shape (every
+contender once per round, FA4 first); a row reports the median over rounds of its time and of
+its per-round ratio to FA4 (``ms_rounds`` keeps each round's time).
 
     python3 bench/attention_bwd.py generated/sm90_bf16_causal_d128_sm90a.py \\
         generated/sm90_fp8_train_causal_d128_sm90a.py --name attention-bwd-h200
@@ -49,11 +51,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-SCHEMA = "fp4gen-attention-bwd/1"
+SCHEMA = "fp4gen-attention-bwd/2"
 FA4 = "fa4-cute-bf16"
 SDPA = "sdpa-cudnn-bf16"
 ROW_KEYS = ("kernel", "kind", "timed", "B", "S", "H", "D", "causal", "ms", "tflops", "ratio_vs_fa4",
-            "rel_l2_vs_fa4", "gate_pass", "rel_l2_own_forward_vs_fa4", "error")
+            "ms_rounds", "rel_l2_vs_fa4", "gate_pass", "rel_l2_own_forward_vs_fa4", "error")
 TIMED_FULL = "full backward(q, k, v, o, lse, do) call: host pre/post-processing + kernel launch"
 TIMED_KERNEL = "backward kernel launch only (arguments prepared by one full call, untimed)"
 TIMED_AUTOGRAD = "torch.autograd.grad of the forward output (the library's pre/post-processing included)"
@@ -77,13 +79,21 @@ def rel_l2(x, ref) -> float:
     return float((x - ref).norm() / den)
 
 
-def make_row(kernel, kind, timed, B, S, H, D, causal=True, ms=None, fa4_ms=None, rel=None, gate=None,
-             rel_own=None, error=None) -> dict:
-    """One result row (every key of ROW_KEYS, in that order)."""
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def make_row(kernel, kind, timed, B, S, H, D, causal=True, ms=None, ms_rounds=None, ratio=None, rel=None,
+             gate=None, rel_own=None, error=None) -> dict:
+    """One result row (every key of ROW_KEYS, in that order). ``ms``: the median over the timing
+    rounds (``ms_rounds``); ``ratio``: the median over rounds of FA4's time / this time."""
     t = tflops(bwd_flops(B, S, H, D, causal), ms) if ms else None
     row = {"kernel": kernel, "kind": kind, "timed": timed, "B": B, "S": S, "H": H, "D": D, "causal": causal,
            "ms": round(ms, 4) if ms else None, "tflops": round(t, 1) if t else None,
-           "ratio_vs_fa4": round(fa4_ms / ms, 3) if (ms and fa4_ms) else None,
+           "ratio_vs_fa4": round(ratio, 3) if ratio else None,
+           "ms_rounds": [round(x, 4) for x in ms_rounds] if ms_rounds else None,
            "rel_l2_vs_fa4": rel, "gate_pass": gate, "rel_l2_own_forward_vs_fa4": rel_own, "error": error}
     assert tuple(row) == ROW_KEYS
     return row
@@ -102,6 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--gate", type=float, default=2e-2, help="max rel-L2 of dq, dk, dv vs FA4 (default 2e-2)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time, ms")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds per shape, contenders interleaved (medians over rounds are reported)")
     p.add_argument("--no-kernel-only", action="store_true", help="time fp4gen's full backward call only")
     p.add_argument("--name", default=None, help="output file stem (default attention-bwd-<date>)")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
@@ -126,6 +138,8 @@ def parse_args(argv=None):
         p.error(f"unknown anchors: {', '.join(sorted(unknown))} (known: fa4, sdpa)")
     if a.gate <= 0:
         p.error("--gate must be positive")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     return a
 
 
@@ -352,7 +366,8 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
            "meta": {"device": torch.cuda.get_device_name() if dev == "cuda" else dev,
                     "torch": torch.__version__, "date": date,
                     "command": command, "causal": True, "H": H, "D": D, "tokens": args.tokens,
-                    "flops": "2.5 * 4*B*H*S*S*D / 2 (causal backward)", "timing": timing_method,
+                    "flops": "2.5 * 4*B*H*S*S*D / 2 (causal backward)",
+                    "timing": f"{timing_method}; {args.rounds} interleaved rounds per shape, medians over rounds",
                     "gate": f"rel-L2 of dq, dk, dv vs {FA4} < {args.gate}",
                     "fp4gen_inputs": "FA4's forward o and LSE (own-forward rel-L2 reported, not gated)",
                     "timed": {"anchor": TIMED_AUTOGRAD, "fp4gen": TIMED_FULL, "fp4gen-kernel-only": TIMED_KERNEL}},
@@ -416,8 +431,13 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
     for S in args.seqlens:
         B = args.tokens // S
         q, k, v, do = (torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
-        fa4_ms, ref_grads, fa4_state = None, None, None
-        # --- FA4: the reference gradients and forward state, then its time
+        # Every contender is set up and gated first; then all are timed in interleaved rounds
+        # (FA4, SDPA, fp4gen..., FA4, SDPA, ...), so that a drift of the GPU's clocks during the
+        # shape hits them alike. Each row reports the median over rounds of its time and of its
+        # per-round ratio to FA4's time in the same round.
+        timed = []  # (make_row keyword arguments, the function timed)
+        ref_grads, fa4_state = None, None
+        # --- FA4: the reference gradients and forward state
         if fa4_func is not None:
             try:
                 qf, kf, vf = (x.detach().requires_grad_(True) for x in (q, k, v))
@@ -428,13 +448,12 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                     res = fa4_func(qf, kf, vf, causal=True)
                     out, lse = (res[0] if isinstance(res, tuple) else res), None
 
-                def fa4_bwd():
-                    return torch.autograd.grad(out, (qf, kf, vf), do, retain_graph=True)
+                def fa4_bwd(out=out, leaves=(qf, kf, vf)):
+                    return torch.autograd.grad(out, leaves, do, retain_graph=True)
 
                 ref_grads = fa4_bwd()
                 fa4_state = (out.detach(), lse.detach().float().contiguous() if lse is not None else None)
-                fa4_ms = timer(fa4_bwd)
-                emit(make_row(FA4, "anchor", TIMED_AUTOGRAD, B, S, H, D, ms=fa4_ms, fa4_ms=fa4_ms))
+                timed.append((dict(kernel=FA4, kind="anchor", timed=TIMED_AUTOGRAD), fa4_bwd))
             except Exception as e:  # noqa: BLE001
                 emit(make_row(FA4, "anchor", TIMED_AUTOGRAD, B, S, H, D, error=_first_line(e)))
                 sync()
@@ -456,13 +475,11 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     o_s = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
-                def sdpa_bwd():
-                    return torch.autograd.grad(o_s, (qt, kt, vt), dot, retain_graph=True)
+                def sdpa_bwd(o_s=o_s, leaves=(qt, kt, vt), dot=dot):
+                    return torch.autograd.grad(o_s, leaves, dot, retain_graph=True)
 
                 rel, ok = gate_of([g.transpose(1, 2) for g in sdpa_bwd()])
-                ms = timer(sdpa_bwd)
-                emit(make_row(SDPA, "anchor", TIMED_AUTOGRAD, B, S, H, D, ms=ms, fa4_ms=fa4_ms, rel=rel, gate=ok))
-                del qt, kt, vt, dot, o_s
+                timed.append((dict(kernel=SDPA, kind="anchor", timed=TIMED_AUTOGRAD, rel=rel, gate=ok), sdpa_bwd))
             except Exception as e:  # noqa: BLE001
                 emit(make_row(SDPA, "anchor", TIMED_AUTOGRAD, B, S, H, D, error=_first_line(e)))
                 sync()
@@ -478,9 +495,12 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                     rel_own = [float(f"{rel_l2(g, r):.3e}") for g, r in
                                zip(mod.backward(q, k, v, own_o, own_lse, do), ref_grads)]
                 del own_o, own_lse
-                ms = timer(lambda: mod.backward(q, k, v, o, lse, do))
-                emit(make_row(mname, "fp4gen", TIMED_FULL, B, S, H, D, ms=ms, fa4_ms=fa4_ms, rel=rel, gate=ok,
-                              rel_own=rel_own))
+
+                def full(mod=mod, o=o, lse=lse):
+                    return mod.backward(q, k, v, o, lse, do)
+
+                timed.append((dict(kernel=mname, kind="fp4gen", timed=TIMED_FULL, rel=rel, gate=ok,
+                                   rel_own=rel_own), full))
             except Exception as e:  # noqa: BLE001
                 if os.environ.get("BENCH_TRACEBACK"):
                     traceback.print_exc()
@@ -494,13 +514,35 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                 if fn is None:
                     log(f"{mname + '-kernel-only':42s} {B:3d} {S:6d}  not timed: {why}")
                     continue
-                ms = timer(fn)
-                emit(make_row(mname + "-kernel-only", "fp4gen", TIMED_KERNEL, B, S, H, D, ms=ms, fa4_ms=fa4_ms,
-                              rel=rel, gate=ok))
-                del fn
+                timed.append((dict(kernel=mname + "-kernel-only", kind="fp4gen", timed=TIMED_KERNEL, rel=rel,
+                                   gate=ok), fn))
             except Exception as e:  # noqa: BLE001
                 emit(make_row(mname + "-kernel-only", "fp4gen", TIMED_KERNEL, B, S, H, D, error=_first_line(e)))
                 sync()
+
+        # --- timing: interleaved rounds
+        times = [[] for _ in timed]
+        errors = [None] * len(timed)
+        for _ in range(args.rounds):
+            for i, (_kw, fn) in enumerate(timed):
+                if errors[i] is None:
+                    try:
+                        times[i].append(timer(fn))
+                    except Exception as e:  # noqa: BLE001
+                        errors[i] = _first_line(e)
+                        sync()
+        fa4_times = times[0] if (timed and timed[0][0]["kernel"] == FA4 and errors[0] is None) else None
+        for (kw, _fn), ts, err in zip(timed, times, errors):
+            kw = dict(kw)
+            kernel, kind, how = kw.pop("kernel"), kw.pop("kind"), kw.pop("timed")
+            if err is not None:
+                emit(make_row(kernel, kind, how, B, S, H, D, error=err, **kw))
+                continue
+            ratios = [f / t for f, t in zip(fa4_times, ts)] if fa4_times else None
+            emit(make_row(kernel, kind, how, B, S, H, D, ms=_median(ts), ms_rounds=ts,
+                          ratio=_median(ratios) if ratios else None, **kw))
+        del timed, times
+
         del q, k, v, do, ref_grads, fa4_state
         if dev == "cuda":
             torch.cuda.empty_cache()

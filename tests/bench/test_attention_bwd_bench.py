@@ -157,7 +157,8 @@ def test_pipeline_json_gate_errors_and_plot(ab, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     torch.manual_seed(0)
     rc = ab.main([str(good), str(wrong), str(broken), str(missing), "--device", "cpu", "--seqlens", "32,64",
-                  "--tokens", "128", "--heads", "2", "--head-dim", "64", "--name", "t", "--out", str(out)])
+                  "--tokens", "128", "--heads", "2", "--head-dim", "64", "--name", "t", "--out", str(out),
+                  "--rounds", "3"])
     text = capsys.readouterr().out
     assert rc == 1  # a gate failure and errors: non-zero, but every row is written
     doc = json.loads((out / "t.json").read_text())
@@ -178,6 +179,9 @@ def test_pipeline_json_gate_errors_and_plot(ab, tmp_path, monkeypatch, capsys):
         g = by[("fp4gen-good-bwd", S)]
         assert g["gate_pass"] is True and max(g["rel_l2_vs_fa4"]) < 1e-2 and g["timed"] == ab.TIMED_FULL
         assert g["rel_l2_own_forward_vs_fa4"] is not None and g["ratio_vs_fa4"] > 0
+        # three interleaved timing rounds: the row's time is their median
+        assert len(fa4["ms_rounds"]) == 3 and fa4["ms"] == round(sorted(fa4["ms_rounds"])[1], 4)
+        assert len(g["ms_rounds"]) == 3 and g["ms"] == round(sorted(g["ms_rounds"])[1], 4)
         ko = by[("fp4gen-good-bwd-kernel-only", S)]
         assert ko["timed"] == ab.TIMED_KERNEL and ko["ms"] > 0 and ko["error"] is None
         w = by[("fp4gen-wrong-bwd", S)]
@@ -194,6 +198,24 @@ def test_plot_without_timed_rows_is_an_error_not_a_crash(ab, tmp_path):
     rows = [ab.make_row("x", "fp4gen", ab.TIMED_FULL, 2, 4096, 16, 128, error="boom")]
     with pytest.raises(ValueError, match="no timed rows"):
         ab.plot(rows, tmp_path / "x.png")
-    rows.append(ab.make_row(ab.FA4, "anchor", ab.TIMED_AUTOGRAD, 2, 4096, 16, 128, ms=1.0, fa4_ms=1.0))
+    rows.append(ab.make_row(ab.FA4, "anchor", ab.TIMED_AUTOGRAD, 2, 4096, 16, 128, ms=1.0, ratio=1.0))
     assert math.isclose(rows[-1]["tflops"], round(ab.bwd_flops(2, 4096, 16, 128) / 1e9, 1))
     assert ab.plot(rows, tmp_path / "x.png").stat().st_size > 5_000
+
+
+def test_ratio_is_the_median_of_per_round_ratios(ab):
+    # FA4 1, 2, 4 ms in three rounds; the contender 2, 2, 2 ms: per-round ratios 0.5, 1, 2 -> 1,
+    # where the ratio of the medians would also be 1 but a ratio of means would not
+    fa4 = [1.0, 2.0, 4.0]
+    mine = [2.0, 2.0, 2.0]
+    ratio = ab._median([f / t for f, t in zip(fa4, mine)])
+    row = ab.make_row("x", "fp4gen", ab.TIMED_FULL, 2, 4096, 16, 128, ms=ab._median(mine), ms_rounds=mine,
+                      ratio=ratio)
+    assert row["ratio_vs_fa4"] == 1.0 and row["ms"] == 2.0 and row["ms_rounds"] == mine
+    assert ab._median([3.0, 1.0]) == 2.0 and ab._median([5.0]) == 5.0
+
+
+def test_rounds_must_be_positive(ab, capsys):
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
