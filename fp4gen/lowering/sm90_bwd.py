@@ -44,6 +44,10 @@ def context(plan) -> dict:
         raise LoweringError(f"the sm90 backward template has no variant for MMA formats {fmts}")
     if bp.tile_n != 64 * bp.mma_warpgroups or bp.tile_m != 64:
         raise LoweringError(f"sm90 backward tiles must be 64 x (64 x warpgroups), got {bp.tile_m} x {bp.tile_n}")
+    if bp.mma_warpgroups != 2:
+        # the dQ accumulator's fragment order (fp4gen.device.bwd_prep.dq_fragment_index, which the
+        # post-processing kernel undoes) is that of two warpgroups splitting the head dim
+        raise LoweringError(f"the sm90 backward's dQ layout needs 2 MMA warpgroups, the plan has {bp.mma_warpgroups}")
     name = spec.name
     summary = [
         f"tiles: {bp.tile_m} queries x {bp.tile_n} keys, {bp.mma_warpgroups} MMA warpgroups + a TMA warp "
