@@ -46,6 +46,7 @@ import shlex
 import sys
 import time
 import traceback
+from statistics import median
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -77,12 +78,6 @@ def rel_l2(x, ref) -> float:
     if not bool(den > 0):
         return float((x - ref).norm())
     return float((x - ref).norm() / den)
-
-
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def make_row(kernel, kind, timed, B, S, H, D, causal=True, ms=None, ms_rounds=None, ratio=None, rel=None,
@@ -539,8 +534,8 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                 emit(make_row(kernel, kind, how, B, S, H, D, error=err, **kw))
                 continue
             ratios = [f / t for f, t in zip(fa4_times, ts)] if fa4_times else None
-            emit(make_row(kernel, kind, how, B, S, H, D, ms=_median(ts), ms_rounds=ts,
-                          ratio=_median(ratios) if ratios else None, **kw))
+            emit(make_row(kernel, kind, how, B, S, H, D, ms=median(ts), ms_rounds=ts,
+                          ratio=median(ratios) if ratios else None, **kw))
         del timed, times
 
         del q, k, v, do, ref_grads, fa4_state

@@ -32,7 +32,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .quantize import _asm, _struct, _use_tvm_ffi, _words, launch, ld_v4_pred, quant8, st_v2_pred
+from .quantize import (_asm, _struct, _use_tvm_ffi, _words, compile_once, launch, ld_v4_pred, quant8,
+                       st_v2_pred)
 
 THREADS = 256
 DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
@@ -263,14 +264,9 @@ def _compile(kind: str, d: int, tvm_ffi=None):
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"backward pre/post-processing: head dim must be one of {SUPPORTED_HEAD_DIMS}; got {d}")
     tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
-    key = (kind, d, tvm_ffi)
-    if key not in _COMPILED:
-        op = {"pre": lambda: _Pre(d, False), "pre_fp8": lambda: _Pre(d, True), "post": lambda: _Post(d),
-              "quant": lambda: _ScaleQuant(d)}[kind]()
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-        opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
-        _COMPILED[key] = cute.compile(op, *_fake_args(kind, d), stream, options=opts)
-    return _COMPILED[key]
+    ops = {"pre": lambda: _Pre(d, False), "pre_fp8": lambda: _Pre(d, True), "post": lambda: _Post(d),
+           "quant": lambda: _ScaleQuant(d)}
+    return compile_once(_COMPILED, (kind, d, tvm_ffi), ops[kind], lambda: _fake_args(kind, d), tvm_ffi)
 
 
 def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:

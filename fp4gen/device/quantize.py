@@ -362,19 +362,24 @@ def _fake_args(kind: str, d: int):
     return (x, amax, vt, sv)
 
 
-def _compile(kind: str, d: int, tvm_ffi=None):
-    """Compile one kernel once per process (per head dim and calling convention); the target
-    is fixed to sm_90a, so no GPU is needed."""
-    _check_head_dim(d)
-    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
-    key = (kind, d, tvm_ffi)
-    if key not in _COMPILED:
-        op = {"block": lambda: _BlockQuant(d, False), "amax": lambda: _BlockQuant(d, True),
-              "vt": lambda: _VTranspose(d)}[kind]()
+def compile_once(cache: dict, key, make_op, fake_args, tvm_ffi):
+    """``cache[key]``, compiled on first use from ``make_op()`` and ``fake_args()`` for sm_90a
+    (no GPU needed) with the given calling convention. Shared by the helper kernels (this
+    quantizer, ``bwd_prep``)."""
+    if key not in cache:
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
         opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
-        _COMPILED[key] = cute.compile(op, *_fake_args(kind, d), stream, options=opts)
-    return _COMPILED[key]
+        cache[key] = cute.compile(make_op(), *fake_args(), stream, options=opts)
+    return cache[key]
+
+
+def _compile(kind: str, d: int, tvm_ffi=None):
+    """Compile one kernel once per process (per head dim and calling convention)."""
+    _check_head_dim(d)
+    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
+    ops = {"block": lambda: _BlockQuant(d, False), "amax": lambda: _BlockQuant(d, True),
+           "vt": lambda: _VTranspose(d)}
+    return compile_once(_COMPILED, (kind, d, tvm_ffi), ops[kind], lambda: _fake_args(kind, d), tvm_ffi)
 
 
 def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:

@@ -145,15 +145,21 @@ def _do_format(spec, bw) -> str:
     return "fp8e4m3"
 
 
+def backward_block(plan: KernelPlan, target: Target, planner: str):
+    """(spec, backward block) of ``plan``, refused with the reason when the spec has no backward
+    block or targets another architecture than ``planner`` plans for."""
+    spec = plan.spec
+    if spec.backward is None:
+        raise PlanError(f"kernel {spec.name!r} has no backward block", spec.loc("backward"))
+    if spec.target is not target:
+        raise PlanError(f"{planner} plans the {target.value} backward; kernel {spec.name!r} targets "
+                        f"{spec.target.value}", spec.loc("target"))
+    return spec, spec.backward
+
+
 def plan_backward(plan: KernelPlan) -> BackwardPlan:
     """The backward plan of a finished forward ``plan`` whose spec has a ``backward`` block."""
-    spec = plan.spec
-    bw = spec.backward
-    if bw is None:
-        raise PlanError(f"kernel {spec.name!r} has no backward block", spec.loc("backward"))
-    if spec.target is not Target.SM90A:
-        raise PlanError(f"plan_backward plans the sm90a backward; kernel {spec.name!r} targets "
-                        f"{spec.target.value}", spec.loc("target"))
+    spec, bw = backward_block(plan, Target.SM90A, "plan_backward")
     d = spec.head_dim
     if d not in (64, 128):
         raise PlanError(f"the sm90a backward supports head_dim 64 and 128, not {d}", spec.loc("head_dim"),

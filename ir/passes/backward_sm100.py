@@ -40,6 +40,7 @@ from typing import Optional
 from ..plan import (REGISTERS_PER_SM, SMEM_LIMIT_BYTES, TMEM_COLUMNS, TMEM_LANES, KernelPlan, LiveInterval, PlanError, SmemItem,
                     TmemPlan, TmemRegion, WarpRole)
 from ..spec import Format, Mask, Target
+from .backward import backward_block
 
 BWD_TILE_M = 128  # queries per step: the N of S^T/dP^T and the M (TMEM lanes) of dQ
 BWD_TILE_N = 128  # keys per CTA: the M (TMEM lanes) of S^T, dP^T, dV, dK
@@ -244,13 +245,7 @@ def _refuse_formats(spec) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]
 
 def plan_backward_sm100(plan: KernelPlan) -> BackwardPlanSm100:
     """The sm100a backward plan of a finished forward ``plan`` whose spec has a backward block."""
-    spec = plan.spec
-    bw = spec.backward
-    if bw is None:
-        raise PlanError(f"kernel {spec.name!r} has no backward block", spec.loc("backward"))
-    if spec.target is not Target.SM100A:
-        raise PlanError(f"plan_backward_sm100 plans the sm100a backward; kernel {spec.name!r} targets "
-                        f"{spec.target.value}", spec.loc("target"))
+    spec, bw = backward_block(plan, Target.SM100A, "plan_backward_sm100")
     d = spec.head_dim
     m, n = BWD_TILE_M, BWD_TILE_N
     # the TMEM budget first: it is the hard limit (and names the numbers for any head_dim)
