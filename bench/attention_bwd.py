@@ -14,7 +14,10 @@ Contenders, all in one process on the same inputs:
   D = rowsum(dO*O), LSE padding, the dQ accumulator's zeroing, the launch, dQ scaling and
   casts: the same work FA4's autograd call does), and ``<name>-kernel-only``: the backward
   kernel launch alone, on arguments captured from one full call (only when the module has
-  the ``_bwd_launch`` hook the sm90a template generates). The JSON's ``timed`` says which.
+  the ``_bwd_launch`` hook the sm90a template generates). A backward that recomputes S from
+  the forward's FP8 Q/K (``BWD_S_FP8``) also gets ``<name>-fwd-state``: the full call handed
+  the forward's ``quantize_inputs(q, k, v)`` (``prepared=``), as a training step can, so Q and
+  K are not quantized again. The JSON's ``timed`` says which.
 
 fp4gen's backward runs on FA4's forward state (its o and LSE), so all contenders compute
 the same gradients: the correctness gate, before timing, is rel-L2(dq, dk, dv) vs FA4's
@@ -59,6 +62,9 @@ ROW_KEYS = ("kernel", "kind", "timed", "B", "S", "H", "D", "causal", "ms", "tflo
             "ms_rounds", "rel_l2_vs_fa4", "gate_pass", "rel_l2_own_forward_vs_fa4", "error")
 TIMED_FULL = "full backward(q, k, v, o, lse, do) call: host pre/post-processing + kernel launch"
 TIMED_KERNEL = "backward kernel launch only (arguments prepared by one full call, untimed)"
+TIMED_FULL_STATE = ("full backward(..., prepared=quantize_inputs(q, k, v)) call: the forward's quantized "
+                    "Q/K payloads and scales and V's scale handed over (made once, untimed: the FP8 forward "
+                    "makes them anyway), host pre/post-processing + kernel launch")
 TIMED_AUTOGRAD = "torch.autograd.grad of the forward output (the library's pre/post-processing included)"
 
 
@@ -365,7 +371,8 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                     "timing": f"{timing_method}; {args.rounds} interleaved rounds per shape, medians over rounds",
                     "gate": f"rel-L2 of dq, dk, dv vs {FA4} < {args.gate}",
                     "fp4gen_inputs": "FA4's forward o and LSE (own-forward rel-L2 reported, not gated)",
-                    "timed": {"anchor": TIMED_AUTOGRAD, "fp4gen": TIMED_FULL, "fp4gen-kernel-only": TIMED_KERNEL}},
+                    "timed": {"anchor": TIMED_AUTOGRAD, "fp4gen": TIMED_FULL, "fp4gen-fwd-state": TIMED_FULL_STATE,
+                              "fp4gen-kernel-only": TIMED_KERNEL}},
            "modules": [], "rows": []}
 
     def save():
@@ -496,6 +503,16 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
 
                 timed.append((dict(kernel=mname, kind="fp4gen", timed=TIMED_FULL, rel=rel, gate=ok,
                                    rel_own=rel_own), full))
+                if getattr(mod, "BWD_S_FP8", False) and callable(getattr(mod, "quantize_inputs", None)):
+                    # the training path: the backward reuses what the FP8 forward quantized
+                    prepared = mod.quantize_inputs(q, k, v)
+                    rel_s, ok_s = gate_of(mod.backward(q, k, v, o, lse, do, prepared=prepared))
+
+                    def with_state(mod=mod, o=o, lse=lse, prepared=prepared):
+                        return mod.backward(q, k, v, o, lse, do, prepared=prepared)
+
+                    timed.append((dict(kernel=mname + "-fwd-state", kind="fp4gen", timed=TIMED_FULL_STATE,
+                                       rel=rel_s, gate=ok_s), with_state))
             except Exception as e:  # noqa: BLE001
                 if os.environ.get("BENCH_TRACEBACK"):
                     traceback.print_exc()

@@ -1325,7 +1325,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     # (for dP) with the same scale; D_i from the dequantized dO, which is what dP sees
     dot8, scale_do = _bwd_dquant.quantize_v_operand(do)
     lse2, dsum, dq_acc, do_in = _bwd_prep.preprocess(o, do, lse, sqp, scale_do)
-    scale_v = _bwd_prep.scale_per_head(v)
+    # V's per-head scale is the forward's (quantize_inputs computes it by the same contract)
+    scale_v = prepared[5] if prepared is not None else _bwd_prep.scale_per_head(v)
     v_in = _bwd_prep.quantize_per_head(v, scale_v)
     extra = ()  # the FP8 operands and their scales, in the kernel's argument order
     if prepared is not None:
