@@ -15,8 +15,13 @@ Two operators are registered with ``torch.library`` so that ``torch.compile``
 and ``torch.export`` see one opaque node per call instead of tracing into the
 kernels:
 
-- ``fp4gen::attention_fwd(q, k, v, spec_key, softmax_scale, backend) -> (o, lse)``
-- ``fp4gen::attention_bwd(q, k, v, o, lse, do, spec_key, softmax_scale, backend) -> (dq, dk, dv)``
+- ``fp4gen::attention_fwd(q, k, v, spec_key, softmax_scale, backend) -> (o, lse, state)``
+- ``fp4gen::attention_bwd(q, k, v, o, lse, do, state, spec_key, softmax_scale, backend) -> (dq, dk, dv)``
+
+``state`` is empty, except for a generated module whose backward recomputes S from the
+forward's FP8 Q/K (``BWD_S_FP8``): then it holds the forward's Q/K payloads (as bytes) and
+the Q, K and V scales, which the backward takes as ``prepared=`` instead of quantizing q
+and k again (the paper's reuse of the forward's quantized state).
 
 A custom op's arguments must be tensors or plain scalars, so a spec travels as
 a string key into a process-wide registry (``spec_key``). The key is a hash of
@@ -425,39 +430,78 @@ def _ref_spec(entry: _Entry, softmax_scale: Optional[float]) -> KernelSpec:
 # ---------------------------------------------------------------------------
 
 
+def _keeps_forward_state(mod) -> bool:
+    """Whether ``mod``'s backward recomputes S from the FP8 Q/K its forward quantized, so that the
+    forward hands them over (``prepared=``) instead of the backward quantizing q and k again."""
+    return (mod is not None and getattr(mod, "BWD_S_FP8", False) is True
+            and callable(getattr(mod, "backward", None)) and callable(getattr(mod, "quantize_inputs", None)))
+
+
+def _forward_state(prepared) -> list:
+    """The forward state saved for the backward, from ``quantize_inputs``'s (q8, k8, vt8,
+    scale_q, scale_k, scale_v): the Q/K payloads as uint8 (an FP8 output would be summed by
+    autograd's checks; bytes are plainly non-differentiable) and the three scales. V's payload
+    (vt8) is the PV operand's transposed layout, which the backward does not read."""
+    q8, k8, _vt8, scale_q, scale_k, scale_v = prepared
+    return [q8.view(torch.uint8), k8.view(torch.uint8), scale_q, scale_k, scale_v]
+
+
+def _prepared_from_state(state):
+    """``prepared`` for a generated backward from ``_forward_state``'s list."""
+    q8, k8, scale_q, scale_k, scale_v = state
+    return (q8.view(torch.float8_e4m3fn), k8.view(torch.float8_e4m3fn), None, scale_q, scale_k, scale_v)
+
+
 @torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
-                  softmax_scale: Optional[float], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax_scale: Optional[float], backend: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend)
+    state = []
     if mod is not None:
         # kernels load through TMA and want dense rows; views of a fused QKV are not
-        o, lse = mod.forward(q.contiguous(), k.contiguous(), v.contiguous(),
-                             softmax_scale=softmax_scale, return_lse=True)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        prepared = mod.quantize_inputs(q, k, v) if _keeps_forward_state(mod) else None
+        kw = {"prepared": prepared} if prepared is not None else {}
+        o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw)
+        if prepared is not None:
+            state = _forward_state(prepared)
         _COUNTS[("fwd", "generated")] += 1
     else:
         o, lse = _reference().forward(q, k, v, _ref_spec(entry, softmax_scale))
         _COUNTS[("fwd", "reference")] += 1
-    # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq).
-    return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
+    # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq); the
+    # forward state (empty unless the backward reuses the forward's FP8 Q/K).
+    return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous(), state
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
     b, sq, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+    sk, hkv = k.shape[1], k.shape[2]
+    state = []
+    mod, _ = _choose(_entry(spec_key), q.device, backend)
+    if _keeps_forward_state(mod):
+        blk = int(mod.QUANT_BLOCK)
+        f32 = torch.float32
+        state = [q.new_empty(q.shape, dtype=torch.uint8), k.new_empty(k.shape, dtype=torch.uint8),
+                 q.new_empty((b, h, -(-sq // blk)), dtype=f32), q.new_empty((b, hkv, -(-sk // blk)), dtype=f32),
+                 q.new_empty((b, hkv), dtype=f32)]
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32), state
 
 
 @torch.library.custom_op("fp4gen::attention_bwd", mutates_args=())
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                  lse: torch.Tensor, do: torch.Tensor, spec_key: str,
+                  lse: torch.Tensor, do: torch.Tensor, state: list[torch.Tensor], spec_key: str,
                   softmax_scale: Optional[float], backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend, need_backward=True)
     if mod is not None:
+        kw = {"prepared": _prepared_from_state(state)} if (state and _keeps_forward_state(mod)) else {}
         dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
-                                  softmax_scale=softmax_scale)
+                                  softmax_scale=softmax_scale, **kw)
         _COUNTS[("bwd", "generated")] += 1
     else:
         dq, dk, dv = _reference().backward(q, k, v, o, lse, do, _ref_spec(entry, softmax_scale))
@@ -467,23 +511,24 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, o, lse, do, spec_key, softmax_scale, backend):
+def _attention_bwd_fake(q, k, v, o, lse, do, state, spec_key, softmax_scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, key, softmax_scale, backend = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    o, lse, state = output
+    ctx.save_for_backward(q, k, v, o, lse, *state)
     ctx.spec_key, ctx.softmax_scale, ctx.backend = key, softmax_scale, backend
-    # lse is a by-product for the backward pass; no gradient flows through it.
-    ctx.mark_non_differentiable(lse)
+    # lse and the forward state are by-products for the backward pass; no gradient flows
+    # through them.
+    ctx.mark_non_differentiable(lse, *state)
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+def _backward(ctx, do, dlse, dstate):
+    q, k, v, o, lse, *state = ctx.saved_tensors
     dq, dk, dv = torch.ops.fp4gen.attention_bwd(
-        q, k, v, o, lse, do.contiguous(), ctx.spec_key, ctx.softmax_scale, ctx.backend)
+        q, k, v, o, lse, do.contiguous(), list(state), ctx.spec_key, ctx.softmax_scale, ctx.backend)
     return dq, dk, dv, None, None, None
 
 
@@ -540,7 +585,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise AttentionInputError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     key, head_dim = _resolve_for_trace(spec, causal)
     _check_inputs(q, k, v, head_dim)
-    o, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend)
+    o, _, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend)
     return o
 
 

@@ -42,21 +42,22 @@ def test_opcheck_backward(reference_backend):
     spec = fp32_spec(causal=True)
     key = torch_ops.spec_key(spec)
     q, k, v = _qkv(h=4, hkv=2)
-    o, lse = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
+    o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
     do = torch.randn_like(o)
     torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default,
-                          (q, k, v, o, lse, do, key, None, "auto"))
+                          (q, k, v, o, lse, do, state, key, None, "auto"))
 
 
 def test_fake_shapes_match_real(reference_backend):
     spec = fp32_spec()
     key = torch_ops.spec_key(spec)
     q, k, v = _qkv(sq=8, sk=20, h=6, hkv=2)
-    o, lse = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
+    o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        fo, flse = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
+        fo, flse, fstate = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
     assert (fo.shape, fo.dtype, flse.shape, flse.dtype) == (o.shape, o.dtype, lse.shape, lse.dtype)
+    assert state == fstate == []  # the reference keeps no forward state
     assert lse.shape == (2, 6, 8) and lse.dtype == torch.float32
 
 
@@ -363,6 +364,72 @@ def test_forward_only_module_uses_reference_backward(standin_backend, pretend_ho
     assert torch_ops.dispatch_counts() == {"bwd/reference": 1, "fwd/generated": 1}
     info = torch_ops.explain(spec, "cpu")
     assert info["backward"] == "reference" and "no backward" in info["reason"]
+
+
+def _fake_fp8_state_module(spec, calls):
+    """A fake generated module whose backward recomputes S from the forward's FP8 Q/K
+    (``BWD_S_FP8``): quantize_inputs returns distinguishable payloads and scales, forward and
+    backward record the ``prepared`` they were given."""
+    mod, _ = _fake_generated(spec, "sm90a", calls=calls)
+    mod.BWD_S_FP8, mod.QUANT_BLOCK = True, 128
+    fwd, bwd = mod.forward, mod.backward
+
+    def quantize_inputs(q, k, v):
+        calls.append("quantize")
+        b, sq, h, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        scales = [torch.full((b, h, -(-sq // 128)), 0.5), torch.full((b, hkv, -(-sk // 128)), 0.25),
+                  torch.full((b, hkv), 0.125)]
+        return (q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), *scales)
+
+    def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
+        mod.seen_forward = prepared
+        return fwd(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse)
+
+    def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
+        mod.seen_backward = prepared
+        return bwd(q, k, v, o, lse, do, softmax_scale=softmax_scale)
+
+    mod.quantize_inputs, mod.forward, mod.backward = quantize_inputs, forward, backward
+    return mod
+
+
+def test_backward_reuses_the_forwards_fp8_state(standin_backend, pretend_hopper, monkeypatch):
+    spec = fp32_spec(name="gen_state", causal=True).with_target(Target.SM90A)
+    calls = []
+    mod = _fake_fp8_state_module(spec, calls)
+    _install(monkeypatch, mod, spec)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(sq=130, sk=130, h=4, hkv=2))
+    attention(q, k, v, spec=spec).sum().backward()
+    assert calls == ["quantize", "fwd", "bwd"]  # quantized once, by the forward
+    f, b = mod.seen_forward, mod.seen_backward
+    assert b[2] is None  # V's transposed payload is not kept
+    for i in (0, 1):
+        assert b[i].dtype == torch.float8_e4m3fn and torch.equal(b[i].view(torch.uint8), f[i].view(torch.uint8))
+    for i in (3, 4, 5):
+        assert torch.equal(b[i], f[i])
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_forward_state_fake_and_opcheck(standin_backend, pretend_hopper, monkeypatch):
+    spec = fp32_spec(name="gen_state_op", causal=True).with_target(Target.SM90A)
+    mod = _fake_fp8_state_module(spec, [])
+    _install(monkeypatch, mod, spec)
+    key = torch_ops.spec_key(spec)
+    q, k, v = _qkv(sq=130, sk=200, h=4, hkv=2)
+    o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        _, _, fstate = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
+    assert [(t.shape, t.dtype) for t in fstate] == [(t.shape, t.dtype) for t in state]
+    assert [t.shape for t in state] == [(2, 130, 4, 16), (2, 200, 2, 16), (2, 4, 2), (2, 2, 2), (2, 2)]
+    torch.library.opcheck(torch.ops.fp4gen.attention_fwd.default, (q, k, v, key, None, "auto"))
+    torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default,
+                          (q, k, v, o, lse, torch.randn_like(o), state, key, None, "auto"))
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, spec=spec).sum(), fullgraph=True)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    fn(q, k, v).backward()
+    assert mod.seen_backward is not None and mod.seen_backward[0].shape == q.shape
 
 
 # ---------------------------------------------------------------------------

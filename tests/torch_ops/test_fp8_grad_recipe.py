@@ -80,9 +80,9 @@ def test_opcheck(reference_backend):
     key = torch_ops.spec_key(SPEC, causal=True)
     q, k, v = _qkv(s=130, h=4, hkv=2, seed=5)
     torch.library.opcheck(torch.ops.fp4gen.attention_fwd.default, (q, k, v, key, None, "auto"))
-    o, lse = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
+    o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
     do = torch.randn_like(o)
-    torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default, (q, k, v, o, lse, do, key, None, "auto"))
+    torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default, (q, k, v, o, lse, do, state, key, None, "auto"))
 
 
 @pytest.mark.gpu

@@ -164,11 +164,11 @@ def test_recipe_opcheck(reference_backend):
     for t in (q, k, v):
         t.requires_grad_(True)
     torch.library.opcheck(torch.ops.fp4gen.attention_fwd.default, (q, k, v, key, None, "auto"))
-    o, lse = torch.ops.fp4gen.attention_fwd(q.detach(), k.detach(), v.detach(), key, None, "auto")
+    o, lse, state = torch.ops.fp4gen.attention_fwd(q.detach(), k.detach(), v.detach(), key, None, "auto")
     assert lse.shape == (1, 4, 130) and lse.dtype == torch.float32
     do = torch.randn_like(o)
     torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default,
-                          (q.detach(), k.detach(), v.detach(), o, lse, do, key, None, "auto"))
+                          (q.detach(), k.detach(), v.detach(), o, lse, do, state, key, None, "auto"))
 
 
 def test_recipe_torch_compile_fullgraph(reference_backend):
