@@ -103,11 +103,33 @@ def test_fp8_gradients_on_hopper():
     _, g64 = _f64_grads(q, k, v, w, _spec().scale)
     spec = _spec()
     # the oracle on the generated forward's own O and LSE
-    o2, lse = torch.ops.fp4gen.attention_fwd(q, k, v, torch_ops.spec_key(SPEC, causal=True), None,
-                                         "generated")
+    o2, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, torch_ops.spec_key(SPEC, causal=True), None,
+                                            "generated")
     want = reference.backward(q, k, v, o2, lse, (w.to(torch.bfloat16)), spec)
     for name, t, ref, orc in zip("qkv", leaves, g64, want):
         err = _rel_l2(t.grad.cpu(), ref)
         assert torch.isfinite(t.grad).all() and err < 0.08, f"d{name}: rel-L2 vs float64 {err}"
         err_o = _rel_l2(t.grad.float(), orc.float())
         assert err_o < 5e-2, f"d{name}: rel-L2 vs the oracle {err_o}"
+
+
+@pytest.mark.gpu
+def test_autograd_hands_the_forward_state_over_exactly():
+    """Through autograd the backward gets the forward's FP8 Q/K and scales (op state) instead
+    of quantizing q and k again: the same gradients as the module's backward quantizing anew
+    (dK, dV bit-identical; dQ up to the order of its fp32 atomic adds)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    import importlib
+
+    mod = importlib.import_module(f"fp4gen.generated.{KERNEL}_sm90a")
+    q, k, v = _qkv(b=2, s=1000, h=4, hkv=2, dtype=torch.bfloat16, seed=21, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(22)).cuda().to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o = attention(*leaves, spec=SPEC, causal=True, backend="generated")
+    o.backward(do)
+    o_mod, lse = mod.forward(q, k, v, return_lse=True)
+    assert torch.equal(o.detach(), o_mod)
+    dq, dk, dv = mod.backward(q, k, v, o_mod, lse, do)
+    assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
+    assert _rel_l2(leaves[0].grad.float(), dq.float()) < 1e-3
