@@ -1320,11 +1320,10 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     # D_i = rowsum(dO * O), a zeroed fp32 dQ accumulator; padded to whole query tiles.
     # On CUDA one fused kernel (fp4gen.device.bwd_prep); the torch path is the same
     # arithmetic for CPU tensors (the host tests emulate the kernel there).
-    # dO in FP8, one scale per (batch, head): dO^T (queries contiguous, permuted per 32 like
-    # the FP8 forward's V^T, for dV) from the fused quantizer; the natural-layout payload
-    # (for dP) with the same scale; D_i from the dequantized dO, which is what dP sees
-    dot8, scale_do = _bwd_dquant.quantize_v_operand(do)
-    lse2, dsum, dq_acc, do_in = _bwd_prep.preprocess(o, do, lse, sqp, scale_do)
+    # dO in FP8, one scale per (batch, head), in both layouts: natural (for dP) and dO^T
+    # (queries contiguous, permuted per 32 like the FP8 forward's V^T, for dV); D_i from the
+    # dequantized dO, which is what dP sees. Two passes over dO: its amax, then everything else.
+    lse2, dsum, dq_acc, do_in, dot8, scale_do = _bwd_prep.preprocess_fp8(o, do, lse, sqp)
     # V's per-head scale is the forward's (quantize_inputs computes it by the same contract)
     scale_v = prepared[5] if prepared is not None else _bwd_prep.scale_per_head(v)
     v_in = _bwd_prep.quantize_per_head(v, scale_v)

@@ -108,3 +108,30 @@ def test_fp8_backward_reuses_the_forward_state_exactly(case, tmp_path_factory):
     reused = mod.backward(q, k, v, o, lse, do, prepared=mod.quantize_inputs(q, k, v))
     for x, y in zip(again, reused):
         assert torch.equal(x, y)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d", [256, 128, 64])
+@pytest.mark.parametrize("sq", [1, 100, 200, 300])
+def test_fused_fp8_preprocessing_equals_the_separate_passes(d, sq):
+    """preprocess_fp8 (dO's amax, then one pass for both payloads, D, LSE2 and the zeroed dQ
+    accumulator) is bit-identical to quantize_v_operand(dO) followed by preprocess(..., scale_do),
+    including a row the forward saw nothing of (LSE -inf) and a head of large values."""
+    from fp4gen.device import bwd_prep, quantize
+
+    torch.manual_seed(sq + d)
+    B, H = 2, 3
+    sqp = -(-sq // 64) * 64
+    o = torch.randn(B, sq, H, d, device="cuda").to(torch.bfloat16)
+    do = (torch.randn(B, sq, H, d, device="cuda") * 3).to(torch.bfloat16)
+    do[0, :, 1] *= 1000.0
+    lse = torch.randn(B, H, sq, device="cuda")
+    lse[1, 2, sq // 2] = -float("inf")
+    got = bwd_prep.preprocess_fp8(o, do, lse, sqp)
+    dot8, scale_do = quantize.quantize_v_operand(do)
+    want = bwd_prep.preprocess(o, do, lse, sqp, scale_do) + (dot8, scale_do)
+    for name, x, y in zip(("lse2", "dsum", "dq_acc", "do8", "dot8", "scale_do"), got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype, name
+        if x.element_size() == 1:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y), name

@@ -125,6 +125,10 @@ def cpu_fp8_backward(cpu_backward_checks):
             dsum[:, :, :Sq] = ((do8.float() * scale_do[:, None, :, None]) * o.to(f32)).sum(-1).permute(0, 2, 1)
             return lse2, dsum, torch.zeros((B, H, sqp, D)), do8
 
+        def preprocess_fp8(o, do, lse, sqp):
+            dot8, scale_do = quantize_v_operand(do)
+            return preprocess(o, do, lse, sqp, scale_do) + (dot8, scale_do)
+
         def scale_per_head(x):
             return mod._quantize(x, False, fast=False)[1]
 
@@ -134,6 +138,7 @@ def cpu_fp8_backward(cpu_backward_checks):
         monkeypatch.setattr(mod._bwd_dquant, "quantize_blockwise", quantize_blockwise)
         monkeypatch.setattr(mod._bwd_dquant, "quantize_v_operand", quantize_v_operand)
         monkeypatch.setattr(mod._bwd_prep, "preprocess", preprocess)
+        monkeypatch.setattr(mod._bwd_prep, "preprocess_fp8", preprocess_fp8)
         monkeypatch.setattr(mod._bwd_prep, "scale_per_head", scale_per_head)
         monkeypatch.setattr(mod._bwd_prep, "quantize_per_head", quantize_per_head)
         monkeypatch.setattr(mod, "_bwd_launch",
