@@ -99,6 +99,58 @@ def _as_f32(w) -> Float32:
     return Float32(llvm.bitcast(T.f32(), Uint32(w).ir_value()))
 
 
+@cute.jit
+def _finish_row(acc: Float32, vpr: cutlass.Constexpr, d: cutlass.Constexpr, s, valid, col, batch, head, H,
+                mLSE: cute.Tensor, mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor):
+    """The end of query row ``s``'s preprocessing, for the ``vpr`` threads that hold it (8
+    elements each; ``col`` = this thread's): D_i summed over them (butterfly), LSE2 and D_i
+    written by the first, and this thread's 8 fp32 of the dQ accumulator row zeroed. Rows
+    past Sq (``valid`` false) get LSE2 = +inf and D_i = 0 up to the padded length Sqp."""
+    for off in [vpr >> (i + 1) for i in range(int(math.log2(vpr)))]:
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+    Sqp = mLSE2.shape[2]
+    if s < Sqp:
+        if col == 0:
+            lse2 = Float32.inf
+            if valid:
+                lse = mLSE[batch, head, s]
+                if lse != -Float32.inf:
+                    lse2 = lse * Float32(LOG2E)
+            mLSE2[batch, head, s] = lse2
+            mDsum[batch, head, s] = acc  # 0 past Sq: the loads gave zeros
+        base = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + s) * (d * 4) + col * 32
+        z = Uint32(0)
+        st_v4_pred(base, z, z, z, z, Int32(1))
+        st_v4_pred(base + 16, z, z, z, z, Int32(1))
+
+
+@cute.jit
+def _store_transposed(s_bytes: cute.Tensor, mT: cute.Tensor, row0, rows: cutlass.Constexpr, d: cutlass.Constexpr,
+                      batch, head, H, tidx):
+    """A CTA's quantized tile, ``rows`` tokens x ``d`` bytes in SMEM (token-major), written to
+    ``mT`` (B, H, d, padded tokens) as its transpose with the tokens permuted inside every 32
+    by FP8_P_KEY_PERM (the FP8 PV operand's layout, as ``quantize._VTranspose`` writes V^T).
+    One job = 32 consecutive output bytes of one d row: lanes take consecutive d, so the byte
+    gathers of a warp hit 32 consecutive bytes of one token row (no bank conflicts)."""
+    jobs = (rows // 32) * d
+    skp = mT.shape[3]
+    base = mT.iterator.toint()
+    for i in cutlass.range_constexpr((jobs + THREADS - 1) // THREADS):
+        j = tidx + i * THREADS
+        dd = j % d
+        g = j // d
+        t0 = row0 + g * 32
+        if j < jobs:
+            if t0 < skp:
+                out = []
+                for p4 in cutlass.range_constexpr(8):
+                    b = [Uint32(s_bytes[(g * 32 + FP8_P_KEY_PERM[4 * p4 + e]) * d + dd]) for e in range(4)]
+                    out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
+                addr = base + ((Int64(batch) * H + head) * d + dd) * skp + t0
+                st_v4(addr, out[0], out[1], out[2], out[3])
+                st_v4(addr + 16, out[4], out[5], out[6], out[7])
+
+
 class _Rows:
     """Shared thread -> (row, 8-element chunk) mapping."""
 
@@ -131,7 +183,6 @@ class _Pre(_Rows):
         blk, head, batch = cute.arch.block_idx()
         Sq = mO.shape[1]
         H = mO.shape[2]
-        Sqp = mLSE2.shape[2]
         row = tidx // self.vpr
         col = tidx % self.vpr
         s = blk * self.rpc + row
@@ -156,22 +207,7 @@ class _Pre(_Rows):
                 d2 = bf16x2_to_f32(wd[j])
                 acc = acc + d2[0] * o2[0]
                 acc = acc + d2[1] * o2[1]
-        for off in [self.vpr >> (i + 1) for i in range(int(math.log2(self.vpr)))]:  # the row's threads
-            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
-        if s < Sqp:
-            if col == 0:
-                lse2 = Float32.inf
-                if valid:
-                    lse = mLSE[batch, head, s]
-                    if lse != -Float32.inf:
-                        lse2 = lse * Float32(LOG2E)
-                mLSE2[batch, head, s] = lse2
-                mDsum[batch, head, s] = acc  # 0 past Sq: the loads gave zeros
-            # this thread's 8 fp32 of the dQ accumulator row start at zero
-            base = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + s) * (self.d * 4) + col * 32
-            z = Uint32(0)
-            st_v4_pred(base, z, z, z, z, Int32(1))
-            st_v4_pred(base + 16, z, z, z, z, Int32(1))
+        _finish_row(acc, self.vpr, self.d, s, valid, col, batch, head, H, mLSE, mLSE2, mDsum, mdQacc)
 
 
 class _PreFp8:
@@ -192,7 +228,6 @@ class _PreFp8:
         self.vpr = head_dim // 8  # threads per row (16 bytes of bf16 each)
         self.rpi = THREADS // self.vpr  # rows per pass of the CTA
         self.iters = self.ROWS // self.rpi
-        self.jobs = (self.ROWS // 32) * head_dim  # (d, 32-query group) runs of the transposed payload
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mA: cute.Tensor,
@@ -224,9 +259,7 @@ class _PreFp8:
         d = self.d
         Sq = mO.shape[1]
         H = mO.shape[2]
-        Sqp = mLSE2.shape[2]
         nb = mA.shape[2]
-        skp = mdOt.shape[3]
         row = tidx // self.vpr
         col = tidx % self.vpr
 
@@ -266,38 +299,10 @@ class _PreFp8:
                     o2 = bf16x2_to_f32(vo[it * 4 + 2 * h + j])
                     acc = acc + (dq4[2 * j] * scale) * o2[0]
                     acc = acc + (dq4[2 * j + 1] * scale) * o2[1]
-            for off in [self.vpr >> (i + 1) for i in range(int(math.log2(self.vpr)))]:  # the row's threads
-                acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
-            if s < Sqp:
-                if col == 0:
-                    lse2 = Float32.inf
-                    if valid:
-                        lse = mLSE[batch, head, s]
-                        if lse != -Float32.inf:
-                            lse2 = lse * Float32(LOG2E)
-                    mLSE2[batch, head, s] = lse2
-                    mDsum[batch, head, s] = acc  # 0 past Sq: the loads gave zeros
-                base = mdQacc.iterator.toint() + ((Int64(batch) * H + head) * Sqp + s) * (d * 4) + col * 32
-                z = Uint32(0)
-                st_v4_pred(base, z, z, z, z, Int32(1))
-                st_v4_pred(base + 16, z, z, z, z, Int32(1))
+            _finish_row(acc, self.vpr, d, s, valid, col, batch, head, H, mLSE, mLSE2, mDsum, mdQacc)
         cute.arch.sync_threads()
 
-        # one job = 32 consecutive output bytes of one d row (as quantize._VTranspose)
-        for i in cutlass.range_constexpr((self.jobs + THREADS - 1) // THREADS):
-            j = tidx + i * THREADS
-            dd = j % d
-            g = j // d
-            q0 = tile * self.ROWS + g * 32
-            if j < self.jobs:
-                if q0 < skp:
-                    out = []
-                    for p4 in cutlass.range_constexpr(8):
-                        b = [Uint32(s_bytes[(g * 32 + FP8_P_KEY_PERM[4 * p4 + e]) * d + dd]) for e in range(4)]
-                        out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
-                    addr = mdOt.iterator.toint() + ((Int64(batch) * H + head) * d + dd) * skp + q0
-                    st_v4(addr, out[0], out[1], out[2], out[3])
-                    st_v4(addr + 16, out[4], out[5], out[6], out[7])
+        _store_transposed(s_bytes, mdOt, tile * self.ROWS, self.ROWS, d, batch, head, H, tidx)
 
 
 class _Post:
