@@ -18,9 +18,10 @@ temporaries) that cost about as much as a fifth of the backward kernel at S = 4k
   (``dq_fragment_index``), which ``_Post`` undoes.
 - ``_ScaleQuant``: x / scale[b, h] -> e4m3 payload (natural layout), e.g. V for dP.
 
-Layout of the work (``_Pre``, ``_ScaleQuant``; ``_PreFp8`` and ``_Post`` say their own): a CTA of
-256 threads covers 256 / (D/8) token rows of one (batch, head); a thread owns 8 consecutive elements of one row (16-byte loads of bf16).
-Row sums reduce over the D/8 threads of a row with butterfly shuffles.
+Layout of the work (``_Pre``, ``_ScaleQuant``; ``_PreFp8`` and ``_Post`` say their own): a CTA
+of 256 threads covers 256 / (D/8) token rows of one (batch, head); a thread owns 8 consecutive
+elements of one row (16-byte loads of bf16). Row sums reduce over the D/8 threads of a row with
+butterfly shuffles.
 
 Arithmetic contract (what the tests compare against): D_i in fp32 (summation order is the
 kernel's: 8 products per thread, then the butterfly), lse2 = fl32(lse * fl32(log2 e)),
@@ -97,6 +98,21 @@ def st_v4_pred(addr, a, b, c, d, pred, *, loc=None, ip=None):
 
 def _as_f32(w) -> Float32:
     return Float32(llvm.bitcast(T.f32(), Uint32(w).ir_value()))
+
+
+def _dot_fp8(q, o0, o1, o2, o3, scale) -> Float32:
+    """This thread's part of D_i: sum over its 8 elements of (e4m3 dO * scale) * O, in the order
+    the arithmetic contract fixes (``q``: two words of four e4m3; ``o0``..``o3``: four words of
+    two bf16)."""
+    o = (o0, o1, o2, o3)
+    acc = Float32(0.0)
+    for h in range(2):
+        dq4 = e4m3x4_to_f32(q[h])
+        for j in range(2):
+            of = bf16x2_to_f32(o[2 * h + j])
+            acc = acc + (dq4[2 * j] * scale) * of[0]
+            acc = acc + (dq4[2 * j + 1] * scale) * of[1]
+    return acc
 
 
 @cute.jit
@@ -195,12 +211,7 @@ class _Pre(_Rows):
             scale = mScale[batch, head]
             q = quant8(wd[0], wd[1], wd[2], wd[3], scale)
             st_v2_pred(mdO8.iterator.toint() + tok * self.d + col * 8, q[0], q[1], valid)
-            for h in cutlass.range_constexpr(2):
-                dq4 = e4m3x4_to_f32(q[h])
-                for j in cutlass.range_constexpr(2):
-                    o2 = bf16x2_to_f32(wo[2 * h + j])
-                    acc = acc + (dq4[2 * j] * scale) * o2[0]
-                    acc = acc + (dq4[2 * j + 1] * scale) * o2[1]
+            acc = _dot_fp8(q, wo[0], wo[1], wo[2], wo[3], scale)
         else:
             for j in cutlass.range_constexpr(4):
                 o2 = bf16x2_to_f32(wo[j])
@@ -292,13 +303,7 @@ class _PreFp8:
             s_words[r * (d // 4) + col * 2] = keep_if(q[0], valid)
             s_words[r * (d // 4) + col * 2 + 1] = keep_if(q[1], valid)
             # D_i from the dequantized dO (what dP sees), in _Pre's order
-            acc = Float32(0.0)
-            for h in cutlass.range_constexpr(2):
-                dq4 = e4m3x4_to_f32(q[h])
-                for j in cutlass.range_constexpr(2):
-                    o2 = bf16x2_to_f32(vo[it * 4 + 2 * h + j])
-                    acc = acc + (dq4[2 * j] * scale) * o2[0]
-                    acc = acc + (dq4[2 * j + 1] * scale) * o2[1]
+            acc = _dot_fp8(q, vo[it * 4], vo[it * 4 + 1], vo[it * 4 + 2], vo[it * 4 + 3], scale)
             _finish_row(acc, self.vpr, d, s, valid, col, batch, head, H, mLSE, mLSE2, mDsum, mdQacc)
         cute.arch.sync_threads()
 

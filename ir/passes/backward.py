@@ -45,6 +45,10 @@ BWD_DS_STAGES = 2  # dS in SMEM, double-buffered so one barrier per query tile s
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 MBARRIER_BYTES = 8
+# what the host launches around the backward kernel (both targets; the plan's dump says it)
+DKV_OUTPUT = "bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups"
+PREPROCESS = "host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m"
+POSTPROCESS = "host: dQ = scale * dQ_accum, cast to bf16"
 
 
 @dataclass(frozen=True)
@@ -251,9 +255,9 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         mmas=mmas,
         deterministic=deterministic,
         dq_reduction="ordered_bulk_reduce_fp32" if deterministic else "bulk_reduce_fp32",
-        dkv_output="bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups",
-        preprocess="host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m",
-        postprocess="host: dQ = scale * dQ_accum, cast to bf16",
+        dkv_output=DKV_OUTPUT,
+        preprocess=PREPROCESS,
+        postprocess=POSTPROCESS,
         smem=smem,
         smem_bytes=total,
         smem_limit=SMEM_LIMIT_BYTES,

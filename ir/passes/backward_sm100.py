@@ -40,7 +40,7 @@ from typing import Optional
 from ..plan import (REGISTERS_PER_SM, SMEM_LIMIT_BYTES, TMEM_COLUMNS, TMEM_LANES, KernelPlan, LiveInterval, PlanError, SmemItem,
                     TmemPlan, TmemRegion, WarpRole)
 from ..spec import Format, Mask, Target
-from .backward import backward_block
+from .backward import DKV_OUTPUT, POSTPROCESS, PREPROCESS, backward_block
 
 BWD_TILE_M = 128  # queries per step: the N of S^T/dP^T and the M (TMEM lanes) of dQ
 BWD_TILE_N = 128  # keys per CTA: the M (TMEM lanes) of S^T, dP^T, dV, dK
@@ -333,9 +333,9 @@ def plan_backward_sm100(plan: KernelPlan) -> BackwardPlanSm100:
         mmas=mmas,
         deterministic=deterministic,
         dq_reduction="ordered_atomic_fp32" if deterministic else "atomic_fp32",
-        dkv_output="bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups",
-        preprocess="host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m",
-        postprocess="host: dQ = scale * dQ_accum, cast to bf16",
+        dkv_output=DKV_OUTPUT,
+        preprocess=PREPROCESS,
+        postprocess=POSTPROCESS,
         smem=smem,
         smem_bytes=total,
         smem_limit=SMEM_LIMIT_BYTES,
