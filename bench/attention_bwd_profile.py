@@ -2,7 +2,9 @@
 """Where a backward call's time goes: GPU time per kernel (torch.profiler) of one call of
 FA4's BF16 backward and of each fp4gen module given, plus the CPU time to enqueue a call and
 the call's time with the CPU overhead hidden. FP8 modules whose backward takes the forward's
-quantized state are also profiled with ``prepared=quantize_inputs(q, k, v)``.
+quantized state are also profiled with ``prepared=quantize_inputs(q, k, v, for_backward=True)``
+(the state ``fp4gen.attention`` hands over), and their forward quantizer with and without
+``for_backward`` (the extra V payload it writes).
 
     source .dev/activate && S=4096 python3 bench/attention_bwd_profile.py \\
         generated/sm90_fp8_train_causal_d128_sm90a.py generated/sm90_bf16_causal_d128_sm90a.py
@@ -46,8 +48,15 @@ def main():
         name = os.path.basename(path)[:-3]
         fns[name] = lambda m=m: m.backward(q, k, v, o, lse, do)
         if getattr(m, "BWD_S_FP8", False):
-            prep = m.quantize_inputs(q, k, v)
+            # the state fp4gen.attention hands over: with FP8 dP, V's natural payload too
+            v8 = bool(getattr(m, "BWD_DO_FP8", False))
+            prep = m.quantize_inputs(q, k, v, for_backward=v8)
             fns[name + " +forward state"] = lambda m=m, prep=prep: m.backward(q, k, v, o, lse, do, prepared=prep)
+            # what that costs the forward: its quantizer with and without the extra payload
+            fns[name + " forward quantize_inputs"] = lambda m=m: m.quantize_inputs(q, k, v)
+            if v8:
+                fns[name + " forward quantize_inputs(for_backward)"] = \
+                    lambda m=m: m.quantize_inputs(q, k, v, for_backward=True)
     for name, f in fns.items():
         for _ in range(3):
             f()

@@ -437,19 +437,29 @@ def _keeps_forward_state(mod) -> bool:
             and callable(getattr(mod, "backward", None)) and callable(getattr(mod, "quantize_inputs", None)))
 
 
+def _keeps_v_payload(mod) -> bool:
+    """Whether ``mod``'s backward also runs dP = dO V^T in FP8: the forward then writes V's FP8
+    payload in V's own layout too (``quantize_inputs(..., for_backward=True)``), in the pass that
+    quantizes V anyway, and the backward reads it instead of quantizing V again."""
+    return getattr(mod, "BWD_DO_FP8", False) is True
+
+
 def _forward_state(prepared) -> list:
     """The forward state saved for the backward, from ``quantize_inputs``'s (q8, k8, vt8,
-    scale_q, scale_k, scale_v): the Q/K payloads as uint8 (an FP8 output would be summed by
-    autograd's checks; bytes are plainly non-differentiable) and the three scales. V's payload
-    (vt8) is the PV operand's transposed layout, which the backward does not read."""
-    q8, k8, _vt8, scale_q, scale_k, scale_v = prepared
-    return [q8.view(torch.uint8), k8.view(torch.uint8), scale_q, scale_k, scale_v]
+    scale_q, scale_k, scale_v[, v8]): the Q/K payloads as uint8 (an FP8 output would be summed
+    by autograd's checks; bytes are plainly non-differentiable), the three scales, and V's
+    natural payload when the forward wrote one. V^T (vt8) is the PV operand's layout, which
+    the backward does not read."""
+    q8, k8, _vt8, scale_q, scale_k, scale_v = prepared[:6]
+    return [q8.view(torch.uint8), k8.view(torch.uint8), scale_q, scale_k, scale_v] + \
+        [t.view(torch.uint8) for t in prepared[6:]]
 
 
 def _prepared_from_state(state):
     """``prepared`` for a generated backward from ``_forward_state``'s list."""
-    q8, k8, scale_q, scale_k, scale_v = state
-    return (q8.view(torch.float8_e4m3fn), k8.view(torch.float8_e4m3fn), None, scale_q, scale_k, scale_v)
+    q8, k8, scale_q, scale_k, scale_v = state[:5]
+    fp8 = torch.float8_e4m3fn
+    return (q8.view(fp8), k8.view(fp8), None, scale_q, scale_k, scale_v) + tuple(t.view(fp8) for t in state[5:])
 
 
 @torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
@@ -462,7 +472,10 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
     if mod is not None:
         # kernels load through TMA and want dense rows; views of a fused QKV are not
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        prepared = mod.quantize_inputs(q, k, v) if _keeps_forward_state(mod) else None
+        prepared = None
+        if _keeps_forward_state(mod):
+            prepared = mod.quantize_inputs(q, k, v, for_backward=True) if _keeps_v_payload(mod) else \
+                mod.quantize_inputs(q, k, v)
         kw = {"prepared": prepared} if prepared is not None else {}
         o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw)
         if prepared is not None:
@@ -488,6 +501,8 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
         state = [q.new_empty(q.shape, dtype=torch.uint8), k.new_empty(k.shape, dtype=torch.uint8),
                  q.new_empty((b, h, -(-sq // blk)), dtype=f32), q.new_empty((b, hkv, -(-sk // blk)), dtype=f32),
                  q.new_empty((b, hkv), dtype=f32)]
+        if _keeps_v_payload(mod):
+            state.append(v.new_empty(v.shape, dtype=torch.uint8))
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32), state
 
 

@@ -550,19 +550,22 @@ def _v_operand(v8):
     return vt.index_select(3, idx).contiguous().view(torch.float8_e4m3fn)
 
 
-def quantize_inputs(q, k, v, fast: bool = True):
+def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False):
     """bf16 q, k, v -> the kernel's FP8 operands (q8, k8, vt8, scale_q, scale_k, scale_v).
 
     ``fast``: on CUDA, the fused CuTe DSL quantizer (fp4gen.device.quantize: 4 launches,
     memory bound, bit-identical to the torch path); ``fast=False``, or tensors it does not
     take (not on CUDA, other head dims), use the torch path below.
+    ``for_backward``: a seventh tensor, v8, V's payload in its own (B, Sk, Hkv, D) layout,
+    written by the same pass; an FP8 backward given these ``prepared`` reads it instead of
+    quantizing V again.
     """
     if fast and q.is_cuda and HEAD_DIM in _dquant.SUPPORTED_HEAD_DIMS:
-        return _dquant.quantize_inputs(q, k, v)
+        return _dquant.quantize_inputs(q, k, v, for_backward=for_backward)
     q8, sq = _quantize(q, True)
     k8, sk = _quantize(k, True)
     v8, sv = _quantize(v, False)
-    return q8, k8, _v_operand(v8), sq, sk, sv
+    return (q8, k8, _v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
 
 
 def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
@@ -570,7 +573,7 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
 
     Returns o (B, Sq, H, D) bf16, or (o, lse) with lse (B, H, Sq) fp32 (natural log).
     ``prepared``: the operands ``quantize_inputs(q, k, v)`` made earlier for these
-    same q, k, v; the quantization is then skipped.
+    same q, k, v (with or without ``for_backward``); the quantization is then skipped.
     Causal, bottom-right aligned: key j is visible to query i iff j <= i + Sk - Sq.
     """
     sizes = _check(q, k, v, softmax_scale)
@@ -580,7 +583,7 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    ins = prepared if prepared is not None else quantize_inputs(q, k, v)
+    ins = prepared[:6] if prepared is not None else quantize_inputs(q, k, v)
     run_prepared(ins, o, lse, Sk, scale, causal_offset)
     return (o, lse) if return_lse else o
 

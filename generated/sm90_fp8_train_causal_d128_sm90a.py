@@ -550,19 +550,22 @@ def _v_operand(v8):
     return vt.index_select(3, idx).contiguous().view(torch.float8_e4m3fn)
 
 
-def quantize_inputs(q, k, v, fast: bool = True):
+def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False):
     """bf16 q, k, v -> the kernel's FP8 operands (q8, k8, vt8, scale_q, scale_k, scale_v).
 
     ``fast``: on CUDA, the fused CuTe DSL quantizer (fp4gen.device.quantize: 4 launches,
     memory bound, bit-identical to the torch path); ``fast=False``, or tensors it does not
     take (not on CUDA, other head dims), use the torch path below.
+    ``for_backward``: a seventh tensor, v8, V's payload in its own (B, Sk, Hkv, D) layout,
+    written by the same pass; an FP8 backward given these ``prepared`` reads it instead of
+    quantizing V again.
     """
     if fast and q.is_cuda and HEAD_DIM in _dquant.SUPPORTED_HEAD_DIMS:
-        return _dquant.quantize_inputs(q, k, v)
+        return _dquant.quantize_inputs(q, k, v, for_backward=for_backward)
     q8, sq = _quantize(q, True)
     k8, sk = _quantize(k, True)
     v8, sv = _quantize(v, False)
-    return q8, k8, _v_operand(v8), sq, sk, sv
+    return (q8, k8, _v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
 
 
 def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
@@ -570,7 +573,7 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
 
     Returns o (B, Sq, H, D) bf16, or (o, lse) with lse (B, H, Sq) fp32 (natural log).
     ``prepared``: the operands ``quantize_inputs(q, k, v)`` made earlier for these
-    same q, k, v; the quantization is then skipped.
+    same q, k, v (with or without ``for_backward``); the quantization is then skipped.
     Causal, bottom-right aligned: key j is visible to query i iff j <= i + Sk - Sq.
     """
     sizes = _check(q, k, v, softmax_scale)
@@ -580,7 +583,7 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
     scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    ins = prepared if prepared is not None else quantize_inputs(q, k, v)
+    ins = prepared[:6] if prepared is not None else quantize_inputs(q, k, v)
     run_prepared(ins, o, lse, Sk, scale, causal_offset)
     return (o, lse) if return_lse else o
 
@@ -1296,10 +1299,11 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     fp32 natural log, as ``forward(..., return_lse=True)`` returns it. Returns (dq, dk, dv)
     in bf16, shaped like q, k, v.
     S^T is recomputed from the forward's FP8 Q/K: ``prepared`` = what ``quantize_inputs(q, k, v)``
-    returned for the forward (q8, k8, vt8, scale_q, scale_k, scale_v); without it Q and K are
-    quantized again by the same deterministic quantizer (bit-identical payloads and scales).
+    returned for the forward (q8, k8, vt8, scale_q, scale_k, scale_v[, v8]); without it Q and K
+    are quantized again by the same deterministic quantizer (bit-identical payloads and scales).
     dP = dO V^T and dV = P^T dO run in FP8: dO and V are quantized here with one scale per
-    (batch, head) (amax / 448), P as 2^8 P in e4m3 (as the FP8 forward's P).
+    (batch, head) (amax / 448; V's payload and scale are taken from ``prepared`` when it has
+    them), P as 2^8 P in e4m3 (as the FP8 forward's P).
     """
     from fp4gen.runtime import checks
 
@@ -1324,9 +1328,13 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     # (queries contiguous, permuted per 32 like the FP8 forward's V^T, for dV); D_i from the
     # dequantized dO, which is what dP sees. Two passes over dO: its amax, then everything else.
     lse2, dsum, dq_acc, do_in, dot8, scale_do = _bwd_prep.preprocess_fp8(o, do, lse, sqp)
-    # V's per-head scale is the forward's (quantize_inputs computes it by the same contract)
+    # V's per-head scale is the forward's (quantize_inputs computes it by the same contract),
+    # and so is its natural payload when the forward wrote one (for_backward=True)
     scale_v = prepared[5] if prepared is not None else _bwd_prep.scale_per_head(v)
-    v_in = _bwd_prep.quantize_per_head(v, scale_v)
+    if prepared is not None and len(prepared) > 6:
+        v_in = prepared[6]
+    else:
+        v_in = _bwd_prep.quantize_per_head(v, scale_v)
     extra = ()  # the FP8 operands and their scales, in the kernel's argument order
     if prepared is not None:
         q8, k8, scale_q, scale_k = prepared[0], prepared[1], prepared[3], prepared[4]

@@ -31,7 +31,7 @@ from fp4gen.device import quantize as dq  # noqa: E402
 
 @pytest.mark.parametrize("d", [128, 64])
 def test_compiles_for_sm90a_without_gpu(d):
-    assert dq.compile_only("sm_90a", d) == [f"fp8_quantize_{k}_d{d}" for k in ("block", "amax", "vt")]
+    assert dq.compile_only("sm_90a", d) == [f"fp8_quantize_{k}_d{d}" for k in ("block", "amax", "vt", "vt_nat")]
 
 
 def test_user_errors():

@@ -106,8 +106,10 @@ def test_fp8_backward_reuses_the_forward_state_exactly(case, tmp_path_factory):
     o, lse = bm.torch_forward(q, k, v, True, spec.scale)
     again = mod.backward(q, k, v, o, lse, do)
     reused = mod.backward(q, k, v, o, lse, do, prepared=mod.quantize_inputs(q, k, v))
-    for x, y in zip(again, reused):
-        assert torch.equal(x, y)
+    # ... and with V's natural payload written by the forward's quantizer (for_backward=True)
+    with_v8 = mod.backward(q, k, v, o, lse, do, prepared=mod.quantize_inputs(q, k, v, for_backward=True))
+    for x, y, z in zip(again, reused, with_v8):
+        assert torch.equal(x, y) and torch.equal(x, z)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
@@ -135,3 +137,45 @@ def test_fused_fp8_preprocessing_equals_the_separate_passes(d, sq):
         if x.element_size() == 1:
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         assert torch.equal(x, y), name
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d", [256, 128, 64])
+@pytest.mark.parametrize("s", [1, 100, 200, 300])
+def test_per_head_fp8_quantizer_matches_the_oracle(d, s):
+    """V's FP8 operand for dP (scale_per_head, then quantize_per_head): scales and e4m3 codes
+    bit-identical to the numerics oracle's per-(batch, head) quantizer, with a head of large
+    values, an all-zero head (scale 1) and sequence lengths that end inside a CTA's rows."""
+    from fp4gen.device import bwd_prep
+    from fp4gen.numerics.quant import quantize_fp8_tensor
+
+    torch.manual_seed(s + d)
+    B, H = 2, 3
+    x = torch.randn(B, s, H, d, device="cuda").to(torch.bfloat16)
+    x[0, :, 1] *= 1000.0
+    x[1, :, 2] = 0.0
+    want = quantize_fp8_tensor(x)
+    scale = bwd_prep.scale_per_head(x)
+    got = bwd_prep.quantize_per_head(x, scale)
+    assert torch.equal(scale, want.scale)
+    assert torch.equal(got.view(torch.uint8), want.codes)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d", [256, 128, 64])
+@pytest.mark.parametrize("s", [1, 100, 200, 300])
+def test_forward_quantizer_writes_the_backward_v_operand(d, s):
+    """quantize_v_operand(v, natural=True): V^T and the scale as without ``natural``, and V's
+    codes in its own layout identical to the backward's own V pass (quantize_per_head)."""
+    from fp4gen.device import bwd_prep, quantize
+
+    torch.manual_seed(s + d)
+    B, H = 2, 3
+    v = torch.randn(B, s, H, d, device="cuda").to(torch.bfloat16)
+    v[0, :, 1] *= 1000.0
+    v[1, :, 2] = 0.0
+    vt8, sv = quantize.quantize_v_operand(v)
+    vt8n, svn, v8 = quantize.quantize_v_operand(v, natural=True)
+    assert torch.equal(vt8.view(torch.uint8), vt8n.view(torch.uint8)) and torch.equal(sv, svn)
+    assert v8.shape == v.shape and v8.dtype == torch.float8_e4m3fn
+    assert torch.equal(v8.view(torch.uint8), bwd_prep.quantize_per_head(v, sv).view(torch.uint8))

@@ -366,21 +366,24 @@ def test_forward_only_module_uses_reference_backward(standin_backend, pretend_ho
     assert info["backward"] == "reference" and "no backward" in info["reason"]
 
 
-def _fake_fp8_state_module(spec, calls):
+def _fake_fp8_state_module(spec, calls, do_fp8=True):
     """A fake generated module whose backward recomputes S from the forward's FP8 Q/K
-    (``BWD_S_FP8``): quantize_inputs returns distinguishable payloads and scales, forward and
+    (``BWD_S_FP8``) and, with ``do_fp8``, runs dP in FP8 (``BWD_DO_FP8``: it also takes V's
+    natural payload): quantize_inputs returns distinguishable payloads and scales, forward and
     backward record the ``prepared`` they were given."""
     mod, _ = _fake_generated(spec, "sm90a", calls=calls)
-    mod.BWD_S_FP8, mod.QUANT_BLOCK = True, 128
+    mod.BWD_S_FP8, mod.BWD_DO_FP8, mod.QUANT_BLOCK = True, do_fp8, 128
     fwd, bwd = mod.forward, mod.backward
 
-    def quantize_inputs(q, k, v):
+    def quantize_inputs(q, k, v, for_backward=False):
         calls.append("quantize")
         b, sq, h, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         scales = [torch.full((b, h, -(-sq // 128)), 0.5), torch.full((b, hkv, -(-sk // 128)), 0.25),
                   torch.full((b, hkv), 0.125)]
-        return (q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), *scales)
+        out = (q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), v.transpose(1, 3).to(torch.float8_e4m3fn),
+               *scales)
+        return out + ((v * 2).to(torch.float8_e4m3fn),) if for_backward else out
 
     def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
         mod.seen_forward = prepared
@@ -394,17 +397,20 @@ def _fake_fp8_state_module(spec, calls):
     return mod
 
 
-def test_backward_reuses_the_forwards_fp8_state(standin_backend, pretend_hopper, monkeypatch):
-    spec = fp32_spec(name="gen_state", causal=True).with_target(Target.SM90A)
+@pytest.mark.parametrize("do_fp8", [True, False])
+def test_backward_reuses_the_forwards_fp8_state(standin_backend, pretend_hopper, monkeypatch, do_fp8):
+    spec = fp32_spec(name=f"gen_state_{do_fp8}", causal=True).with_target(Target.SM90A)
     calls = []
-    mod = _fake_fp8_state_module(spec, calls)
+    mod = _fake_fp8_state_module(spec, calls, do_fp8)
     _install(monkeypatch, mod, spec)
     q, k, v = (t.requires_grad_(True) for t in _qkv(sq=130, sk=130, h=4, hkv=2))
     attention(q, k, v, spec=spec).sum().backward()
     assert calls == ["quantize", "fwd", "bwd"]  # quantized once, by the forward
     f, b = mod.seen_forward, mod.seen_backward
     assert b[2] is None  # V's transposed payload is not kept
-    for i in (0, 1):
+    # V's natural payload travels only to a backward with FP8 dP
+    assert len(f) == len(b) == (7 if do_fp8 else 6)
+    for i in (0, 1) + ((6,) if do_fp8 else ()):
         assert b[i].dtype == torch.float8_e4m3fn and torch.equal(b[i].view(torch.uint8), f[i].view(torch.uint8))
     for i in (3, 4, 5):
         assert torch.equal(b[i], f[i])
@@ -422,7 +428,8 @@ def test_forward_state_fake_and_opcheck(standin_backend, pretend_hopper, monkeyp
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         _, _, fstate = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
     assert [(t.shape, t.dtype) for t in fstate] == [(t.shape, t.dtype) for t in state]
-    assert [t.shape for t in state] == [(2, 130, 4, 16), (2, 200, 2, 16), (2, 4, 2), (2, 2, 2), (2, 2)]
+    assert [t.shape for t in state] == [(2, 130, 4, 16), (2, 200, 2, 16), (2, 4, 2), (2, 2, 2), (2, 2),
+                                        (2, 200, 2, 16)]
     torch.library.opcheck(torch.ops.fp4gen.attention_fwd.default, (q, k, v, key, None, "auto"))
     torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default,
                           (q, k, v, o, lse, torch.randn_like(o), state, key, None, "auto"))
