@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""How much accuracy would FP8 dS (dQ = dS K and dK = dS^T Q in FP8) cost on Hopper? (CPU)
+
+The sm90a backward keeps dS in bf16 today; the paper's recipe has dS in FP8. On Hopper an FP8
+MMA has no per-block scales, so dK (accumulated over every query tile in the CTA's registers)
+needs one dS scale for the whole CTA, fixed before the loop. This script measures, against
+float64 autograd, the error that rounding dS alone adds (everything else exact, float64), for
+these scale choices:
+
+- ``bound``: one scale per (batch, head) from a bound the preprocessing could compute:
+  |dS_ij| = P_ij |dP_ij - D_i| <= 2 max_i |dO_i| max_j |V_j| (row 2-norms), scale = bound / fmax.
+- ``amax``: one scale per (batch, head) from dS's true amax (not knowable before the kernel:
+  the best a per-(batch, head) scale can do).
+- ``tile``: one scale per 64-query x 128-key tile from its amax (only dQ could use it: dQ is
+  computed fresh per tile; shown as the floor).
+
+and, for comparison, the whole FP8 recipe of the oracle (``sm90_fp8_train_causal_d128``: FP8
+Q/K/P/V forward, FP8 dO/dP/dV, bf16 dS) against the same float64 gradients.
+
+    python3 experiments/fp8_ds_study.py            # prints a table (about a minute on 2 cores)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4gen.numerics import formats  # noqa: E402
+
+S, H, D = 1024, 4, 128
+TILE_M, TILE_N = 64, 128
+
+
+def inputs(kind: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(1, S, H, D, generator=g) for _ in range(4))
+    if kind == "peaked":  # large logits (a peaky softmax) and heavy-tailed output gradients
+        q, k = q * 2.5, k * 2.5
+        do = do * torch.exp(torch.randn(1, S, H, 1, generator=g))
+    return [x.to(torch.bfloat16) for x in (q, k, v, do)]
+
+
+def exact(q, k, v, do, scale):
+    """float64 P, dP, D and the autograd gradients (causal), (B, H, S, *) layouts."""
+    q, k, v, do = (x.double().permute(0, 2, 1, 3) for x in (q, k, v, do))
+    s = (q @ k.transpose(-1, -2)) * scale
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+    o = p @ v
+    dp = do @ v.transpose(-1, -2)
+    drow = (do * o).sum(-1, keepdim=True)
+    ds = p * (dp - drow)
+    return dict(q=q, k=k, v=v, do=do, ds=ds, dq=ds @ k * scale, dk=ds.transpose(-1, -2) @ q * scale)
+
+
+def fake_quant(x, scale, fmt):
+    return formats.round_to((x / scale).float(), fmt).double() * scale
+
+
+def tile_scales(ds, fmax):
+    B, Hh, M, N = ds.shape
+    a = ds.abs().reshape(B, Hh, M // TILE_M, TILE_M, N // TILE_N, TILE_N).amax(dim=(3, 5))
+    a = torch.where(a == 0, torch.ones_like(a), a) / fmax
+    return a.repeat_interleave(TILE_M, 2).repeat_interleave(TILE_N, 3)
+
+
+def rel_l2(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def ds_variants(e, scale):
+    out = {}
+    for fmt in (formats.E4M3, formats.E5M2):
+        fmax = fmt.max_value
+        bound = 2 * e["do"].norm(dim=-1).amax(-1) * e["v"].norm(dim=-1).amax(-1)  # (B, H)
+        amax = e["ds"].abs().amax(dim=(-1, -2))
+        for name, s in (("bound", (bound / fmax)[..., None, None]), ("amax", (amax / fmax)[..., None, None]),
+                        ("tile", tile_scales(e["ds"], fmax))):
+            dsq = fake_quant(e["ds"], s, fmt)
+            zero = ((dsq == 0) & (e["ds"] != 0)).double().mean().item()
+            out[f"dS {fmt.name}, {name} scale"] = (rel_l2(dsq @ e["k"] * scale, e["dq"]),
+                                                  rel_l2(dsq.transpose(-1, -2) @ e["q"] * scale, e["dk"]), zero)
+    return out
+
+
+def recipe(q, k, v, do):
+    from fp4gen.frontend import parse_file
+    from fp4gen.numerics import reference
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "sm90_fp8_train_d128.attn")
+    spec = parse_file(path)[0]
+    o, lse = reference.forward(q, k, v, spec)
+    dq, dk, _ = reference.backward(q, k, v, o.to(torch.bfloat16), lse, do, spec)
+    return spec.scale, dq, dk
+
+
+def main():
+    print(f"causal, S={S}, H={H}, D={D}; rel-L2 vs float64 autograd (dS rounding alone, everything "
+          "else exact), and the fraction of nonzero dS that rounds to 0")
+    for kind in ("randn", "peaked"):
+        q, k, v, do = inputs(kind)
+        scale, rdq, rdk = recipe(q, k, v, do)
+        e = exact(q, k, v, do, scale)
+        print(f"\n{kind}:")
+        print(f"  {'the FP8 recipe today (bf16 dS), whole backward':44s} dq {rel_l2(rdq.double().permute(0, 2, 1, 3), e['dq']):.2e}"
+              f"  dk {rel_l2(rdk.double().permute(0, 2, 1, 3), e['dk']):.2e}")
+        dsb = e["ds"].to(torch.bfloat16).double()
+        print(f"  {'dS bf16 alone':44s} dq {rel_l2(dsb @ e['k'] * scale, e['dq']):.2e}"
+              f"  dk {rel_l2(dsb.transpose(-1, -2) @ e['q'] * scale, e['dk']):.2e}")
+        for name, (a, b, z) in ds_variants(e, scale).items():
+            print(f"  {name:44s} dq {a:.2e}  dk {b:.2e}  zeroed {z:.1%}")
+
+
+if __name__ == "__main__":
+    main()
