@@ -784,8 +784,11 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
             for t in (mQ, mK, mV, mdO, mdK, mdV)
         ]
         mQ8, mK8 = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ8, mK8)]
-        # dO^T (B, H, D, Sqp) -> (d, queries, head, batch), queries contiguous
-        mdOt = cute.make_tensor(mdOt.iterator, cute.select(mdOt.layout, mode=[2, 3, 1, 0]))
+        # dO^T (B, H, Sqp / 64, D, 64): one contiguous D x 64 block per query tile
+        # -> (d, (query in tile, tile), head, batch), queries contiguous within a tile
+        mdOt = cute.make_tensor(mdOt.iterator, cute.make_layout(
+            (mdOt.shape[3], (mdOt.shape[4], mdOt.shape[2]), mdOt.shape[1], mdOt.shape[0]),
+            stride=(mdOt.stride[3], (mdOt.stride[4], mdOt.stride[2]), mdOt.stride[1], mdOt.stride[0])))
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: keys are M (64 per warpgroup), queries N
         mma_s = [
@@ -1241,8 +1244,7 @@ def _bwd_fake_args(dkv_dtype):
               fake(_BWD_FP8, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16),
               fake(Float32, (b, h, nbq), stride_order=(2, 1, 0), assumed_align=4),
               fake(Float32, (b, hkv, nbk), stride_order=(2, 1, 0), assumed_align=4))
-    sqt = sym()
-    extra += (fake(_BWD_FP8, (b, h, d, sqt), stride_order=(3, 2, 1, 0), assumed_align=16),
+    extra += (fake(_BWD_FP8, (b, h, sym(), d, BWD_TILE_M), stride_order=(4, 3, 2, 1, 0), assumed_align=16),
               fake(Float32, (b, hkv), stride_order=(1, 0), assumed_align=4),
               fake(Float32, (b, h), stride_order=(1, 0), assumed_align=4))
     lse2 = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)

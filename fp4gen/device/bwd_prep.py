@@ -142,30 +142,28 @@ def _finish_row(acc: Float32, vpr: cutlass.Constexpr, d: cutlass.Constexpr, s, v
 
 
 @cute.jit
-def _store_transposed(s_bytes: cute.Tensor, mT: cute.Tensor, row0, rows: cutlass.Constexpr, d: cutlass.Constexpr,
-                      batch, head, H, tidx):
-    """A CTA's quantized tile, ``rows`` tokens x ``d`` bytes in SMEM (token-major), written to
-    ``mT`` (B, H, d, padded tokens) as its transpose with the tokens permuted inside every 32
-    by FP8_P_KEY_PERM (the FP8 PV operand's layout, as ``quantize._VTranspose`` writes V^T).
+def _store_transposed(s_bytes: cute.Tensor, mT: cute.Tensor, tile, d: cutlass.Constexpr, batch, head, H, tidx):
+    """A CTA's quantized tile, DQ_TILE_M tokens x ``d`` bytes in SMEM (token-major), written to
+    ``mT`` (B, H, tiles, d, DQ_TILE_M) as its transpose with the tokens permuted inside every 32
+    by FP8_P_KEY_PERM (the FP8 PV operand's layout, as ``quantize._VTranspose`` writes V^T), one
+    contiguous d x DQ_TILE_M block per tile: the backward kernel loads exactly that block per
+    query tile, and the CTA's writes land in one 8 KiB run instead of d rows a sequence apart.
     One job = 32 consecutive output bytes of one d row: lanes take consecutive d, so the byte
     gathers of a warp hit 32 consecutive bytes of one token row (no bank conflicts)."""
-    jobs = (rows // 32) * d
-    skp = mT.shape[3]
-    base = mT.iterator.toint()
+    jobs = (DQ_TILE_M // 32) * d
+    base = mT.iterator.toint() + ((Int64(batch) * H + head) * mT.shape[2] + tile) * (d * DQ_TILE_M)
     for i in cutlass.range_constexpr((jobs + THREADS - 1) // THREADS):
         j = tidx + i * THREADS
         dd = j % d
         g = j // d
-        t0 = row0 + g * 32
         if j < jobs:
-            if t0 < skp:
-                out = []
-                for p4 in cutlass.range_constexpr(8):
-                    b = [Uint32(s_bytes[(g * 32 + FP8_P_KEY_PERM[4 * p4 + e]) * d + dd]) for e in range(4)]
-                    out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
-                addr = base + ((Int64(batch) * H + head) * d + dd) * skp + t0
-                st_v4(addr, out[0], out[1], out[2], out[3])
-                st_v4(addr + 16, out[4], out[5], out[6], out[7])
+            out = []
+            for p4 in cutlass.range_constexpr(8):
+                b = [Uint32(s_bytes[(g * 32 + FP8_P_KEY_PERM[4 * p4 + e]) * d + dd]) for e in range(4)]
+                out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
+            addr = base + dd * DQ_TILE_M + g * 32
+            st_v4(addr, out[0], out[1], out[2], out[3])
+            st_v4(addr + 16, out[4], out[5], out[6], out[7])
 
 
 class _Rows:
@@ -235,11 +233,12 @@ class _RowTiles:
         self.iters = self.ROWS // self.rpi
 
 
-class _PreFp8(_RowTiles):
+class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
     """The FP8 backward's preprocessing in one pass over O and dO, after dO's block-amax pass
     (``quantize``'s "amax" kernel): dO's scale per (batch, head) from the block amaxes, dO's
     e4m3 payload in both layouts (natural, the B operand of dP^T = V dO^T; transposed with the
-    queries permuted per 32 like the FP8 forward's V^T, the B operand of dV), D_i from the
+    queries permuted per 32 like the FP8 forward's V^T, one D x 64 block per query tile, the B
+    operand of dV), D_i from the
     dequantized dO, LSE2 and the zeroed dQ accumulator rows. Replaces ``quantize_v_operand(dO)``
     (two more reads of dO) followed by ``_Pre``, with bit-identical outputs (same quantizer,
     same thread -> (row, 8 elements) map, same summation order). A CTA covers ``ROWS`` query
@@ -252,7 +251,7 @@ class _PreFp8(_RowTiles):
                  mdOt: cute.Tensor, mScale: cute.Tensor, stream):
         # mO, mdO (B, Sq, H, D) bf16; mLSE (B, H, Sq) fp32; mA (B, H, nb) int32 dO block amax bits;
         # mLSE2, mDsum (B, H, Sqp); mdQacc (B, H, Sqp, D) fp32; mdO8 (B, Sq, H, D) uint8;
-        # mdOt (B, H, D, Sq rounded up to 32) uint8; mScale (B, H) fp32
+        # mdOt (B, H, Sqp / 64, D, 64) uint8 (dO^T in 64-query tiles); mScale (B, H) fp32
         grid = (cute.ceil_div(cute.size(mLSE2.shape[2]), self.ROWS), cute.size(mO.shape[2]),
                 cute.size(mO.shape[0]))
         self.kernel(mO, mdO, mLSE, mA, mLSE2, mDsum, mdQacc, mdO8, mdOt, mScale).launch(
@@ -313,7 +312,7 @@ class _PreFp8(_RowTiles):
             _finish_row(acc, self.vpr, d, s, valid, col, batch, head, H, mLSE, mLSE2, mDsum, mdQacc)
         cute.arch.sync_threads()
 
-        _store_transposed(s_bytes, mdOt, tile * self.ROWS, self.ROWS, d, batch, head, H, tidx)
+        _store_transposed(s_bytes, mdOt, tile, d, batch, head, H, tidx)
 
 
 class _Post:
@@ -430,7 +429,7 @@ def _fake_args(kind: str, d: int):
         lse2 = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=4)
         dsum = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=4)
         amax = fake(Int32, (b, h, sym()), stride_order=(2, 1, 0), assumed_align=4)
-        dot = fake(cutlass.Uint8, (b, h, d, sym(divisibility=32)), stride_order=(3, 2, 1, 0), assumed_align=16)
+        dot = fake(cutlass.Uint8, (b, h, sym(), d, DQ_TILE_M), stride_order=(4, 3, 2, 1, 0), assumed_align=16)
         return (x, x, lse, amax, lse2, dsum, acc, y8, dot, sc)
     if kind == "post":
         return (acc, x, Float32(1.0))
@@ -483,8 +482,9 @@ def preprocess(o, do, lse, sqp: int, scale_do=None):
 
 def preprocess_fp8(o, do, lse, sqp: int):
     """(lse2, dsum, dq_acc, do8, dot8, scale_do) for the FP8 backward in two passes over dO (its
-    block amaxes, then ``_PreFp8``); equal to ``quantize_v_operand(do)`` followed by
-    ``preprocess(o, do, lse, sqp, scale_do)``. o, do (B, Sq, H, D) bf16 compact."""
+    block amaxes, then ``_PreFp8``); equal to ``quantize_v_operand(do)`` (with its dO^T in
+    64-query tiles: ``dot_tiles``) followed by ``preprocess(o, do, lse, sqp, scale_do)``.
+    o, do (B, Sq, H, D) bf16 compact; dot8 (B, H, sqp / 64, D, 64)."""
     import torch
 
     do = _quantize._prep(do, "do")
@@ -497,11 +497,33 @@ def preprocess_fp8(o, do, lse, sqp: int):
     dsum = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((B, H, sqp, D), dtype=torch.float32, device=dev)
     do8 = torch.empty((B, Sq, H, D), dtype=torch.uint8, device=dev)
-    dot8 = torch.empty((B, H, D, (Sq + 31) // 32 * 32), dtype=torch.uint8, device=dev)
+    dot8 = torch.empty((B, H, sqp // DQ_TILE_M, D, DQ_TILE_M), dtype=torch.uint8, device=dev)
     scale_do = torch.empty((B, H), dtype=torch.float32, device=dev)
     _launch("pre_fp8t", D, o, do, lse.contiguous(), amax, lse2, dsum, dq_acc, do8, dot8, scale_do)
     e4m3 = torch.float8_e4m3fn
     return lse2, dsum, dq_acc, do8.view(e4m3), dot8.view(e4m3), scale_do
+
+
+def dot_tiles(xt, sqp: int):
+    """A transposed FP8 payload (B, H, D, S padded to 32; ``quantize_v_operand``'s layout) ->
+    the backward's dO^T layout (B, H, sqp / 64, D, 64): one contiguous D x 64 block per query
+    tile, zero past the payload's end."""
+    import torch
+
+    fp8 = xt.dtype == torch.float8_e4m3fn
+    x = xt.view(torch.uint8) if fp8 else xt
+    B, H, D, s32 = x.shape
+    out = torch.zeros((B, H, D, sqp), dtype=x.dtype, device=x.device)
+    n = min(s32, sqp)
+    out[..., :n] = x[..., :n]
+    out = out.view(B, H, D, sqp // DQ_TILE_M, DQ_TILE_M).permute(0, 1, 3, 2, 4).contiguous()
+    return out.view(torch.float8_e4m3fn) if fp8 else out
+
+
+def dot_untiles(x):
+    """Inverse of ``dot_tiles``: (B, H, T, D, 64) -> (B, H, D, 64 T)."""
+    B, H, T, D, M = x.shape
+    return x.permute(0, 1, 3, 2, 4).reshape(B, H, D, T * M)
 
 
 def dq_fragment_index(head_dim: int) -> list:

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_modules as bm  # noqa: E402
+from fp4gen.device.bwd_prep import dot_tiles, dot_untiles  # noqa: E402
 from fp4gen.device.bwd_prep import dq_rows_to_fragments  # noqa: E402
 
 _MODS = {}
@@ -55,7 +56,8 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
     Vp, dOp = heads(v8, n_kb * BN), heads(do8, sqp)
     # dO^T as the dV MMA reads it: column 32b + p holds query 32b + FP8_P_KEY_PERM[p]
     perm = torch.tensor(mod.FP8_P_KEY_PERM)
-    dOt = dot8.float()  # (B, H, D, Sqp32)
+    assert dot8.shape == (B, H, sqp // BM, D, BM)  # one contiguous D x 64 block per query tile
+    dOt = dot_untiles(dot8.view(torch.uint8)).view(E4M3).float()  # (B, H, D, Sqp)
     cols = dOt.shape[3]
     src = (torch.arange(cols // 32)[:, None] * 32 + perm[None, :]).reshape(-1)
     dOt_nat = torch.zeros_like(dOt)
@@ -127,7 +129,7 @@ def cpu_fp8_backward(cpu_backward_checks):
 
         def preprocess_fp8(o, do, lse, sqp):
             dot8, scale_do = quantize_v_operand(do)
-            return preprocess(o, do, lse, sqp, scale_do) + (dot8, scale_do)
+            return preprocess(o, do, lse, sqp, scale_do) + (dot_tiles(dot8, sqp), scale_do)
 
         def scale_per_head(x):
             return mod._quantize(x, False, fast=False)[1]
@@ -194,9 +196,9 @@ def test_fp8_emulation_catches_an_unpermuted_dOt(cpu_fp8_backward, tmp_path_fact
         args = list(args)
         do8 = args[3]  # natural-layout payload (B, Sq, H, D)
         B, Sq, H, D = do8.shape
-        plain = torch.zeros(args[8].shape, dtype=torch.uint8)
+        plain = torch.zeros(dot_untiles(args[8].view(torch.uint8)).shape, dtype=torch.uint8)
         plain[..., :Sq] = do8.view(torch.uint8).permute(0, 2, 3, 1)
-        args[8] = plain.view(E4M3)
+        args[8] = dot_tiles(plain, plain.shape[3]).view(E4M3)
         real(tuple(args), s, off, gqa)
 
     monkeypatch.setattr(mod, "_bwd_launch", wrong)

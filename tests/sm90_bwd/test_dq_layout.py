@@ -36,3 +36,24 @@ def test_rows_fragments_round_trip(d):
     assert torch.equal(bwd_prep.dq_fragments_to_rows(f), x)
     # each 64-row tile is permuted within itself
     assert torch.equal(bwd_prep.dq_fragments_to_rows(f[:, :, :64]), x[:, :, :64])
+
+
+@pytest.mark.parametrize("s", [1, 32, 100, 128])
+def test_dot_tiles_puts_each_query_tile_in_one_block(s):
+    """dO^T for the FP8 backward: (B, H, D, S padded to 32) -> (B, H, tiles, D, 64), query
+    tile t's D x 64 block contiguous, zeros past the payload; dot_untiles inverts it."""
+    B, H, D = 2, 3, 16
+    s32 = -(-s // 32) * 32
+    sqp = -(-s // 64) * 64
+    xt = torch.randint(1, 255, (B, H, D, s32), dtype=torch.uint8)
+    t = bwd_prep.dot_tiles(xt, sqp)
+    assert t.shape == (B, H, sqp // 64, D, 64) and t.is_contiguous()
+    for tile in range(sqp // 64):
+        for dd in (0, D - 1):
+            n = max(0, min(s32 - 64 * tile, 64))
+            assert torch.equal(t[1, 2, tile, dd, :n], xt[1, 2, dd, 64 * tile:64 * tile + n])
+            assert not t[1, 2, tile, dd, n:].any()
+    back = bwd_prep.dot_untiles(t)
+    assert torch.equal(back[..., :s32], xt) and not back[..., s32:].any()
+    f8 = bwd_prep.dot_tiles(xt.view(torch.float8_e4m3fn), sqp)
+    assert f8.dtype == torch.float8_e4m3fn and torch.equal(f8.view(torch.uint8), t)
