@@ -47,8 +47,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import importlib
-import importlib.util
 import json
 import os
 import threading

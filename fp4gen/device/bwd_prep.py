@@ -44,7 +44,7 @@ from . import ptx
 from . import quantize as _quantize
 from .layout import FP8_P_KEY_PERM
 from .quantize import (BLOCK, _asm, _block_max, _struct, _use_tvm_ffi, _words, compile_once, keep_if, launch,
-                       ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, st_v4, umax)
+                       ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, st_v4, transpose_tile_setup, umax)
 
 THREADS = 256
 DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
@@ -220,17 +220,15 @@ class _Pre(_Rows):
         _finish_row(acc, self.vpr, self.d, s, valid, col, batch, head, H, mLSE, mLSE2, mDsum, mdQacc)
 
 
-class _RowTiles:
-    """Thread -> (row, 8-element chunk) as in ``_Rows``, repeated so that a CTA covers ``ROWS``
-    token rows: ``iters`` passes of ``rpi`` rows."""
+class _RowTiles(_Rows):
+    """``_Rows``'s mapping repeated so that a CTA covers ``ROWS`` token rows: ``iters`` passes
+    of ``rpc`` rows."""
 
     ROWS = 64
 
     def __init__(self, head_dim: int):
-        self.d = head_dim
-        self.vpr = head_dim // 8  # threads per row (16 bytes of bf16 each)
-        self.rpi = THREADS // self.vpr  # rows per pass of the CTA
-        self.iters = self.ROWS // self.rpi
+        super().__init__(head_dim)
+        self.iters = self.ROWS // self.rpc
 
 
 class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
@@ -262,16 +260,7 @@ class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
                mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor, mdO8: cute.Tensor,
                mdOt: cute.Tensor, mScale: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        # tiles in the reverse of the amax pass's launch order: the first CTAs read what that
-        # pass touched last, which may still be in L2
-        bx, by, bz = cute.arch.block_idx()
-        gx, gy, gz = cute.arch.grid_dim()
-        tile, head, batch = gx - 1 - bx, gy - 1 - by, gz - 1 - bz
-        smem = SmemAllocator()
-        red = smem.allocate_tensor(Uint32, cute.make_layout(THREADS // 32), byte_alignment=16)
-        # the quantized tile, (query, d) with d contiguous
-        s_words = smem.allocate_tensor(Uint32, cute.make_layout(self.ROWS * self.d // 4), byte_alignment=16)
-        s_bytes = cute.recast_tensor(s_words, cutlass.Uint8)
+        tile, head, batch, red, s_words, s_bytes = transpose_tile_setup(self.ROWS, self.d)
         d = self.d
         Sq = mO.shape[1]
         H = mO.shape[2]
@@ -283,7 +272,7 @@ class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
         vdo = cute.make_rmem_tensor((self.iters * 4,), Uint32)
         vo = cute.make_rmem_tensor((self.iters * 4,), Uint32)
         for it in cutlass.range_constexpr(self.iters):
-            s = tile * self.ROWS + it * self.rpi + row
+            s = tile * self.ROWS + it * self.rpc + row
             tok = (Int64(batch) * Sq + s) * H + head
             wd = ld_v4_pred(mdO.iterator.toint() + tok * (d * 2) + col * 16, s < Sq)
             wo = ld_v4_pred(mO.iterator.toint() + tok * (d * 2) + col * 16, s < Sq)
@@ -298,7 +287,7 @@ class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
             mScale[batch, head] = scale
 
         for it in cutlass.range_constexpr(self.iters):
-            r = it * self.rpi + row
+            r = it * self.rpc + row
             s = tile * self.ROWS + r
             valid = s < Sq
             tok = (Int64(batch) * Sq + s) * H + head
@@ -392,14 +381,14 @@ class _ScaleQuant(_RowTiles):
         col = tidx % self.vpr
         w = cute.make_rmem_tensor((self.iters * 4,), Uint32)
         for it in cutlass.range_constexpr(self.iters):
-            s = blk * self.ROWS + it * self.rpi + row
+            s = blk * self.ROWS + it * self.rpc + row
             tok = (Int64(batch) * S + s) * H + head
             v = ld_v4_pred(mX.iterator.toint() + tok * (self.d * 2) + col * 16, s < S)
             for j in cutlass.range_constexpr(4):
                 w[it * 4 + j] = v[j]
         scale = mScale[batch, head]
         for it in cutlass.range_constexpr(self.iters):
-            s = blk * self.ROWS + it * self.rpi + row
+            s = blk * self.ROWS + it * self.rpc + row
             tok = (Int64(batch) * S + s) * H + head
             q = quant8(w[it * 4], w[it * 4 + 1], w[it * 4 + 2], w[it * 4 + 3], scale)
             st_v2_pred(mY.iterator.toint() + tok * self.d + col * 8, q[0], q[1], s < S)

@@ -167,6 +167,21 @@ def keep_if(x, pred, *, loc=None, ip=None) -> Uint32:
 
 
 @cute.jit
+def transpose_tile_setup(rows: cutlass.Constexpr, d: cutlass.Constexpr):
+    """The start of a kernel that quantizes a tile of ``rows`` tokens and writes it transposed
+    (``_VTranspose``, ``bwd_prep._PreFp8``): its (tile, head, batch), walked in the reverse of
+    the amax pass's launch order (the first CTAs read what that pass touched last, which may
+    still be in L2), the SMEM words ``_block_max`` reduces through, and the quantized tile,
+    (token, d) with d contiguous, as words and as bytes."""
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, gz = cute.arch.grid_dim()
+    smem = SmemAllocator()
+    red = smem.allocate_tensor(Uint32, cute.make_layout(THREADS // 32), byte_alignment=16)
+    s_words = smem.allocate_tensor(Uint32, cute.make_layout(rows * d // 4), byte_alignment=16)
+    return gx - 1 - bx, gy - 1 - by, gz - 1 - bz, red, s_words, cute.recast_tensor(s_words, cutlass.Uint8)
+
+
+@cute.jit
 def _block_max(m: Uint32, red: cute.Tensor, tidx: Int32) -> Uint32:
     """Max of ``m`` over the CTA (THREADS threads); ``red`` holds THREADS // 32 words."""
     for off in cutlass.range_constexpr(5):
@@ -265,16 +280,7 @@ class _VTranspose:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mA: cute.Tensor, mVt: cute.Tensor, mS: cute.Tensor, mV8: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        # walk the tiles in the reverse of the amax pass's launch order: the first CTAs read
-        # what that pass touched last, which may still be in L2
-        bx, by, bz = cute.arch.block_idx()
-        gx, gy, gz = cute.arch.grid_dim()
-        tile, head, batch = gx - 1 - bx, gy - 1 - by, gz - 1 - bz
-        smem = SmemAllocator()
-        red = smem.allocate_tensor(Uint32, cute.make_layout(THREADS // 32), byte_alignment=16)
-        # the quantized tile, (key, d) with d contiguous: BLOCK * D bytes
-        s_words = smem.allocate_tensor(Uint32, cute.make_layout(BLOCK * self.d // 4), byte_alignment=16)
-        s_bytes = cute.recast_tensor(s_words, cutlass.Uint8)
+        tile, head, batch, red, s_words, s_bytes = transpose_tile_setup(BLOCK, self.d)
 
         S = mX.shape[1]
         H = mX.shape[2]

@@ -48,14 +48,20 @@ def test_opcheck_backward(reference_backend):
                           (q, k, v, o, lse, do, state, key, None, "auto"))
 
 
+def _fwd_real_and_fake(q, k, v, key):
+    """The forward op's outputs on real tensors and under FakeTensorMode (its registered fake)."""
+    real = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
+    return real, fake
+
+
 def test_fake_shapes_match_real(reference_backend):
     spec = fp32_spec()
     key = torch_ops.spec_key(spec)
     q, k, v = _qkv(sq=8, sk=20, h=6, hkv=2)
-    o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        fo, flse, fstate = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
+    (o, lse, state), (fo, flse, fstate) = _fwd_real_and_fake(q, k, v, key)
     assert (fo.shape, fo.dtype, flse.shape, flse.dtype) == (o.shape, o.dtype, lse.shape, lse.dtype)
     assert state == fstate == []  # the reference keeps no forward state
     assert lse.shape == (2, 6, 8) and lse.dtype == torch.float32
@@ -423,10 +429,7 @@ def test_forward_state_fake_and_opcheck(standin_backend, pretend_hopper, monkeyp
     _install(monkeypatch, mod, spec)
     key = torch_ops.spec_key(spec)
     q, k, v = _qkv(sq=130, sk=200, h=4, hkv=2)
-    o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "auto")
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        _, _, fstate = torch.ops.fp4gen.attention_fwd(fq, fk, fv, key, None, "auto")
+    (o, lse, state), (_, _, fstate) = _fwd_real_and_fake(q, k, v, key)
     assert [(t.shape, t.dtype) for t in fstate] == [(t.shape, t.dtype) for t in state]
     assert [t.shape for t in state] == [(2, 130, 4, 16), (2, 200, 2, 16), (2, 4, 2), (2, 2, 2), (2, 2),
                                         (2, 200, 2, 16)]
