@@ -16,7 +16,7 @@ Contenders, all in one process on the same inputs:
   kernel launch alone, on arguments captured from one full call (only when the module has
   the ``_bwd_launch`` hook the sm90a template generates). A backward that recomputes S from
   the forward's FP8 Q/K (``BWD_S_FP8``) also gets ``<name>-fwd-state``: the full call handed
-  the forward's ``quantize_inputs(q, k, v, for_backward=True)`` (``prepared=``), as
+  the forward's ``quantize_inputs(q, k, v, **forward_state_options(mod))`` (``prepared=``), as
   ``fp4gen.attention`` does in a training step, so Q, K (and, with FP8 dP, V) are not
   quantized again. The JSON's ``timed`` says which.
 
@@ -63,10 +63,11 @@ ROW_KEYS = ("kernel", "kind", "timed", "B", "S", "H", "D", "causal", "ms", "tflo
             "ms_rounds", "rel_l2_vs_fa4", "gate_pass", "rel_l2_own_forward_vs_fa4", "error")
 TIMED_FULL = "full backward(q, k, v, o, lse, do) call: host pre/post-processing + kernel launch"
 TIMED_KERNEL = "backward kernel launch only (arguments prepared by one full call, untimed)"
-TIMED_FULL_STATE = ("full backward(..., prepared=quantize_inputs(q, k, v, for_backward=True)) call: the "
-                    "forward's quantized Q/K payloads and scales, V's scale and (FP8 dP) V's natural payload "
-                    "handed over as fp4gen.attention does (made once, untimed: the FP8 forward's quantizer "
-                    "writes them; bench/attention_bwd_profile.py times what the V payload adds to it), "
+TIMED_FULL_STATE = ("full backward(..., prepared=quantize_inputs(q, k, v, **forward_state_options(mod))) call: "
+                    "the forward's quantized Q/K payloads and scales, V's scale, (FP8 dP) V's natural payload and "
+                    "(FP8 dS) Q's and K's transposed payloads handed over as fp4gen.attention does (made once, "
+                    "untimed: the FP8 forward's quantizer writes them; bench/attention_bwd_profile.py times what "
+                    "the extra payloads add to it), "
                     "host pre/post-processing + kernel launch")
 TIMED_AUTOGRAD = "torch.autograd.grad of the forward output (the library's pre/post-processing included)"
 
@@ -508,7 +509,9 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                                    rel_own=rel_own), full))
                 if getattr(mod, "BWD_S_FP8", False) and callable(getattr(mod, "quantize_inputs", None)):
                     # the training path: the backward reuses what the FP8 forward quantized
-                    prepared = mod.quantize_inputs(q, k, v, for_backward=bool(getattr(mod, "BWD_DO_FP8", False)))
+                    from fp4gen.torch_ops import forward_state_options
+
+                    prepared = mod.quantize_inputs(q, k, v, **forward_state_options(mod))
                     rel_s, ok_s = gate_of(mod.backward(q, k, v, o, lse, do, prepared=prepared))
 
                     def with_state(mod=mod, o=o, lse=lse, prepared=prepared):

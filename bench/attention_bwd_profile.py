@@ -48,15 +48,18 @@ def main():
         name = os.path.basename(path)[:-3]
         fns[name] = lambda m=m: m.backward(q, k, v, o, lse, do)
         if getattr(m, "BWD_S_FP8", False):
-            # the state fp4gen.attention hands over: with FP8 dP, V's natural payload too
-            v8 = bool(getattr(m, "BWD_DO_FP8", False))
-            prep = m.quantize_inputs(q, k, v, for_backward=v8)
+            # the state fp4gen.attention hands over: with FP8 dP, V's natural payload too; with
+            # FP8 dS, Q's and K's transposed payloads
+            from fp4gen.torch_ops import forward_state_options
+
+            opts = forward_state_options(m)
+            prep = m.quantize_inputs(q, k, v, **opts)
             fns[name + " +forward state"] = lambda m=m, prep=prep: m.backward(q, k, v, o, lse, do, prepared=prep)
-            # what that costs the forward: its quantizer with and without the extra payload
+            # what that costs the forward: its quantizer with and without the extra payloads
             fns[name + " forward quantize_inputs"] = lambda m=m: m.quantize_inputs(q, k, v)
-            if v8:
-                fns[name + " forward quantize_inputs(for_backward)"] = \
-                    lambda m=m: m.quantize_inputs(q, k, v, for_backward=True)
+            if opts:
+                fns[name + f" forward quantize_inputs({', '.join(opts)})"] = \
+                    lambda m=m, opts=opts: m.quantize_inputs(q, k, v, **opts)
     for name, f in fns.items():
         for _ in range(3):
             f()

@@ -20,7 +20,9 @@ tied embeddings); only the attention core differs between runs:
 - ``fp8``:  the FP8 P/V recipe, generated FP8 forward (Q, K per-block E4M3,
   P from exp in E4M3, V E4M3) + generated FP8 backward (S from the forward's
   FP8 Q/K, dP and dV in FP8 with dO E4M3, dK and dQ in BF16) (sm90a);
-- ``fp8-bf16grad``: the same FP8 forward with an all-BF16 backward.
+- ``fp8-bf16grad``: the same FP8 forward with an all-BF16 backward;
+- ``fp8-ds8``: the FP8 recipe with dK and dQ in FP8 too (``dS : fp8e4m3``: every
+  backward MMA in FP8, dS with one power-of-two scale per 64 x 128 tile).
 
 The corpus is the Python standard library's source, byte-level (see
 bench/train_data.py): nothing is downloaded. Parameters and batches come from
@@ -71,9 +73,10 @@ RECIPES = {
     "fp8": ("fp4gen", "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_causal_d128", "generated"),
     "fp8-bf16grad": ("fp4gen", "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_bf16grad_causal_d128",
                      "generated"),
+    "fp8-ds8": ("fp4gen", "examples/sm90_fp8_train_d128.attn::sm90_fp8_train_ds8_causal_d128", "generated"),
 }
 RECIPE_LABELS = {"sdpa": "SDPA BF16", "bf16": "fp4gen BF16", "fp8": "fp4gen FP8 P/V, FP8 dO/dV",
-                 "fp8-bf16grad": "fp4gen FP8 P/V, BF16 backward"}
+                 "fp8-bf16grad": "fp4gen FP8 P/V, BF16 backward", "fp8-ds8": "fp4gen FP8 P/V, FP8 dO/dV/dS"}
 
 sys.path.insert(0, str(HERE))
 from train_data import Batches, load_corpus  # noqa: E402
@@ -172,7 +175,8 @@ def parse_args(argv=None):
     ap.add_argument("--recipe", choices=sorted(RECIPES),
                     help="one run of the comparison: sdpa (BF16 SDPA), bf16 (fp4gen generated BF16), "
                          "fp8 (fp4gen FP8 P/V recipe with FP8 dO/dV, generated), fp8-bf16grad (same forward, "
-                         "BF16 backward); sets --attn, --spec, --backend")
+                         "BF16 backward), fp8-ds8 (FP8 recipe with FP8 dS: dK, dQ in FP8 too); sets --attn, --spec, "
+                         "--backend")
     ap.add_argument("--attn", choices=("fp4gen", "sdpa"), help="required unless --recipe is given")
     ap.add_argument("--spec",
                     help="fp4gen spec: FILE.attn, or FILE.attn::KERNEL when the file has several "

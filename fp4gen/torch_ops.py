@@ -442,12 +442,28 @@ def _keeps_v_payload(mod) -> bool:
     return getattr(mod, "BWD_DO_FP8", False) is True
 
 
+def _keeps_qk_transposed(mod) -> bool:
+    """Whether ``mod``'s backward runs dK = dS^T Q and dQ = dS K in FP8 (``dS : fp8e4m3``): the
+    forward's Q and K passes then also write transposed copies of their payloads
+    (``quantize_inputs(..., transposed_qk=True)``), the K-major operands those MMAs read."""
+    return getattr(mod, "BWD_DS_FP8", False) is True
+
+
+def forward_state_options(mod) -> dict:
+    """The ``quantize_inputs`` options under which ``mod``'s forward writes everything its FP8
+    backward reads (``prepared=``): V's natural payload for FP8 dP, the transposed Q/K payloads
+    for FP8 dS. Used by the op below and by the benchmarks."""
+    if _keeps_qk_transposed(mod):
+        return {"for_backward": True, "transposed_qk": True}
+    return {"for_backward": True} if _keeps_v_payload(mod) else {}
+
+
 def _forward_state(prepared) -> list:
     """The forward state saved for the backward, from ``quantize_inputs``'s (q8, k8, vt8,
-    scale_q, scale_k, scale_v[, v8]): the Q/K payloads as uint8 (an FP8 output would be summed
-    by autograd's checks; bytes are plainly non-differentiable), the three scales, and V's
-    natural payload when the forward wrote one. V^T (vt8) is the PV operand's layout, which
-    the backward does not read."""
+    scale_q, scale_k, scale_v[, v8[, qt8, kt8]]): the Q/K payloads as uint8 (an FP8 output would be
+    summed by autograd's checks; bytes are plainly non-differentiable), the three scales, V's
+    natural payload and Q's and K's transposed payloads when the forward wrote them. V^T (vt8) is
+    the PV operand's layout, which the backward does not read."""
     q8, k8, _vt8, scale_q, scale_k, scale_v = prepared[:6]
     return [q8.view(torch.uint8), k8.view(torch.uint8), scale_q, scale_k, scale_v] + \
         [t.view(torch.uint8) for t in prepared[6:]]
@@ -472,8 +488,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         prepared = None
         if _keeps_forward_state(mod):
-            prepared = mod.quantize_inputs(q, k, v, for_backward=True) if _keeps_v_payload(mod) else \
-                mod.quantize_inputs(q, k, v)
+            prepared = mod.quantize_inputs(q, k, v, **forward_state_options(mod))
         kw = {"prepared": prepared} if prepared is not None else {}
         o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw)
         if prepared is not None:
@@ -499,8 +514,16 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
         state = [q.new_empty(q.shape, dtype=torch.uint8), k.new_empty(k.shape, dtype=torch.uint8),
                  q.new_empty((b, h, -(-sq // blk)), dtype=f32), q.new_empty((b, hkv, -(-sk // blk)), dtype=f32),
                  q.new_empty((b, hkv), dtype=f32)]
-        if _keeps_v_payload(mod):
+        if _keeps_v_payload(mod) or _keeps_qk_transposed(mod):
             state.append(v.new_empty(v.shape, dtype=torch.uint8))
+        if _keeps_qk_transposed(mod):
+            from fp4gen.device.quantize import TRANSPOSED_TILES
+
+            d = q.shape[3]
+            for x, n, op in ((q, h, "q"), (k, hkv, "k")):
+                tokens = TRANSPOSED_TILES[op][0]
+                tiles = -(-x.shape[1] // blk) * blk // tokens
+                state.append(x.new_empty((b, n, tiles, d, tokens), dtype=torch.uint8))
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32), state
 
 

@@ -578,8 +578,11 @@ _BWD_DTYPE = cutlass.BFloat16
 _BWD_FP8 = cutlass.Float8E4M3FN
 BWD_S_FP8 = False  # S^T = K Q^T from the forward's FP8 Q/K payloads (reuse q k)
 BWD_DO_FP8 = False  # dP^T = V dO^T and dV += P^T dO with FP8 dO, V, P (dO : fp8e4m3)
+BWD_DS_FP8 = False  # dQ = dS K and dK += dS^T Q with FP8 dS and the forward's Q/K payloads (dS : fp8e4m3)
 _BWD_S_DTYPE = _BWD_DTYPE
 _BWD_DO_DTYPE = _BWD_DTYPE
+# dQ = dS K and dK += dS^T Q: the dS tile and their B operands (K, Q)
+_BWD_DS_DTYPE = _BWD_DTYPE
 _BWD_QUANT_BLOCK = 128  # tokens per FP8 Q/K scale (the forward's quantizer)
 _BWD_P_SCALE = 256.0  # FP8 P is produced as 2^8 P (numerics: P_FP8_SCALE)
 _BWD_P_LOG2_SCALE = 8.0
@@ -651,6 +654,14 @@ def _bwd_t(x):
     return cute.composition(x, cute.make_ordered_layout(shape, order=order))
 
 
+def _bwd_tiles_view(t):
+    """A transposed FP8 payload stored as one contiguous D x T block per tile of T tokens,
+    (B, H, tiles, D, T) -> the kernel's view (d, (token in tile, tile), head, batch)."""
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        (t.shape[3], (t.shape[4], t.shape[2]), t.shape[1], t.shape[0]),
+        stride=(t.stride[3], (t.stride[4], t.stride[2]), t.stride[1], t.stride[0])))
+
+
 class Sm90Bf16CausalD128Sm90Bwd:
     """dK, dV (and the dQ contribution) of 128 keys of one (batch, head) per CTA.
 
@@ -711,10 +722,10 @@ class Sm90Bf16CausalD128Sm90Bwd:
             for _ in range(2)
         ]
         sQ_layout = _bwd_smem_layout(_BWD_DTYPE, bm, d, d, BWD_Q_STAGES)
-        sdO_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bm, d, d, BWD_Q_STAGES)
         sK_layout = _bwd_smem_layout(_BWD_DTYPE, bn, d, d // 2)
-        sV_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bn, d, d)
         sdS_layout = _bwd_smem_layout(_BWD_DTYPE, bn, bm, bm, BWD_DS_STAGES)
+        sdO_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bm, d, d, BWD_Q_STAGES)
+        sV_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bn, d, d)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
 
@@ -722,23 +733,23 @@ class Sm90Bf16CausalD128Sm90Bwd:
             return cpasync.make_tiled_tma_atom(g2s, src, cute.select(layout, mode=[0, 1]) if staged else layout, tile)
 
         tma_atom_Q, tma_Q = tma(mQ, sQ_layout, (bm, d), True)
-        tma_atom_dO, tma_dO = tma(mdO, sdO_layout, (bm, d), True)
         tma_atom_K, tma_K = tma(mK, sK_layout, (bn, d), False)
+        tma_atom_dO, tma_dO = tma(mdO, sdO_layout, (bm, d), True)
         tma_atom_V, tma_V = tma(mV, sV_layout, (bn, d), False)
-        self.qdo_bytes = (cute.size_in_bytes(_BWD_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
+        self.qdo_bytes = (cute.size_in_bytes(_BWD_DS_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
                           + cute.size_in_bytes(_BWD_DO_DTYPE, cute.select(sdO_layout, mode=[0, 1])))
-        self.kv_bytes = cute.size_in_bytes(_BWD_DTYPE, sK_layout) + cute.size_in_bytes(_BWD_DO_DTYPE, sV_layout)
+        self.kv_bytes = cute.size_in_bytes(_BWD_DS_DTYPE, sK_layout) + cute.size_in_bytes(_BWD_DO_DTYPE, sV_layout)
         self.qdo_bytes += 2 * bm * 4  # the stage's LSE2 and D rows (fp32)
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * BWD_Q_STAGES]
-            sK: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sK_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sQ_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, _BWD_DQ_TILE_FLOATS], 128]
             # LSE2 and D of each Q/dO stage's queries, loaded with the stage (no global loads in the loop)
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bm * BWD_Q_STAGES], 128]
@@ -748,6 +759,7 @@ class Sm90Bf16CausalD128Sm90Bwd:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), bn), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+
             mLSE2, mDsum, mdQacc, mdK, mdV,
             mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
@@ -816,9 +828,10 @@ class Sm90Bf16CausalD128Sm90Bwd:
         sQ8, sK8 = sQ, sK  # S^T reads the bf16 tiles
 
         n_block, head, batch = cute.arch.block_idx()
-        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
+        # shapes from dO and V, whose tiles are never the transposed copies: (seq, d, head, batch)
+        head_kv = head // (mdO.shape[2] // mV.shape[2])  # GQA: H % Hkv == 0
+        seqlen_q = mdO.shape[0]
+        seqlen_k = mV.shape[0]
         m_block_max = cute.ceil_div(seqlen_q, BWD_TILE_M)
         # examples/sm90_bf16_d128.attn:21: mask     causal
         # key j is seen by queries i >= j - causal_offset: skip the query tiles above the diagonal
@@ -827,11 +840,11 @@ class Sm90Bf16CausalD128Sm90Bwd:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
             if warp_idx == 0:
-                loads_kv = [(tma_atom_K, mK, sK, head_kv), (tma_atom_V, mV, sV, head_kv)]
-                loads_q = [(tma_atom_Q, mQ, sQ, head), (tma_atom_dO, mdO, sdO, head)]
-                self.producer(loads_kv, loads_q, None,
-                              (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head, batch,
-                              m_block_min, m_block_max)
+                # (atom, gmem, smem, head, transposed: the tile is d x tokens)
+                loads_kv = [(tma_atom_K, mK, sK, head_kv, BWD_DS_FP8), (tma_atom_V, mV, sV, head_kv, False)]
+                loads_q = [(tma_atom_Q, mQ, sQ, head, BWD_DS_FP8), (tma_atom_dO, mdO, sdO, head, False)]
+                self.producer(loads_kv, loads_q, (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head,
+                              batch, m_block_min, m_block_max)
             if warp_idx == 1:
                 self.dq_writer(sdQ, mdQacc, None, batch, head, n_block,
                                m_block_min, m_block_max)
@@ -853,12 +866,12 @@ class Sm90Bf16CausalD128Sm90Bwd:
             self.consumer(
                 (mma_s0, mma_s1), (mma_dp0, mma_dp1), mma_dv, mma_dk, (mma_q0, mma_q1),
                 sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdO, pipe_kv, pipe_qdo,
-                sLSE, sDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
+                sLSE, sDsum, None, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
                 m_block_min, m_block_max, seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx - 128)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def producer(self, loads_kv, loads_q, load_dot, rows_g, rows_s, pipe_kv, pipe_qdo, n_block, head, batch,
+    def producer(self, loads_kv, loads_q, rows_g, rows_s, pipe_kv, pipe_qdo, n_block, head, batch,
                  m_block_min, m_block_max):
         """One warp: this CTA's key-side tiles (K, V) once, then the query-side tiles
         (Q, dO) and rows (LSE2, D) of each query tile into the ring,
@@ -866,16 +879,15 @@ class Sm90Bf16CausalD128Sm90Bwd:
         d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
         one = cute.make_layout(1)
 
-        def partition(load, tile, coord):
-            atom, g, s, h = load
+        def partition(load, tokens, index):
+            atom, g, s, h, transposed = load
+            tile, coord = ((d, tokens), (0, index)) if transposed else ((tokens, d), (index, 0))
             gt = cute.local_tile(g[None, None, h, batch], tile, coord)
             ts, tg = cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(gt, 0, 2))
             return atom, ts, tg
 
-        kv = [partition(x, (bn, d), (n_block, 0)) for x in loads_kv]
-        qs = [partition(x, (bm, d), (None, 0)) for x in loads_q]
-        if cutlass.const_expr(load_dot is not None):
-            qs.append(partition(load_dot, (d, bm), (0, None)))  # dO^T tiles run along the queries
+        kv = [partition(x, bn, n_block) for x in loads_kv]
+        qs = [partition(x, bm, None) for x in loads_q]  # indexed by the query tile below
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
@@ -899,7 +911,7 @@ class Sm90Bf16CausalD128Sm90Bwd:
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
     def consumer(self, mma_s, mma_dp, mma_dv, mma_dk, mma_q, sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdOt,
-                 pipe_kv, pipe_qdo, sLSE, sDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
+                 pipe_kv, pipe_qdo, sLSE, sDsum, sDsMax, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
                  n_block, head, batch, m_block_min, m_block_max,
                  seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx):
         d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N

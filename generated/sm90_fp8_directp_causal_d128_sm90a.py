@@ -586,7 +586,7 @@ def _v_operand(v8):
     return vt.index_select(3, idx).contiguous().view(torch.float8_e4m3fn)
 
 
-def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False):
+def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False, transposed_qk: bool = False):
     """bf16 q, k, v -> the kernel's FP8 operands (q8, k8, vt8, scale_q, scale_k, scale_v).
 
     ``fast``: on CUDA, the fused CuTe DSL quantizer (fp4gen.device.quantize: 4 launches,
@@ -594,14 +594,21 @@ def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False):
     take (not on CUDA, other head dims), use the torch path below.
     ``for_backward``: a seventh tensor, v8, V's payload in its own (B, Sk, Hkv, D) layout,
     written by the same pass; an FP8 backward given these ``prepared`` reads it instead of
-    quantizing V again.
+    quantizing V again. ``transposed_qk`` (with ``for_backward``): two more, the transposed
+    copies of Q's and K's payloads that a backward with FP8 dS reads
+    (``fp4gen.device.quantize.TRANSPOSED_TILES``), written by the same Q and K passes.
     """
+    if transposed_qk and not for_backward:
+        raise ValueError("quantize_inputs: transposed_qk=True needs for_backward=True")
     if fast and q.is_cuda and HEAD_DIM in _dquant.SUPPORTED_HEAD_DIMS:
-        return _dquant.quantize_inputs(q, k, v, for_backward=for_backward)
+        return _dquant.quantize_inputs(q, k, v, for_backward=for_backward, transposed_qk=transposed_qk)
     q8, sq = _quantize(q, True)
     k8, sk = _quantize(k, True)
     v8, sv = _quantize(v, False)
-    return (q8, k8, _v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
+    out = (q8, k8, _v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
+    if transposed_qk:
+        out += (_dquant.transposed_operand(q8, "q"), _dquant.transposed_operand(k8, "k"))
+    return out
 
 
 def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):

@@ -8,14 +8,14 @@ head_dim 128, causal; tile 128 x 128,
 2 K/V stages, softmax of tile n overlapped with QK^T of tile n+1, warpgroups take turns on the tensor cores.
 
 Spec lines behind the choices:
-  Q: examples/sm90_fp8_train_d128.attn:22: Q : fp8e4m3(block=128)
-  K: examples/sm90_fp8_train_d128.attn:23: K : fp8e4m3(block=128)
-  P: examples/sm90_fp8_train_d128.attn:24: P : fp8e4m3 via exp
-  V: examples/sm90_fp8_train_d128.attn:25: V : fp8e4m3(scale=tensor)
-  O: examples/sm90_fp8_train_d128.attn:26: O : bf16
-  mask: examples/sm90_fp8_train_d128.attn:21: mask     causal
-  head_dim: examples/sm90_fp8_train_d128.attn:20: head_dim 128
-  schedule: examples/sm90_fp8_train_d128.attn:28: tile 128 x 128
+  Q: examples/sm90_fp8_train_d128.attn:27: Q : fp8e4m3(block=128)
+  K: examples/sm90_fp8_train_d128.attn:28: K : fp8e4m3(block=128)
+  P: examples/sm90_fp8_train_d128.attn:29: P : fp8e4m3 via exp
+  V: examples/sm90_fp8_train_d128.attn:30: V : fp8e4m3(scale=tensor)
+  O: examples/sm90_fp8_train_d128.attn:31: O : bf16
+  mask: examples/sm90_fp8_train_d128.attn:26: mask     causal
+  head_dim: examples/sm90_fp8_train_d128.attn:25: head_dim 128
+  schedule: examples/sm90_fp8_train_d128.attn:33: tile 128 x 128
 """
 import math
 import os
@@ -35,7 +35,7 @@ from fp4gen.device import softmax as dsoftmax
 KERNEL_NAME = "sm90_fp8_train_causal_d128"
 TARGET = "sm90a"
 SPEC_FILE = "examples/sm90_fp8_train_d128.attn"
-PLAN_JSON = "{\"backward\": {\"causal\": true, \"consumer_registers\": 240, \"deterministic\": false, \"dkv_output\": \"bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups\", \"dq_reduction\": \"bulk_reduce_fp32\", \"ds_stages\": 2, \"grad_formats\": [[\"dO\", \"fp8e4m3\"], [\"dP\", \"bf16\"], [\"dS\", \"bf16\"], [\"dQ\", \"bf16\"], [\"dK\", \"bf16\"], [\"dV\", \"bf16\"]], \"head_dim\": 128, \"mma_format\": \"bf16+fp8e4m3\", \"mma_warpgroups\": 2, \"mmas\": [{\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"S^T = K Q^T\", \"name\": \"S\", \"operand_format\": \"fp8e4m3\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"dP^T = V dO^T\", \"name\": \"dP\", \"operand_format\": \"fp8e4m3\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"K\", \"formula\": \"dV += P^T dO\", \"name\": \"dV\", \"operand_format\": \"fp8e4m3\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"MN\", \"formula\": \"dK += dS^T Q\", \"name\": \"dK\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"MN\", \"a_source\": \"smem\", \"b_major\": \"MN\", \"formula\": \"dQ = dS K\", \"name\": \"dQ\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"head dim: 64 columns per warpgroup\"}], \"notes\": [\"causal: bottom-right aligned (key j visible to query i iff j \u003c= i + Sk - Sq); a CTA skips the query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end\", \"dV = P^T dO in FP8: P as e4m3(2^8 P) from registers (queries permuted per 32, dO^T to match), dO and V with one fp32 scale per (batch, head); dS rounded to bf16; dP stays fp32 in registers\", \"S^T recomputed from the forward\u0027s FP8 Q/K payloads and 128-token block scales (bit-identical to the forward\u0027s P); dQ/dK read the bf16 Q/K\"], \"postprocess\": \"host: dQ = scale * dQ_accum, cast to bf16\", \"preprocess\": \"host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -\u003e +inf), padded to tile_m\", \"producer_registers\": 24, \"producer_warps\": 2, \"q_stages\": 2, \"registers_total\": 64512, \"reuse\": [\"k\", \"lse\", \"q\"], \"smem\": [{\"bytes\": 32768, \"detail\": \"128 keys x 128 bf16, loaded once per CTA; read MN-major by dQ\", \"name\": \"K\"}, {\"bytes\": 16384, \"detail\": \"128 keys x 128 fp8e4m3, loaded once per CTA (dP)\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"2 stages x 64 x 128 bf16; MN-major (dK)\", \"name\": \"Q\"}, {\"bytes\": 16384, \"detail\": \"2 stages x 64 x 128 fp8e4m3; K-major (dP)\", \"name\": \"dO\"}, {\"bytes\": 16384, \"detail\": \"128 keys x 128 fp8e4m3: the forward\u0027s payload, K-major (S)\", \"name\": \"K8\"}, {\"bytes\": 16384, \"detail\": \"2 stages x 64 x 128 fp8e4m3: the forward\u0027s payload, K-major (S)\", \"name\": \"Q8\"}, {\"bytes\": 16384, \"detail\": \"2 stages x 128 x 64 fp8e4m3, queries contiguous (dV, K-major)\", \"name\": \"dO^T\"}, {\"bytes\": 32768, \"detail\": \"2 x 128 keys x 64 queries (dS^T), MN-major A operand of dQ\", \"name\": \"dS\"}, {\"bytes\": 32768, \"detail\": \"64 x 128 fp32 staging tile in fragment order (16-byte stores, one contiguous bulk reduce)\", \"name\": \"dQ\"}, {\"bytes\": 1024, \"detail\": \"2 stages x 64 fp32 LSE2 and D rows, bulk-copied with Q/dO\", \"name\": \"LSE/D\"}, {\"bytes\": 48, \"detail\": \"K/V full+empty, Q/dO ring\", \"name\": \"mbarriers\"}], \"smem_bytes\": 214064, \"smem_limit\": 232448, \"threads\": 384, \"tile_m\": 64, \"tile_n\": 128}, \"contracts\": [{\"bits\": 8, \"block\": null, \"granularity\": \"token_block\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"Q\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"offline/host quantizer\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per 128 tokens x head_dim (per (batch, head)); applied to S in registers\", \"storage\": \"smem (TMA)\"}, {\"bits\": 8, \"block\": null, \"granularity\": \"token_block\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"K\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"offline/host quantizer\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per 128 tokens x head_dim (per (batch, head)); applied to S in registers\", \"storage\": \"smem (TMA ring)\"}, {\"bits\": 8, \"block\": null, \"granularity\": \"tensor\", \"major\": \"K-major\", \"notes\": [\"fp8 P in registers is permuted to the wgmma A-fragment layout (byte shuffles)\"], \"operand\": \"P\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"consumer warpgroups (exp2 on MUFU, then convert)\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per (batch, head); applied to S (Q, K) or O (P, V) in registers\", \"storage\": \"registers (wgmma A operand)\"}, {\"bits\": 8, \"block\": null, \"granularity\": \"tensor\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"V\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"offline/host quantizer writes V^T (fp8 wgmma B must be K-major)\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per (batch, head); applied to S (Q, K) or O (P, V) in registers\", \"storage\": \"smem (TMA ring), stored transposed D x S\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"row-major (B, S, H, D)\", \"notes\": [], \"operand\": \"O\", \"payload\": \"bf16\", \"quantized_by\": \"epilogue (O / l, converted)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"global (via smem, TMA store)\"}], \"cost\": {\"assumptions\": [\"tensor-core dense rates per SM per clock (2 FLOP per MAC): sm90a bf16/fp16 4096, fp8 8192 (989 TFLOP/s BF16 / 132 SMs / 1.83 GHz; i.e. 1024 per tensor core, 4 per SM); sm100a bf16 8192, fp8 and mixed mxf8f6f4 16384, fp4 (mxf4nvf4) 32768 (4x bf16)\", \"MUFU.EX2 16/clk/SM; FP32 FMA/FADD/FMNMX 128/clk/SM (FFMA2 not counted); integer/PRMT 64/clk/SM\", \"conversions (F2I/I2F, cvt fp32-\u003ee4m3x2 / e2m1x2 / bf16x2, 2 values each) 16 instr/clk/SM (a lead from the brief, to be checked in SASS)\", \"shared memory 128 B/clk/SM read by the MMAs (operands re-read per stage/warpgroup)\", \"TMEM ld/st 512 B/clk/SM (assumed); S loaded once, P stored once, O loaded+stored once per tile by the correction warps (worst case: the row max moved in every tile)\", \"TMA fill 64 B/clk/SM from L2 (K/V reused across CTAs); HBM not modelled\", \"exp path per score: 1 EX2, 3 FP32 ops (scale-subtract FFMA, row-sum FADD, max FMNMX), 1/2 cvt; block-scaled fp4 P adds 2 FP32 ops (block max, scale multiply); two-level adds 3\", \"Direct-P fast per score: 6 FP32 ops (affine x, classifier FFMA, 2 clamps, magic-number round, normaliser from the code), +1 block max for MX P; 1/4 PRMT to pack; no EX2, no cvt\", \"Direct-P accurate: fast path + 1 EX2 per 2 scores (the part computed with hardware EX2; a guess)\"], \"chosen\": \"exp\", \"event_cycles\": [[\"cp_sf\", 32], [\"epilogue\", 512.0], [\"load_k\", 256.0], [\"load_v\", 256.0], [\"pv\", 256.0], [\"pv_half\", 128.0], [\"qk\", 256.0], [\"rescale\", 64.0], [\"rowmax\", 64.0], [\"softmax\", 512.0]], \"paths\": [{\"bottleneck\": \"mma+mufu\", \"cycles_per_tile\": 1024.0, \"path\": \"exp\", \"serial_cycles\": 3584.0, \"units\": [{\"cycles\": 1024.0, \"detail\": \"QK wgmma.f8 (e4m3/e5m2 -\u003e f32) 512 + PV wgmma.f8 (e4m3/e5m2 -\u003e f32) 512\", \"unit\": \"mma\"}, {\"cycles\": 1024.0, \"detail\": \"16384 EX2\", \"unit\": \"mufu\"}, {\"cycles\": 384.0, \"detail\": \"3 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 512.0, \"detail\": \"0.5 cvt x 16384 scores\", \"unit\": \"cvt\"}, {\"cycles\": 0.0, \"detail\": \"-\", \"unit\": \"alu\"}, {\"cycles\": 640.0, \"detail\": \"81920 B of MMA operands\", \"unit\": \"smem\"}]}, {\"bottleneck\": \"mma\", \"cycles_per_tile\": 1024.0, \"path\": \"direct_p_fast\", \"serial_cycles\": 2496.0, \"units\": [{\"cycles\": 1024.0, \"detail\": \"QK wgmma.f8 (e4m3/e5m2 -\u003e f32) 512 + PV wgmma.f8 (e4m3/e5m2 -\u003e f32) 512\", \"unit\": \"mma\"}, {\"cycles\": 0.0, \"detail\": \"0.0 EX2 x 16384 scores\", \"unit\": \"mufu\"}, {\"cycles\": 768.0, \"detail\": \"6 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 0.0, \"detail\": \"codes from float arithmetic, no cvt\", \"unit\": \"cvt\"}, {\"cycles\": 64.0, \"detail\": \"1/4 PRMT x 16384 scores\", \"unit\": \"alu\"}, {\"cycles\": 640.0, \"detail\": \"81920 B of MMA operands\", \"unit\": \"smem\"}]}, {\"bottleneck\": \"mma\", \"cycles_per_tile\": 1024.0, \"path\": \"direct_p_accurate\", \"serial_cycles\": 3008.0, \"units\": [{\"cycles\": 1024.0, \"detail\": \"QK wgmma.f8 (e4m3/e5m2 -\u003e f32) 512 + PV wgmma.f8 (e4m3/e5m2 -\u003e f32) 512\", \"unit\": \"mma\"}, {\"cycles\": 512.0, \"detail\": \"0.5 EX2 x 16384 scores\", \"unit\": \"mufu\"}, {\"cycles\": 768.0, \"detail\": \"6 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 0.0, \"detail\": \"codes from float arithmetic, no cvt\", \"unit\": \"cvt\"}, {\"cycles\": 64.0, \"detail\": \"1/4 PRMT x 16384 scores\", \"unit\": \"alu\"}, {\"cycles\": 640.0, \"detail\": \"81920 B of MMA operands\", \"unit\": \"smem\"}]}], \"target\": \"sm90a\"}, \"events\": [{\"cost\": \"load_k\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_K\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"K_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"K_empty\", \"dj\": -2}], \"what\": \"TMA K tile into the smem ring\", \"writes\": []}, {\"cost\": \"load_v\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_V\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"V_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"V_empty\", \"dj\": -2}], \"what\": \"TMA V tile into the smem ring (stored D x S)\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"S_full[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"O_done[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"P_full[0]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[0]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"S_full[1]\", \"K_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"O_done[1]\", \"V_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"P_full[1]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[1]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"S_full[0]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [\"P_full[0]\"], \"stage\": 0, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [\"O_rescaled[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"S_full[1]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [\"P_full[1]\"], \"stage\": 1, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [\"O_rescaled[1]\"], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}], \"mma\": [{\"a\": \"fp8e4m3(block=128, scale=fp32)\", \"a_major\": \"K-major\", \"a_source\": \"smem\", \"b\": \"fp8e4m3(block=128, scale=fp32)\", \"b_major\": \"K-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 8192, \"kind\": \"wgmma.f8 (e4m3/e5m2 -\u003e f32)\", \"name\": \"QK\", \"sf_block\": null, \"sf_dtype\": null}, {\"a\": \"fp8e4m3(scale=tensor)\", \"a_major\": \"K-major\", \"a_source\": \"registers\", \"b\": \"fp8e4m3(scale=tensor)\", \"b_major\": \"K-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 8192, \"kind\": \"wgmma.f8 (e4m3/e5m2 -\u003e f32)\", \"name\": \"PV\", \"sf_block\": null, \"sf_dtype\": null}], \"notes\": [], \"pipeline\": {\"kv_stages\": 2, \"mma_order\": \"per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) (intra-warpgroup overlap); the two consumers take turns on the tensor core (ping-pong)\", \"notes\": [], \"q_stages\": 2, \"registers_limit\": 65536, \"registers_total\": 64512, \"roles\": [{\"does\": \"one warp issues TMA loads of Q, K, V (the others idle)\", \"name\": \"producer\", \"registers\": 24, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 0..63, softmax and P in registers\", \"name\": \"consumer0\", \"registers\": 240, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 64..127, softmax and P in registers\", \"name\": \"consumer1\", \"registers\": 240, \"warps\": 4}], \"smem\": [{\"bytes\": 16384, \"detail\": \"128x128 fp8e4m3\", \"name\": \"Q\"}, {\"bytes\": 32768, \"detail\": \"2 x 128x128 fp8e4m3\", \"name\": \"K\"}, {\"bytes\": 32768, \"detail\": \"2 x 128x128 fp8e4m3 (transposed)\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"128x128 bf16 (epilogue staging)\", \"name\": \"O\"}, {\"bytes\": 80, \"detail\": \"10 mbarriers\", \"name\": \"barriers\"}], \"smem_bytes\": 114768, \"smem_limit\": 232448, \"tile_m\": 128, \"tile_n\": 128}, \"publish\": {\"mode\": \"whole\", \"notes\": [\"sm90a: P stays in the consumer\u0027s registers (wgmma A operand); halves do not apply, P is handed over whole\"], \"parts\": [{\"barrier\": \"P_full\", \"index\": 1, \"keys\": [0, 127], \"p_columns\": null, \"unblocks\": \"the whole PV MMA; after it the stage\u0027s S is free\", \"with_scales\": false}], \"s_free_after\": \"the PV wgmma has read P from the consumer\u0027s registers (wgmma.wait_group)\"}, \"sm90\": {\"consumer_registers\": 240, \"consumer_warpgroups\": 2, \"intra_warpgroup_overlap\": true, \"kv_stages\": 2, \"l_from_mma\": false, \"pingpong\": true, \"producer_registers\": 24, \"smem_bytes\": 114768, \"tile_m\": 128, \"tile_n\": 128, \"v_transposed\": true}, \"spec\": {\"backward\": {\"deterministic\": false, \"formats\": {\"dO\": {\"block\": null, \"format\": \"fp8e4m3\", \"granularity\": \"tensor\", \"scale\": \"fp32\"}}, \"reuse\": [\"k\", \"lse\", \"q\"]}, \"guard\": {\"kind\": \"none\", \"l\": 0, \"m\": 0}, \"head_dim\": 128, \"k\": {\"block\": 128, \"format\": \"fp8e4m3\", \"granularity\": \"block\", \"scale\": \"fp32\"}, \"locs\": {\"K\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 23}, \"K.block\": {\"col\": 15, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 23}, \"O\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 26}, \"P\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 24}, \"P.via\": {\"col\": 19, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 24}, \"Q\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 22}, \"Q.block\": {\"col\": 15, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 22}, \"V\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 25}, \"V.scale\": {\"col\": 15, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 25}, \"backward\": {\"col\": 3, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 30}, \"backward.dO\": {\"col\": 10, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 32}, \"backward.deterministic\": {\"col\": 19, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 33}, \"backward.reuse\": {\"col\": 5, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 31}, \"head_dim\": {\"col\": 12, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 20}, \"mask\": {\"col\": 12, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 21}, \"name\": {\"col\": 11, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 18}, \"schedule\": {\"col\": 3, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 27}, \"schedule.tile\": {\"col\": 10, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 28}, \"target\": {\"col\": 12, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 19}}, \"mask\": \"causal\", \"name\": \"sm90_fp8_train_causal_d128\", \"o\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"p\": {\"block\": null, \"format\": \"fp8e4m3\", \"granularity\": \"tensor\", \"scale\": \"fp32\"}, \"p_production\": {\"a\": 1.5, \"b\": 1.2, \"kind\": \"exp\", \"policy\": \"fast\"}, \"q\": {\"block\": 128, \"format\": \"fp8e4m3\", \"granularity\": \"block\", \"scale\": \"fp32\"}, \"schedule\": {\"kv_stages\": null, \"p_publish\": \"halves\", \"q_stages\": 2, \"tile_m\": 128, \"tile_n\": 128, \"tmem_regions\": null}, \"softmax_scale\": null, \"source_file\": \"examples/sm90_fp8_train_d128.attn\", \"target\": \"sm90a\", \"v\": {\"block\": null, \"format\": \"fp8e4m3\", \"granularity\": \"tensor\", \"scale\": \"fp32\"}}, \"tmem\": null}"
+PLAN_JSON = "{\"backward\": {\"causal\": true, \"consumer_registers\": 240, \"deterministic\": false, \"dkv_output\": \"bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups\", \"dq_reduction\": \"bulk_reduce_fp32\", \"ds_stages\": 2, \"grad_formats\": [[\"dO\", \"fp8e4m3\"], [\"dP\", \"bf16\"], [\"dS\", \"bf16\"], [\"dQ\", \"bf16\"], [\"dK\", \"bf16\"], [\"dV\", \"bf16\"]], \"head_dim\": 128, \"mma_format\": \"bf16+fp8e4m3\", \"mma_warpgroups\": 2, \"mmas\": [{\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"S^T = K Q^T\", \"name\": \"S\", \"operand_format\": \"fp8e4m3\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"smem\", \"b_major\": \"K\", \"formula\": \"dP^T = V dO^T\", \"name\": \"dP\", \"operand_format\": \"fp8e4m3\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"K\", \"formula\": \"dV += P^T dO\", \"name\": \"dV\", \"operand_format\": \"fp8e4m3\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"K\", \"a_source\": \"registers\", \"b_major\": \"MN\", \"formula\": \"dK += dS^T Q\", \"name\": \"dK\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"keys: 64 per warpgroup\"}, {\"a_major\": \"MN\", \"a_source\": \"smem\", \"b_major\": \"MN\", \"formula\": \"dQ = dS K\", \"name\": \"dQ\", \"operand_format\": \"bf16\", \"warpgroup_split\": \"head dim: 64 columns per warpgroup\"}], \"notes\": [\"causal: bottom-right aligned (key j visible to query i iff j \u003c= i + Sk - Sq); a CTA skips the query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end\", \"dV = P^T dO in FP8: P as e4m3(2^8 P) from registers (queries permuted per 32, dO^T to match), dO and V with one fp32 scale per (batch, head); dS rounded to bf16; dP stays fp32 in registers\", \"S^T recomputed from the forward\u0027s FP8 Q/K payloads and 128-token block scales (bit-identical to the forward\u0027s P); dQ/dK read the bf16 Q/K\"], \"postprocess\": \"host: dQ = scale * dQ_accum, cast to bf16\", \"preprocess\": \"host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -\u003e +inf), padded to tile_m\", \"producer_registers\": 24, \"producer_warps\": 2, \"q_stages\": 2, \"registers_total\": 64512, \"reuse\": [\"k\", \"lse\", \"q\"], \"smem\": [{\"bytes\": 32768, \"detail\": \"128 keys x 128 bf16, loaded once per CTA; read MN-major by dQ\", \"name\": \"K\"}, {\"bytes\": 16384, \"detail\": \"128 keys x 128 fp8e4m3, loaded once per CTA (dP)\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"2 stages x 64 x 128 bf16; MN-major (dK)\", \"name\": \"Q\"}, {\"bytes\": 16384, \"detail\": \"2 stages x 64 x 128 fp8e4m3; K-major (dP)\", \"name\": \"dO\"}, {\"bytes\": 16384, \"detail\": \"128 keys x 128 fp8e4m3: the forward\u0027s payload, K-major (S)\", \"name\": \"K8\"}, {\"bytes\": 16384, \"detail\": \"2 stages x 64 x 128 fp8e4m3: the forward\u0027s payload, K-major (S)\", \"name\": \"Q8\"}, {\"bytes\": 16384, \"detail\": \"2 stages x 128 x 64 fp8e4m3, queries contiguous (dV, K-major)\", \"name\": \"dO^T\"}, {\"bytes\": 32768, \"detail\": \"2 x 128 keys x 64 queries (dS^T), MN-major A operand of dQ\", \"name\": \"dS\"}, {\"bytes\": 32768, \"detail\": \"64 x 128 fp32 staging tile in fragment order (16-byte stores, one contiguous bulk reduce)\", \"name\": \"dQ\"}, {\"bytes\": 1024, \"detail\": \"2 stages x 64 fp32 LSE2 and D rows, bulk-copied with Q/dO\", \"name\": \"LSE/D\"}, {\"bytes\": 48, \"detail\": \"K/V full+empty, Q/dO ring\", \"name\": \"mbarriers\"}], \"smem_bytes\": 214064, \"smem_limit\": 232448, \"threads\": 384, \"tile_m\": 64, \"tile_n\": 128}, \"contracts\": [{\"bits\": 8, \"block\": null, \"granularity\": \"token_block\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"Q\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"offline/host quantizer\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per 128 tokens x head_dim (per (batch, head)); applied to S in registers\", \"storage\": \"smem (TMA)\"}, {\"bits\": 8, \"block\": null, \"granularity\": \"token_block\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"K\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"offline/host quantizer\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per 128 tokens x head_dim (per (batch, head)); applied to S in registers\", \"storage\": \"smem (TMA ring)\"}, {\"bits\": 8, \"block\": null, \"granularity\": \"tensor\", \"major\": \"K-major\", \"notes\": [\"fp8 P in registers is permuted to the wgmma A-fragment layout (byte shuffles)\"], \"operand\": \"P\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"consumer warpgroups (exp2 on MUFU, then convert)\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per (batch, head); applied to S (Q, K) or O (P, V) in registers\", \"storage\": \"registers (wgmma A operand)\"}, {\"bits\": 8, \"block\": null, \"granularity\": \"tensor\", \"major\": \"K-major\", \"notes\": [], \"operand\": \"V\", \"payload\": \"fp8e4m3\", \"quantized_by\": \"offline/host quantizer writes V^T (fp8 wgmma B must be K-major)\", \"scale_dtype\": \"fp32\", \"scale_layout\": \"one fp32 per (batch, head); applied to S (Q, K) or O (P, V) in registers\", \"storage\": \"smem (TMA ring), stored transposed D x S\"}, {\"bits\": 16, \"block\": null, \"granularity\": \"none\", \"major\": \"row-major (B, S, H, D)\", \"notes\": [], \"operand\": \"O\", \"payload\": \"bf16\", \"quantized_by\": \"epilogue (O / l, converted)\", \"scale_dtype\": null, \"scale_layout\": \"none\", \"storage\": \"global (via smem, TMA store)\"}], \"cost\": {\"assumptions\": [\"tensor-core dense rates per SM per clock (2 FLOP per MAC): sm90a bf16/fp16 4096, fp8 8192 (989 TFLOP/s BF16 / 132 SMs / 1.83 GHz; i.e. 1024 per tensor core, 4 per SM); sm100a bf16 8192, fp8 and mixed mxf8f6f4 16384, fp4 (mxf4nvf4) 32768 (4x bf16)\", \"MUFU.EX2 16/clk/SM; FP32 FMA/FADD/FMNMX 128/clk/SM (FFMA2 not counted); integer/PRMT 64/clk/SM\", \"conversions (F2I/I2F, cvt fp32-\u003ee4m3x2 / e2m1x2 / bf16x2, 2 values each) 16 instr/clk/SM (a lead from the brief, to be checked in SASS)\", \"shared memory 128 B/clk/SM read by the MMAs (operands re-read per stage/warpgroup)\", \"TMEM ld/st 512 B/clk/SM (assumed); S loaded once, P stored once, O loaded+stored once per tile by the correction warps (worst case: the row max moved in every tile)\", \"TMA fill 64 B/clk/SM from L2 (K/V reused across CTAs); HBM not modelled\", \"exp path per score: 1 EX2, 3 FP32 ops (scale-subtract FFMA, row-sum FADD, max FMNMX), 1/2 cvt; block-scaled fp4 P adds 2 FP32 ops (block max, scale multiply); two-level adds 3\", \"Direct-P fast per score: 6 FP32 ops (affine x, classifier FFMA, 2 clamps, magic-number round, normaliser from the code), +1 block max for MX P; 1/4 PRMT to pack; no EX2, no cvt\", \"Direct-P accurate: fast path + 1 EX2 per 2 scores (the part computed with hardware EX2; a guess)\"], \"chosen\": \"exp\", \"event_cycles\": [[\"cp_sf\", 32], [\"epilogue\", 512.0], [\"load_k\", 256.0], [\"load_v\", 256.0], [\"pv\", 256.0], [\"pv_half\", 128.0], [\"qk\", 256.0], [\"rescale\", 64.0], [\"rowmax\", 64.0], [\"softmax\", 512.0]], \"paths\": [{\"bottleneck\": \"mma+mufu\", \"cycles_per_tile\": 1024.0, \"path\": \"exp\", \"serial_cycles\": 3584.0, \"units\": [{\"cycles\": 1024.0, \"detail\": \"QK wgmma.f8 (e4m3/e5m2 -\u003e f32) 512 + PV wgmma.f8 (e4m3/e5m2 -\u003e f32) 512\", \"unit\": \"mma\"}, {\"cycles\": 1024.0, \"detail\": \"16384 EX2\", \"unit\": \"mufu\"}, {\"cycles\": 384.0, \"detail\": \"3 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 512.0, \"detail\": \"0.5 cvt x 16384 scores\", \"unit\": \"cvt\"}, {\"cycles\": 0.0, \"detail\": \"-\", \"unit\": \"alu\"}, {\"cycles\": 640.0, \"detail\": \"81920 B of MMA operands\", \"unit\": \"smem\"}]}, {\"bottleneck\": \"mma\", \"cycles_per_tile\": 1024.0, \"path\": \"direct_p_fast\", \"serial_cycles\": 2496.0, \"units\": [{\"cycles\": 1024.0, \"detail\": \"QK wgmma.f8 (e4m3/e5m2 -\u003e f32) 512 + PV wgmma.f8 (e4m3/e5m2 -\u003e f32) 512\", \"unit\": \"mma\"}, {\"cycles\": 0.0, \"detail\": \"0.0 EX2 x 16384 scores\", \"unit\": \"mufu\"}, {\"cycles\": 768.0, \"detail\": \"6 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 0.0, \"detail\": \"codes from float arithmetic, no cvt\", \"unit\": \"cvt\"}, {\"cycles\": 64.0, \"detail\": \"1/4 PRMT x 16384 scores\", \"unit\": \"alu\"}, {\"cycles\": 640.0, \"detail\": \"81920 B of MMA operands\", \"unit\": \"smem\"}]}, {\"bottleneck\": \"mma\", \"cycles_per_tile\": 1024.0, \"path\": \"direct_p_accurate\", \"serial_cycles\": 3008.0, \"units\": [{\"cycles\": 1024.0, \"detail\": \"QK wgmma.f8 (e4m3/e5m2 -\u003e f32) 512 + PV wgmma.f8 (e4m3/e5m2 -\u003e f32) 512\", \"unit\": \"mma\"}, {\"cycles\": 512.0, \"detail\": \"0.5 EX2 x 16384 scores\", \"unit\": \"mufu\"}, {\"cycles\": 768.0, \"detail\": \"6 ops x 16384 scores\", \"unit\": \"fma\"}, {\"cycles\": 0.0, \"detail\": \"codes from float arithmetic, no cvt\", \"unit\": \"cvt\"}, {\"cycles\": 64.0, \"detail\": \"1/4 PRMT x 16384 scores\", \"unit\": \"alu\"}, {\"cycles\": 640.0, \"detail\": \"81920 B of MMA operands\", \"unit\": \"smem\"}]}], \"target\": \"sm90a\"}, \"events\": [{\"cost\": \"load_k\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_K\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"K_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"K_empty\", \"dj\": -2}], \"what\": \"TMA K tile into the smem ring\", \"writes\": []}, {\"cost\": \"load_v\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"LOAD_V\", \"reads\": [], \"resource\": null, \"role\": \"producer\", \"signals\": [\"V_full\"], \"stage\": null, \"waits\": [{\"barrier\": \"V_empty\", \"dj\": -2}], \"what\": \"TMA V tile into the smem ring (stored D x S)\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"S_full[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma0\", \"signals\": [\"O_done[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"P_full[0]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[0]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"qk\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"QK\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"S_full[1]\", \"K_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"K_full\", \"dj\": 0}], \"what\": \"wgmma S = Q K^T (registers)\", \"writes\": []}, {\"cost\": \"pv\", \"dj\": -1, \"last_tile_only\": false, \"name\": \"PV\", \"reads\": [], \"resource\": \"tensor\", \"role\": \"wgmma1\", \"signals\": [\"O_done[1]\", \"V_empty\"], \"stage\": 1, \"waits\": [{\"barrier\": \"P_full[1]\", \"dj\": 0}, {\"barrier\": \"O_rescaled[1]\", \"dj\": 0}, {\"barrier\": \"V_full\", \"dj\": 0}], \"what\": \"wgmma O += P V (P from registers)\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"S_full[0]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer0\", \"signals\": [\"P_full[0]\"], \"stage\": 0, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [\"O_rescaled[0]\"], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer0\", \"signals\": [], \"stage\": 0, \"waits\": [{\"barrier\": \"O_done[0]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}, {\"cost\": \"rowmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"ROWMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"S_full[1]\", \"dj\": 0}], \"what\": \"wgmma.wait for S; row max\", \"writes\": []}, {\"cost\": \"softmax\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"SOFTMAX\", \"reads\": [], \"resource\": \"cuda_cores\", \"role\": \"consumer1\", \"signals\": [\"P_full[1]\"], \"stage\": 1, \"waits\": [], \"what\": \"exp2 + convert, row sum, P to the A-fragment layout\", \"writes\": []}, {\"cost\": \"rescale\", \"dj\": 0, \"last_tile_only\": false, \"name\": \"RESCALE_O\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [\"O_rescaled[1]\"], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": -1}], \"what\": \"wait PV(j-1), rescale O in registers\", \"writes\": []}, {\"cost\": \"epilogue\", \"dj\": 0, \"last_tile_only\": true, \"name\": \"EPILOGUE\", \"reads\": [], \"resource\": null, \"role\": \"consumer1\", \"signals\": [], \"stage\": 1, \"waits\": [{\"barrier\": \"O_done[1]\", \"dj\": 0}], \"what\": \"O / l -\u003e smem -\u003e TMA store\", \"writes\": []}], \"mma\": [{\"a\": \"fp8e4m3(block=128, scale=fp32)\", \"a_major\": \"K-major\", \"a_source\": \"smem\", \"b\": \"fp8e4m3(block=128, scale=fp32)\", \"b_major\": \"K-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 8192, \"kind\": \"wgmma.f8 (e4m3/e5m2 -\u003e f32)\", \"name\": \"QK\", \"sf_block\": null, \"sf_dtype\": null}, {\"a\": \"fp8e4m3(scale=tensor)\", \"a_major\": \"K-major\", \"a_source\": \"registers\", \"b\": \"fp8e4m3(scale=tensor)\", \"b_major\": \"K-major\", \"b_source\": \"smem\", \"block_scaled\": false, \"flops_per_clk_sm\": 8192, \"kind\": \"wgmma.f8 (e4m3/e5m2 -\u003e f32)\", \"name\": \"PV\", \"sf_block\": null, \"sf_dtype\": null}], \"notes\": [], \"pipeline\": {\"kv_stages\": 2, \"mma_order\": \"per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) (intra-warpgroup overlap); the two consumers take turns on the tensor core (ping-pong)\", \"notes\": [], \"q_stages\": 2, \"registers_limit\": 65536, \"registers_total\": 64512, \"roles\": [{\"does\": \"one warp issues TMA loads of Q, K, V (the others idle)\", \"name\": \"producer\", \"registers\": 24, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 0..63, softmax and P in registers\", \"name\": \"consumer0\", \"registers\": 240, \"warps\": 4}, {\"does\": \"wgmma QK^T / PV on query rows 64..127, softmax and P in registers\", \"name\": \"consumer1\", \"registers\": 240, \"warps\": 4}], \"smem\": [{\"bytes\": 16384, \"detail\": \"128x128 fp8e4m3\", \"name\": \"Q\"}, {\"bytes\": 32768, \"detail\": \"2 x 128x128 fp8e4m3\", \"name\": \"K\"}, {\"bytes\": 32768, \"detail\": \"2 x 128x128 fp8e4m3 (transposed)\", \"name\": \"V\"}, {\"bytes\": 32768, \"detail\": \"128x128 bf16 (epilogue staging)\", \"name\": \"O\"}, {\"bytes\": 80, \"detail\": \"10 mbarriers\", \"name\": \"barriers\"}], \"smem_bytes\": 114768, \"smem_limit\": 232448, \"tile_m\": 128, \"tile_n\": 128}, \"publish\": {\"mode\": \"whole\", \"notes\": [\"sm90a: P stays in the consumer\u0027s registers (wgmma A operand); halves do not apply, P is handed over whole\"], \"parts\": [{\"barrier\": \"P_full\", \"index\": 1, \"keys\": [0, 127], \"p_columns\": null, \"unblocks\": \"the whole PV MMA; after it the stage\u0027s S is free\", \"with_scales\": false}], \"s_free_after\": \"the PV wgmma has read P from the consumer\u0027s registers (wgmma.wait_group)\"}, \"sm90\": {\"consumer_registers\": 240, \"consumer_warpgroups\": 2, \"intra_warpgroup_overlap\": true, \"kv_stages\": 2, \"l_from_mma\": false, \"pingpong\": true, \"producer_registers\": 24, \"smem_bytes\": 114768, \"tile_m\": 128, \"tile_n\": 128, \"v_transposed\": true}, \"spec\": {\"backward\": {\"deterministic\": false, \"formats\": {\"dO\": {\"block\": null, \"format\": \"fp8e4m3\", \"granularity\": \"tensor\", \"scale\": \"fp32\"}}, \"reuse\": [\"k\", \"lse\", \"q\"]}, \"guard\": {\"kind\": \"none\", \"l\": 0, \"m\": 0}, \"head_dim\": 128, \"k\": {\"block\": 128, \"format\": \"fp8e4m3\", \"granularity\": \"block\", \"scale\": \"fp32\"}, \"locs\": {\"K\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 28}, \"K.block\": {\"col\": 15, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 28}, \"O\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 31}, \"P\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 29}, \"P.via\": {\"col\": 19, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 29}, \"Q\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 27}, \"Q.block\": {\"col\": 15, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 27}, \"V\": {\"col\": 7, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 30}, \"V.scale\": {\"col\": 15, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 30}, \"backward\": {\"col\": 3, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 35}, \"backward.dO\": {\"col\": 10, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 37}, \"backward.deterministic\": {\"col\": 19, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 38}, \"backward.reuse\": {\"col\": 5, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 36}, \"head_dim\": {\"col\": 12, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 25}, \"mask\": {\"col\": 12, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 26}, \"name\": {\"col\": 11, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 23}, \"schedule\": {\"col\": 3, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 32}, \"schedule.tile\": {\"col\": 10, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 33}, \"target\": {\"col\": 12, \"file\": \"examples/sm90_fp8_train_d128.attn\", \"line\": 24}}, \"mask\": \"causal\", \"name\": \"sm90_fp8_train_causal_d128\", \"o\": {\"block\": null, \"format\": \"bf16\", \"granularity\": \"none\", \"scale\": null}, \"p\": {\"block\": null, \"format\": \"fp8e4m3\", \"granularity\": \"tensor\", \"scale\": \"fp32\"}, \"p_production\": {\"a\": 1.5, \"b\": 1.2, \"kind\": \"exp\", \"policy\": \"fast\"}, \"q\": {\"block\": 128, \"format\": \"fp8e4m3\", \"granularity\": \"block\", \"scale\": \"fp32\"}, \"schedule\": {\"kv_stages\": null, \"p_publish\": \"halves\", \"q_stages\": 2, \"tile_m\": 128, \"tile_n\": 128, \"tmem_regions\": null}, \"softmax_scale\": null, \"source_file\": \"examples/sm90_fp8_train_d128.attn\", \"target\": \"sm90a\", \"v\": {\"block\": null, \"format\": \"fp8e4m3\", \"granularity\": \"tensor\", \"scale\": \"fp32\"}}, \"tmem\": null}"
 
 HEAD_DIM = 128
 CAUSAL = True
@@ -194,7 +194,7 @@ class Sm90Fp8TrainCausalD128Sm90Fwd:
         head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
         seqlen_q = mQ.shape[0]
         n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-        # examples/sm90_fp8_train_d128.attn:21: mask     causal
+        # examples/sm90_fp8_train_d128.attn:26: mask     causal
         n_block_max = cutlass.min(
             n_block_max, cute.ceil_div((m_block + 1) * self.tile_m + causal_offset, self.tile_n))
         n_block_max = cutlass.max(n_block_max, 0)
@@ -289,7 +289,7 @@ class Sm90Fp8TrainCausalD128Sm90Fwd:
         acc_O.fill(0.0)
         pv_l = None
 
-        # examples/sm90_fp8_train_d128.attn:22: Q : fp8e4m3(block=128) / examples/sm90_fp8_train_d128.attn:23: K : fp8e4m3(block=128): x = s * (scale_q * scale_k * softmax_scale * log2 e)
+        # examples/sm90_fp8_train_d128.attn:27: Q : fp8e4m3(block=128) / examples/sm90_fp8_train_d128.attn:28: K : fp8e4m3(block=128): x = s * (scale_q * scale_k * softmax_scale * log2 e)
         q_mult = mSQ[batch, head, m_block] * softmax_scale_log2
         out_mult = mSV[batch, head_kv]  # O = O_acc * scale_v / l (l at P's 2^8 scale)
         row0 = m_block * self.tile_m
@@ -344,7 +344,7 @@ class Sm90Fp8TrainCausalD128Sm90Fwd:
 
     @cute.jit
     def store_p(self, acc_S, tOrP):
-        # examples/sm90_fp8_train_d128.attn:24: P : fp8e4m3 via exp
+        # examples/sm90_fp8_train_d128.attn:29: P : fp8e4m3 via exp
         dlayout.pack_p_fp8(acc_S, tOrP, False)
 
     @cute.jit
@@ -550,7 +550,7 @@ def _v_operand(v8):
     return vt.index_select(3, idx).contiguous().view(torch.float8_e4m3fn)
 
 
-def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False):
+def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False, transposed_qk: bool = False):
     """bf16 q, k, v -> the kernel's FP8 operands (q8, k8, vt8, scale_q, scale_k, scale_v).
 
     ``fast``: on CUDA, the fused CuTe DSL quantizer (fp4gen.device.quantize: 4 launches,
@@ -558,14 +558,21 @@ def quantize_inputs(q, k, v, fast: bool = True, for_backward: bool = False):
     take (not on CUDA, other head dims), use the torch path below.
     ``for_backward``: a seventh tensor, v8, V's payload in its own (B, Sk, Hkv, D) layout,
     written by the same pass; an FP8 backward given these ``prepared`` reads it instead of
-    quantizing V again.
+    quantizing V again. ``transposed_qk`` (with ``for_backward``): two more, the transposed
+    copies of Q's and K's payloads that a backward with FP8 dS reads
+    (``fp4gen.device.quantize.TRANSPOSED_TILES``), written by the same Q and K passes.
     """
+    if transposed_qk and not for_backward:
+        raise ValueError("quantize_inputs: transposed_qk=True needs for_backward=True")
     if fast and q.is_cuda and HEAD_DIM in _dquant.SUPPORTED_HEAD_DIMS:
-        return _dquant.quantize_inputs(q, k, v, for_backward=for_backward)
+        return _dquant.quantize_inputs(q, k, v, for_backward=for_backward, transposed_qk=transposed_qk)
     q8, sq = _quantize(q, True)
     k8, sk = _quantize(k, True)
     v8, sv = _quantize(v, False)
-    return (q8, k8, _v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
+    out = (q8, k8, _v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
+    if transposed_qk:
+        out += (_dquant.transposed_operand(q8, "q"), _dquant.transposed_operand(k8, "k"))
+    return out
 
 
 def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
@@ -633,7 +640,7 @@ def run_prepared(ins, o, lse, seqlen_k, softmax_scale, causal_offset=0):
 
 # ====================================================================== backward
 # sm90_fp8_train_causal_d128 backward: FA2/FA3 order (a CTA owns 128 keys, walks the query tiles).
-# examples/sm90_fp8_train_d128.attn:30: backward {
+# examples/sm90_fp8_train_d128.attn:35: backward {
 #   tiles: 64 queries x 128 keys, 2 MMA warpgroups + a TMA warp and a dQ warp, Q/dO stages 2, dS stages 2, SMEM 214064 B
 #   MMAs: S^T = K Q^T (A smem); dP^T = V dO^T (A smem); dV += P^T dO (A registers); dK += dS^T Q (A registers); dQ = dS K (A smem)
 #   dQ: bulk_reduce_fp32; dK/dV: bf16 (dK scaled) when H == Hkv; GQA: fp32 per query head, host sums groups
@@ -668,8 +675,11 @@ _BWD_DTYPE = cutlass.BFloat16
 _BWD_FP8 = cutlass.Float8E4M3FN
 BWD_S_FP8 = True  # S^T = K Q^T from the forward's FP8 Q/K payloads (reuse q k)
 BWD_DO_FP8 = True  # dP^T = V dO^T and dV += P^T dO with FP8 dO, V, P (dO : fp8e4m3)
+BWD_DS_FP8 = False  # dQ = dS K and dK += dS^T Q with FP8 dS and the forward's Q/K payloads (dS : fp8e4m3)
 _BWD_S_DTYPE = _BWD_FP8
 _BWD_DO_DTYPE = _BWD_FP8
+# dQ = dS K and dK += dS^T Q: the dS tile and their B operands (K, Q)
+_BWD_DS_DTYPE = _BWD_DTYPE
 _BWD_QUANT_BLOCK = 128  # tokens per FP8 Q/K scale (the forward's quantizer)
 _BWD_P_SCALE = 256.0  # FP8 P is produced as 2^8 P (numerics: P_FP8_SCALE)
 _BWD_P_LOG2_SCALE = 8.0
@@ -741,6 +751,14 @@ def _bwd_t(x):
     return cute.composition(x, cute.make_ordered_layout(shape, order=order))
 
 
+def _bwd_tiles_view(t):
+    """A transposed FP8 payload stored as one contiguous D x T block per tile of T tokens,
+    (B, H, tiles, D, T) -> the kernel's view (d, (token in tile, tile), head, batch)."""
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        (t.shape[3], (t.shape[4], t.shape[2]), t.shape[1], t.shape[0]),
+        stride=(t.stride[3], (t.stride[4], t.stride[2]), t.stride[1], t.stride[0])))
+
+
 class Sm90Fp8TrainCausalD128Sm90Bwd:
     """dK, dV (and the dQ contribution) of 128 keys of one (batch, head) per CTA.
 
@@ -786,9 +804,7 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
         mQ8, mK8 = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ8, mK8)]
         # dO^T (B, H, Sqp / 64, D, 64): one contiguous D x 64 block per query tile
         # -> (d, (query in tile, tile), head, batch), queries contiguous within a tile
-        mdOt = cute.make_tensor(mdOt.iterator, cute.make_layout(
-            (mdOt.shape[3], (mdOt.shape[4], mdOt.shape[2]), mdOt.shape[1], mdOt.shape[0]),
-            stride=(mdOt.stride[3], (mdOt.stride[4], mdOt.stride[2]), mdOt.stride[1], mdOt.stride[0])))
+        mdOt = _bwd_tiles_view(mdOt)
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: keys are M (64 per warpgroup), queries N
         mma_s = [
@@ -815,10 +831,10 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
             for _ in range(2)
         ]
         sQ_layout = _bwd_smem_layout(_BWD_DTYPE, bm, d, d, BWD_Q_STAGES)
-        sdO_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bm, d, d, BWD_Q_STAGES)
         sK_layout = _bwd_smem_layout(_BWD_DTYPE, bn, d, d // 2)
-        sV_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bn, d, d)
         sdS_layout = _bwd_smem_layout(_BWD_DTYPE, bn, bm, bm, BWD_DS_STAGES)
+        sdO_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bm, d, d, BWD_Q_STAGES)
+        sV_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bn, d, d)
         sQ8_layout = _bwd_smem_layout(_BWD_FP8, bm, d, d, BWD_Q_STAGES)
         sK8_layout = _bwd_smem_layout(_BWD_FP8, bn, d, d)
         sdOt_layout = _bwd_smem_layout(_BWD_FP8, d, bm, bm, BWD_Q_STAGES)
@@ -829,12 +845,12 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
             return cpasync.make_tiled_tma_atom(g2s, src, cute.select(layout, mode=[0, 1]) if staged else layout, tile)
 
         tma_atom_Q, tma_Q = tma(mQ, sQ_layout, (bm, d), True)
-        tma_atom_dO, tma_dO = tma(mdO, sdO_layout, (bm, d), True)
         tma_atom_K, tma_K = tma(mK, sK_layout, (bn, d), False)
+        tma_atom_dO, tma_dO = tma(mdO, sdO_layout, (bm, d), True)
         tma_atom_V, tma_V = tma(mV, sV_layout, (bn, d), False)
-        self.qdo_bytes = (cute.size_in_bytes(_BWD_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
+        self.qdo_bytes = (cute.size_in_bytes(_BWD_DS_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
                           + cute.size_in_bytes(_BWD_DO_DTYPE, cute.select(sdO_layout, mode=[0, 1])))
-        self.kv_bytes = cute.size_in_bytes(_BWD_DTYPE, sK_layout) + cute.size_in_bytes(_BWD_DO_DTYPE, sV_layout)
+        self.kv_bytes = cute.size_in_bytes(_BWD_DS_DTYPE, sK_layout) + cute.size_in_bytes(_BWD_DO_DTYPE, sV_layout)
         self.qdo_bytes += 2 * bm * 4  # the stage's LSE2 and D rows (fp32)
         tma_atom_Q8, tma_Q8 = tma(mQ8, sQ8_layout, (bm, d), True)
         tma_atom_K8, tma_K8 = tma(mK8, sK8_layout, (bn, d), False)
@@ -847,11 +863,11 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * BWD_Q_STAGES]
-            sK: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sK_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sQ_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[_BWD_DTYPE, cute.cosize(sdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, _BWD_DQ_TILE_FLOATS], 128]
             # LSE2 and D of each Q/dO stage's queries, loaded with the stage (no global loads in the loop)
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bm * BWD_Q_STAGES], 128]
@@ -866,6 +882,7 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_Q8, tma_Q8, tma_atom_K8, tma_K8, mScaleQ, mScaleK,
             tma_atom_dOt, tma_dOt, mScaleV, mScaledO,
+
             mLSE2, mDsum, mdQacc, mdK, mdV,
             mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
@@ -949,24 +966,26 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
         sdOt = storage.sdOt.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
 
         n_block, head, batch = cute.arch.block_idx()
-        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
+        # shapes from dO and V, whose tiles are never the transposed copies: (seq, d, head, batch)
+        head_kv = head // (mdO.shape[2] // mV.shape[2])  # GQA: H % Hkv == 0
+        seqlen_q = mdO.shape[0]
+        seqlen_k = mV.shape[0]
         m_block_max = cute.ceil_div(seqlen_q, BWD_TILE_M)
-        # examples/sm90_fp8_train_d128.attn:21: mask     causal
+        # examples/sm90_fp8_train_d128.attn:26: mask     causal
         # key j is seen by queries i >= j - causal_offset: skip the query tiles above the diagonal
         m_block_min = cutlass.max(n_block * BWD_TILE_N - causal_offset, 0) // BWD_TILE_M
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
             if warp_idx == 0:
-                loads_kv = [(tma_atom_K, mK, sK, head_kv), (tma_atom_V, mV, sV, head_kv)]
-                loads_q = [(tma_atom_Q, mQ, sQ, head), (tma_atom_dO, mdO, sdO, head)]
-                loads_kv.append((tma_atom_K8, mK8, sK8, head_kv))
-                loads_q.append((tma_atom_Q8, mQ8, sQ8, head))
-                self.producer(loads_kv, loads_q, (tma_atom_dOt, mdOt, sdOt, head),
-                              (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head, batch,
-                              m_block_min, m_block_max)
+                # (atom, gmem, smem, head, transposed: the tile is d x tokens)
+                loads_kv = [(tma_atom_K, mK, sK, head_kv, BWD_DS_FP8), (tma_atom_V, mV, sV, head_kv, False)]
+                loads_q = [(tma_atom_Q, mQ, sQ, head, BWD_DS_FP8), (tma_atom_dO, mdO, sdO, head, False)]
+                loads_kv.append((tma_atom_K8, mK8, sK8, head_kv, False))
+                loads_q.append((tma_atom_Q8, mQ8, sQ8, head, False))
+                loads_q.append((tma_atom_dOt, mdOt, sdOt, head, True))
+                self.producer(loads_kv, loads_q, (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head,
+                              batch, m_block_min, m_block_max)
             if warp_idx == 1:
                 self.dq_writer(sdQ, mdQacc, None, batch, head, n_block,
                                m_block_min, m_block_max)
@@ -989,12 +1008,12 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
             self.consumer(
                 (mma_s0, mma_s1), (mma_dp0, mma_dp1), mma_dv, mma_dk, (mma_q0, mma_q1),
                 sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdOt, pipe_kv, pipe_qdo,
-                sLSE, sDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
+                sLSE, sDsum, None, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
                 m_block_min, m_block_max, seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx - 128)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def producer(self, loads_kv, loads_q, load_dot, rows_g, rows_s, pipe_kv, pipe_qdo, n_block, head, batch,
+    def producer(self, loads_kv, loads_q, rows_g, rows_s, pipe_kv, pipe_qdo, n_block, head, batch,
                  m_block_min, m_block_max):
         """One warp: this CTA's key-side tiles (K, V, K8) once, then the query-side tiles
         (Q, dO, Q8, dO^T) and rows (LSE2, D) of each query tile into the ring,
@@ -1002,16 +1021,15 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
         d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
         one = cute.make_layout(1)
 
-        def partition(load, tile, coord):
-            atom, g, s, h = load
+        def partition(load, tokens, index):
+            atom, g, s, h, transposed = load
+            tile, coord = ((d, tokens), (0, index)) if transposed else ((tokens, d), (index, 0))
             gt = cute.local_tile(g[None, None, h, batch], tile, coord)
             ts, tg = cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(gt, 0, 2))
             return atom, ts, tg
 
-        kv = [partition(x, (bn, d), (n_block, 0)) for x in loads_kv]
-        qs = [partition(x, (bm, d), (None, 0)) for x in loads_q]
-        if cutlass.const_expr(load_dot is not None):
-            qs.append(partition(load_dot, (d, bm), (0, None)))  # dO^T tiles run along the queries
+        kv = [partition(x, bn, n_block) for x in loads_kv]
+        qs = [partition(x, bm, None) for x in loads_q]  # indexed by the query tile below
         if m_block_min < m_block_max:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
@@ -1035,7 +1053,7 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
     def consumer(self, mma_s, mma_dp, mma_dv, mma_dk, mma_q, sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdOt,
-                 pipe_kv, pipe_qdo, sLSE, sDsum, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
+                 pipe_kv, pipe_qdo, sLSE, sDsum, sDsMax, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
                  n_block, head, batch, m_block_min, m_block_max,
                  seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx):
         d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
@@ -1099,8 +1117,9 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
                 q0 = m_block * bm
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-                # examples/sm90_fp8_train_d128.attn:31: reuse q k lse: S^T from the forward's FP8 payloads, their scales folded into c
-                score_scale = (mScaleQ[batch, head, q0 // _BWD_QUANT_BLOCK] * scale_k) * softmax_scale_log2
+                # examples/sm90_fp8_train_d128.attn:36: reuse q k lse: S^T from the forward's FP8 payloads, their scales folded into c
+                scale_q = mScaleQ[batch, head, q0 // _BWD_QUANT_BLOCK]
+                score_scale = (scale_q * scale_k) * softmax_scale_log2
                 pipe_qdo.consumer_wait(state)
                 self.gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, state.index])
                 self.gemm(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, state.index])
@@ -1326,6 +1345,12 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     # D_i = rowsum(dO * O), a zeroed fp32 dQ accumulator; padded to whole query tiles.
     # On CUDA one fused kernel (fp4gen.device.bwd_prep); the torch path is the same
     # arithmetic for CPU tensors (the host tests emulate the kernel there).
+    # examples/sm90_fp8_train_d128.attn:36: reuse q k lse: the forward's FP8 Q/K payloads and block scales
+    if prepared is not None:
+        q8, k8, scale_q, scale_k = prepared[0], prepared[1], prepared[3], prepared[4]
+    else:
+        q8, scale_q = _bwd_dquant.quantize_blockwise(q)
+        k8, scale_k = _bwd_dquant.quantize_blockwise(k)
     # dO in FP8, one scale per (batch, head), in both layouts: natural (for dP) and dO^T
     # (queries contiguous, permuted per 32 like the FP8 forward's V^T, for dV); D_i from the
     # dequantized dO, which is what dP sees. Two passes over dO: its amax, then everything else.
@@ -1338,11 +1363,6 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     else:
         v_in = _bwd_prep.quantize_per_head(v, scale_v)
     extra = ()  # the FP8 operands and their scales, in the kernel's argument order
-    if prepared is not None:
-        q8, k8, scale_q, scale_k = prepared[0], prepared[1], prepared[3], prepared[4]
-    else:
-        q8, scale_q = _bwd_dquant.quantize_blockwise(q)
-        k8, scale_k = _bwd_dquant.quantize_blockwise(k)
     extra += (q8, k8, scale_q.contiguous(), scale_k.contiguous())
     extra += (dot8, scale_v.contiguous(), scale_do.contiguous())
     dq_bufs = (dq_acc,)

@@ -40,11 +40,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from . import ptx
 from . import quantize as _quantize
 from .layout import FP8_P_KEY_PERM
 from .quantize import (BLOCK, _asm, _block_max, _struct, _use_tvm_ffi, _words, compile_once, keep_if, launch,
-                       ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, st_v4, transpose_tile_setup, umax)
+                       ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, store_transposed_tile,
+                       transpose_tile_setup, umax)
 
 THREADS = 256
 DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
@@ -139,31 +139,6 @@ def _finish_row(acc: Float32, vpr: cutlass.Constexpr, d: cutlass.Constexpr, s, v
         z = Uint32(0)
         st_v4_pred(base, z, z, z, z, Int32(1))
         st_v4_pred(base + 16, z, z, z, z, Int32(1))
-
-
-@cute.jit
-def _store_transposed(s_bytes: cute.Tensor, mT: cute.Tensor, tile, d: cutlass.Constexpr, batch, head, H, tidx):
-    """A CTA's quantized tile, DQ_TILE_M tokens x ``d`` bytes in SMEM (token-major), written to
-    ``mT`` (B, H, tiles, d, DQ_TILE_M) as its transpose with the tokens permuted inside every 32
-    by FP8_P_KEY_PERM (the FP8 PV operand's layout, as ``quantize._VTranspose`` writes V^T), one
-    contiguous d x DQ_TILE_M block per tile: the backward kernel loads exactly that block per
-    query tile, and the CTA's writes land in one 8 KiB run instead of d rows a sequence apart.
-    One job = 32 consecutive output bytes of one d row: lanes take consecutive d, so the byte
-    gathers of a warp hit 32 consecutive bytes of one token row (no bank conflicts)."""
-    jobs = (DQ_TILE_M // 32) * d
-    base = mT.iterator.toint() + ((Int64(batch) * H + head) * mT.shape[2] + tile) * (d * DQ_TILE_M)
-    for i in cutlass.range_constexpr((jobs + THREADS - 1) // THREADS):
-        j = tidx + i * THREADS
-        dd = j % d
-        g = j // d
-        if j < jobs:
-            out = []
-            for p4 in cutlass.range_constexpr(8):
-                b = [Uint32(s_bytes[(g * 32 + FP8_P_KEY_PERM[4 * p4 + e]) * d + dd]) for e in range(4)]
-                out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
-            addr = base + dd * DQ_TILE_M + g * 32
-            st_v4(addr, out[0], out[1], out[2], out[3])
-            st_v4(addr + 16, out[4], out[5], out[6], out[7])
 
 
 class _Rows:
@@ -301,7 +276,9 @@ class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
             _finish_row(acc, self.vpr, d, s, valid, col, batch, head, H, mLSE, mLSE2, mDsum, mdQacc)
         cute.arch.sync_threads()
 
-        _store_transposed(s_bytes, mdOt, tile, d, batch, head, H, tidx)
+        # dO^T in the FP8 PV operand's layout (as _VTranspose writes V^T), one D x 64 block per
+        # query tile: the backward kernel loads exactly that block per tile
+        store_transposed_tile(s_bytes, mdOt, tile, d, batch, head, H, tidx, DQ_TILE_M, FP8_P_KEY_PERM)
 
 
 class _Post:

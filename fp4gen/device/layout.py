@@ -55,6 +55,15 @@ def _fp8_perm():
 FP8_P_KEY_PERM = _fp8_perm()
 
 
+# FP8 dQ = dS K (backward): position p (0..31 within each 32-key group) of K^T holds key
+# FP8_DS_KEY_PERM[p] of that group. The backward stores FP8 dS from the wgmma accumulator
+# with ``stmatrix ... .trans.b16``, whose 16-bit units must come from one thread; a thread
+# holds accumulator rows (keys) r and r + 8, so its packed pair puts key r + 8 right after
+# key r within every 16 keys (0, 8, 1, 9, ..., 7, 15), and K^T, the B operand of dQ = dS K,
+# must have its keys in that order.
+FP8_DS_KEY_PERM = tuple(16 * (p // 16) + (p % 16) // 2 + 8 * (p % 2) for p in range(32))
+
+
 def store_p_bf16(acc_s: cute.Tensor, frg_p: cute.Tensor):
     """P (fp32 in the accumulator) -> BF16 A fragment; register orders coincide."""
     as_acc = cute.make_tensor(frg_p.iterator, acc_s.layout)

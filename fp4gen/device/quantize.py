@@ -8,6 +8,9 @@ produces on CUDA (the Hopper FP8 contract, docs/numerics.md section 4):
 - V (B, S, Hkv, D) bf16 -> V^T (B, Hkv, D, Skp) e4m3, Skp = S rounded up to 32, keys
   permuted inside every 32-key group by ``layout.FP8_P_KEY_PERM`` (padded keys are byte 0)
   + fp32 scale (B, Hkv), one per (batch, head).
+- For the FP8 backward, optionally, Q's or K's payload also transposed (``TRANSPOSED_TILES``):
+  (B, H, tiles, D, tokens), one contiguous D x tokens block per tile, tokens permuted per 32
+  (Q^T: 64-token tiles, ``FP8_P_KEY_PERM``; K^T: 128-token tiles, ``FP8_DS_KEY_PERM``).
 
 Arithmetic (the same fp32 operations, in the same order, as the torch code on CUDA):
 
@@ -31,7 +34,9 @@ bf16 subnormals are kept (scales may be fp32 subnormals).
 Kernels (all memory bound; one CTA of 256 threads per 128 tokens of one (batch, head)):
 
 1. ``_BlockQuant``: Q or K. Loads its 128 x D tile once into registers (16-byte loads),
-   reduces amax (warp shuffles + shared memory), writes the scale and the payload.
+   reduces amax (warp shuffles + shared memory), writes the scale and the payload; with a
+   transposed copy (``with_transposed``), also stages the quantized tile in shared memory and
+   writes it transposed (``store_transposed_tile``, shared with ``bwd_prep._PreFp8``).
 2. ``_BlockQuant(amax_only)``: the same pass over V, writing only the 128-token amax
    bit patterns (B, Hkv, nb) int32: no atomics, no zero-fill, deterministic.
 3. ``_VTranspose``: each CTA reduces V's nb partial amaxes of its (batch, head) into the
@@ -50,7 +55,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from . import ptx
-from .layout import FP8_P_KEY_PERM
+from .layout import FP8_DS_KEY_PERM, FP8_P_KEY_PERM
 
 BLOCK = 128  # tokens per Q/K scale and keys per V^T tile (numerics contract)
 THREADS = 256
@@ -59,6 +64,13 @@ SCALE_BY_RECIPROCAL = True  # see the module docstring: torch-on-CUDA semantics 
 _R448_BITS = struct.unpack("<I", struct.pack("<f", 1.0 / E4M3_MAX))[0]  # fl32(1/448) = 0x3B124925
 _448_BITS = struct.unpack("<I", struct.pack("<f", E4M3_MAX))[0]
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# The transposed copies of Q and K that the FP8 backward reads (K-major B operands of its FP8
+# wgmma), by operand: (tokens per tile, order of the tokens inside every 32, ``layout``). Each
+# tile is one contiguous (D, tokens) block of a (B, H, tiles, D, tokens) tensor, tokens past S
+# are byte 0. "q": Q^T for dK = dS^T Q, in 64-query tiles and P's FP8 order, the layout of the
+# backward's dO^T (``bwd_prep.dot_tiles``); "k": K^T for dQ = dS K, one tile per 128-key
+# block, in the key order of FP8 dS's transposed stmatrix stores.
+TRANSPOSED_TILES = {"q": (64, FP8_P_KEY_PERM), "k": (BLOCK, FP8_DS_KEY_PERM)}
 
 
 # ------------------------------------------------------------------ PTX wrappers
@@ -182,6 +194,33 @@ def transpose_tile_setup(rows: cutlass.Constexpr, d: cutlass.Constexpr):
 
 
 @cute.jit
+def store_transposed_tile(s_bytes: cute.Tensor, mT: cute.Tensor, tile, d: cutlass.Constexpr, batch, head, H, tidx,
+                          tokens: cutlass.Constexpr, perm: cutlass.Constexpr):
+    """A CTA's quantized tile, ``tokens`` tokens x ``d`` bytes in SMEM (token-major, d contiguous,
+    from ``s_bytes``' start), written to ``mT`` (B, H, tiles, d, tokens) as its transpose, one
+    contiguous d x ``tokens`` block per tile, with the tokens permuted inside every 32 by
+    ``perm`` (position p of a group holds its token perm[p]: the register order of the FP8 MMA
+    that reads it, ``layout``). One block per tile because a consumer loads exactly that block
+    per tile, and the CTA's writes then land in one run instead of d rows a sequence apart.
+    One job = 32 consecutive output bytes of one d row: lanes take consecutive d, so the byte
+    gathers of a warp hit 32 consecutive bytes of one token row (no bank conflicts)."""
+    jobs = (tokens // 32) * d
+    base = mT.iterator.toint() + ((Int64(batch) * H + head) * mT.shape[2] + tile) * (d * tokens)
+    for i in cutlass.range_constexpr((jobs + THREADS - 1) // THREADS):
+        j = tidx + i * THREADS
+        dd = j % d
+        g = j // d
+        if j < jobs:
+            out = []
+            for p4 in cutlass.range_constexpr(8):
+                b = [Uint32(s_bytes[(g * 32 + perm[4 * p4 + e]) * d + dd]) for e in range(4)]
+                out.append(ptx.pack_low_bytes4(b[0], b[1], b[2], b[3]))
+            addr = base + dd * tokens + g * 32
+            st_v4(addr, out[0], out[1], out[2], out[3])
+            st_v4(addr + 16, out[4], out[5], out[6], out[7])
+
+
+@cute.jit
 def _block_max(m: Uint32, red: cute.Tensor, tidx: Int32) -> Uint32:
     """Max of ``m`` over the CTA (THREADS threads); ``red`` holds THREADS // 32 words."""
     for off in cutlass.range_constexpr(5):
@@ -200,28 +239,47 @@ def _block_max(m: Uint32, red: cute.Tensor, tidx: Int32) -> Uint32:
 
 class _BlockQuant:
     """Q/K: per (batch, head, 128-token block) scale + payload; or (``amax_only``) the
-    block amax bit patterns only (V's first pass)."""
+    block amax bit patterns only (V's first pass). With ``transposed`` ("q" or "k"), the
+    ``with_transposed`` entry point also writes the block's payload transposed, in the FP8
+    backward's layout of that operand (``TRANSPOSED_TILES``), from the same read of the input:
+    the 128 quantized tokens are staged in SMEM, then written by ``store_transposed_tile``."""
 
-    def __init__(self, head_dim: int, amax_only: bool):
+    def __init__(self, head_dim: int, amax_only: bool, transposed: str | None = None):
+        if transposed is not None and (amax_only or transposed not in TRANSPOSED_TILES):
+            raise ValueError(f"_BlockQuant: transposed must be one of {sorted(TRANSPOSED_TILES)} "
+                             f"(and needs a payload); got {transposed!r} with amax_only={amax_only}")
         self.d = head_dim
         self.amax_only = amax_only
+        self.transposed = transposed
         self.vpr = head_dim // 8  # 16-byte vectors per token row
         self.rpi = THREADS // self.vpr  # token rows per pass of the CTA
         self.iters = BLOCK // self.rpi
+
+    @staticmethod
+    def _grid(mX: cute.Tensor, mS: cute.Tensor):
+        return (cute.size(mS.shape[2]), cute.size(mX.shape[2]), cute.size(mX.shape[0]))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, stream):
         # mX (B, S, H, D) bf16; mY (B, S, H, D) uint8 (e4m3 bits; unused if amax_only);
         # mS (B, H, nb): fp32 scales, or int32 amax bits if amax_only
-        grid = (cute.size(mS.shape[2]), cute.size(mX.shape[2]), cute.size(mX.shape[0]))
-        self.kernel(mX, mY, mS).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mX, mY, mS, None).launch(grid=self._grid(mX, mS), block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def with_transposed(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, mYt: cute.Tensor, stream):
+        # as __call__, plus mYt (B, H, nb * 128 / tokens, D, tokens) uint8, tokens and their
+        # order per 32 from TRANSPOSED_TILES[self.transposed]
+        self.kernel(mX, mY, mS, mYt).launch(grid=self._grid(mX, mS), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, mYt):
         tidx, _, _ = cute.arch.thread_idx()
         blk, head, batch = cute.arch.block_idx()
         smem = SmemAllocator()
         red = smem.allocate_tensor(Uint32, cute.make_layout(THREADS // 32), byte_alignment=16)
+        staged = mYt is not None  # the block's quantized tokens go through SMEM for mYt
+        if cutlass.const_expr(staged):
+            s_words = smem.allocate_tensor(Uint32, cute.make_layout(BLOCK * self.d // 4), byte_alignment=16)
 
         S = mX.shape[1]
         H = mX.shape[2]
@@ -253,6 +311,21 @@ class _BlockQuant:
                 tok = (Int64(batch) * S + s) * H + head
                 q = quant8(vals[it * 4], vals[it * 4 + 1], vals[it * 4 + 2], vals[it * 4 + 3], scale)
                 st_v2_pred(y_base + tok * self.d + col * 8, q[0], q[1], s < S)
+                if cutlass.const_expr(staged):
+                    # tokens past S are padding of the transposed copy: byte 0 whatever the scale
+                    r = it * self.rpi + row
+                    s_words[r * (self.d // 4) + col * 2] = keep_if(q[0], s < S)
+                    s_words[r * (self.d // 4) + col * 2 + 1] = keep_if(q[1], s < S)
+            if cutlass.const_expr(staged):
+                cute.arch.sync_threads()
+                s_bytes = cute.recast_tensor(s_words, cutlass.Uint8)
+                tokens, perm = TRANSPOSED_TILES[self.transposed]
+                per_block = BLOCK // tokens  # output tiles per 128-token block
+                for t in cutlass.range_constexpr(per_block):
+                    tile_bytes = cute.make_tensor(s_bytes.iterator + t * tokens * self.d,
+                                                  cute.make_layout(tokens * self.d))
+                    store_transposed_tile(tile_bytes, mYt, blk * per_block + t, self.d, batch, head, H, tidx,
+                                          tokens, perm)
 
 
 class _VTranspose:
@@ -342,6 +415,10 @@ class _VTranspose:
 # ------------------------------------------------------------------ host side
 
 _COMPILED: dict = {}
+# compile kinds of _BlockQuant with a transposed copy, by operand ("block_qt": Q^T, "block_kt": K^T)
+_BLOCK_T_OPERAND = {f"block_{op}t": op for op in TRANSPOSED_TILES}
+_BLOCK_T_KINDS = tuple(_BLOCK_T_OPERAND)
+_KINDS = ("block", "amax", "vt", "vt_nat") + _BLOCK_T_KINDS
 
 
 def _use_tvm_ffi() -> bool:
@@ -362,10 +439,14 @@ def _fake_args(kind: str, d: int):
     sym = cute.sym_int
     b, s, h, nb = sym(), sym(), sym(), sym()
     x = fake(cutlass.BFloat16, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    if kind == "block":
+    if kind in ("block",) + _BLOCK_T_KINDS:
         y = fake(cutlass.Uint8, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
         sc = fake(Float32, (b, h, nb), stride_order=(2, 1, 0), assumed_align=4)
-        return (x, y, sc)
+        if kind == "block":
+            return (x, y, sc)
+        tokens = TRANSPOSED_TILES[_BLOCK_T_OPERAND[kind]][0]
+        yt = fake(cutlass.Uint8, (b, h, sym(), d, tokens), stride_order=(4, 3, 2, 1, 0), assumed_align=16)
+        return (x, y, sc, yt)
     amax = fake(Int32, (b, h, nb), stride_order=(2, 1, 0), assumed_align=4)
     if kind == "amax":
         return (x, x, amax)
@@ -394,15 +475,17 @@ def _compile(kind: str, d: int, tvm_ffi=None):
     tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
     ops = {"block": lambda: _BlockQuant(d, False), "amax": lambda: _BlockQuant(d, True),
            "vt": lambda: _VTranspose(d), "vt_nat": lambda: _VTranspose(d, natural=True)}
+    for kind_t, op in _BLOCK_T_OPERAND.items():
+        ops[kind_t] = lambda op=op: _BlockQuant(d, False, transposed=op).with_transposed
     return compile_once(_COMPILED, (kind, d, tvm_ffi), ops[kind], lambda: _fake_args(kind, d), tvm_ffi)
 
 
 def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
-    """Compile the four quantizer kernels for ``head_dim`` without a GPU; return their names."""
+    """Compile the quantizer kernels (``_KINDS``) for ``head_dim`` without a GPU; return their names."""
     if arch != "sm_90a":
         raise ValueError(f"the fused FP8 quantizer is a Hopper kernel: arch must be 'sm_90a', got {arch!r}")
     names = []
-    for kind in ("block", "amax", "vt", "vt_nat"):
+    for kind in _KINDS:
         _compile(kind, head_dim, tvm_ffi=False)
         names.append(f"fp8_quantize_{kind}_d{head_dim}")
     return names
@@ -457,17 +540,30 @@ def _prep(x, what: str):
     return x
 
 
-def quantize_blockwise(x):
-    """(B, S, H, D) bf16 CUDA -> (e4m3 payload (B, S, H, D), fp32 scale (B, H, ceil(S/128)))."""
+def quantize_blockwise(x, transposed: str | None = None):
+    """(B, S, H, D) bf16 CUDA -> (e4m3 payload (B, S, H, D), fp32 scale (B, H, ceil(S/128))).
+
+    ``transposed`` ("q" or "k"): a third tensor, the same codes transposed for the FP8 backward,
+    written by the same pass: (B, H, tiles, D, tokens) e4m3 with (tokens, order per 32) =
+    ``TRANSPOSED_TILES[transposed]``, tiles = ceil(S/128) * 128 / tokens, tokens past S zero;
+    ``transposed_operand(payload, transposed)`` is its torch reference."""
     import torch
 
+    if transposed is not None and transposed not in TRANSPOSED_TILES:
+        raise ValueError(f"quantize_blockwise: transposed must be None or one of {sorted(TRANSPOSED_TILES)}; "
+                         f"got {transposed!r}")
     x = _prep(x, "x")
     B, S, H, D = x.shape
     nb = (S + BLOCK - 1) // BLOCK
     y = torch.empty((B, S, H, D), dtype=torch.uint8, device=x.device)
     sc = torch.empty((B, H, nb), dtype=torch.float32, device=x.device)
-    _launch("block", D, x, y, sc)
-    return y.view(torch.float8_e4m3fn), sc
+    if transposed is None:
+        _launch("block", D, x, y, sc)
+        return y.view(torch.float8_e4m3fn), sc
+    tokens = TRANSPOSED_TILES[transposed][0]
+    yt = torch.empty((B, H, nb * BLOCK // tokens, D, tokens), dtype=torch.uint8, device=x.device)
+    _launch(f"block_{transposed}t", D, x, y, sc, yt)
+    return y.view(torch.float8_e4m3fn), sc, yt.view(torch.float8_e4m3fn)
 
 
 def quantize_v_operand(v, natural: bool = False):
@@ -490,10 +586,70 @@ def quantize_v_operand(v, natural: bool = False):
     return out + (v8.view(torch.float8_e4m3fn),) if natural else out
 
 
-def quantize_inputs(q, k, v, for_backward: bool = False):
+def quantize_inputs(q, k, v, for_backward: bool = False, transposed_qk: bool = False):
     """bf16 q, k, v -> (q8, k8, vt8, scale_q, scale_k, scale_v), the Hopper FP8 operands;
-    ``for_backward`` appends v8, V's payload in its own layout (the FP8 backward's dP operand)."""
-    q8, sq = quantize_blockwise(q)
-    k8, sk = quantize_blockwise(k)
+    ``for_backward`` appends v8, V's payload in its own layout (the FP8 backward's dP operand);
+    ``transposed_qk`` (with ``for_backward``) then appends qt8 and kt8, Q's and K's payloads
+    transposed for the FP8 backward's dK = dS^T Q and dQ = dS K (``quantize_blockwise``'s
+    ``transposed`` "q" and "k"), written by the passes that write q8 and k8."""
+    if transposed_qk and not for_backward:
+        raise ValueError("quantize_inputs: transposed_qk=True adds the FP8 backward's Q^T and K^T "
+                         "and needs for_backward=True")
+    qs = quantize_blockwise(q, "q" if transposed_qk else None)
+    ks = quantize_blockwise(k, "k" if transposed_qk else None)
     vt = quantize_v_operand(v, natural=for_backward)
-    return (q8, k8, vt[0], sq, sk, vt[1]) + tuple(vt[2:])
+    return (qs[0], ks[0], vt[0], qs[1], ks[1], vt[1]) + tuple(vt[2:]) + tuple(qs[2:]) + tuple(ks[2:])
+
+
+# ------------------------------------------------------------------ torch references (CPU or CUDA)
+
+
+def _group_order(n: int, perm, device):
+    """Index of the token at each of ``n`` positions: position 32g + p holds token 32g + perm[p]."""
+    import torch
+
+    perm = torch.tensor(perm, dtype=torch.long, device=device)
+    return (torch.arange(n // 32, device=device)[:, None] * 32 + perm[None, :]).reshape(-1)
+
+
+def transposed_tiles(x8, tiles: int, tokens: int, perm):
+    """A natural payload (B, S, H, D) (uint8 or e4m3) -> (B, H, tiles, D, tokens), same dtype:
+    tile t holds tokens t * tokens ... transposed, one contiguous (D, tokens) block, position p
+    of every 32-token group holding token ``perm[p]`` of the group, zero past S
+    (``store_transposed_tile``'s layout)."""
+    import torch
+
+    fp8 = x8.dtype == torch.float8_e4m3fn
+    x = x8.view(torch.uint8) if fp8 else x8
+    B, S, H, D = x.shape
+    n = tiles * tokens
+    if tokens % 32 or n < S:
+        raise ValueError(f"transposed_tiles: {tiles} tiles of {tokens} tokens (a multiple of 32) must hold S = {S}")
+    xt = torch.zeros((B, H, D, n), dtype=torch.uint8, device=x.device)
+    xt[..., :S] = x.permute(0, 2, 3, 1)
+    xt = xt.index_select(3, _group_order(n, perm, x.device))
+    out = xt.view(B, H, D, tiles, tokens).permute(0, 1, 3, 2, 4).contiguous()
+    return out.view(torch.float8_e4m3fn) if fp8 else out
+
+
+def untransposed_tiles(xt8, seq_len: int, perm):
+    """Inverse of ``transposed_tiles``: (B, H, tiles, D, tokens) -> (B, seq_len, H, D)."""
+    import torch
+
+    fp8 = xt8.dtype == torch.float8_e4m3fn
+    xt = xt8.view(torch.uint8) if fp8 else xt8
+    B, H, T, D, M = xt.shape
+    flat = xt.permute(0, 1, 3, 2, 4).reshape(B, H, D, T * M)
+    nat = torch.empty_like(flat)
+    nat[..., _group_order(T * M, perm, xt.device)] = flat
+    out = nat[..., :seq_len].permute(0, 3, 1, 2).contiguous()
+    return out.view(torch.float8_e4m3fn) if fp8 else out
+
+
+def transposed_operand(x8, transposed: str):
+    """What ``quantize_blockwise(x, transposed)`` writes as its third tensor, from its payload
+    (B, S, H, D): ``transposed_tiles`` with ``TRANSPOSED_TILES[transposed]``, ceil(S/128)
+    blocks of 128 tokens. For CPU stand-ins of the fused kernel and for tests."""
+    tokens, perm = TRANSPOSED_TILES[transposed]
+    nb = (x8.shape[1] + BLOCK - 1) // BLOCK
+    return transposed_tiles(x8, nb * BLOCK // tokens, tokens, perm)

@@ -39,8 +39,11 @@ def context(plan) -> dict:
         raise LoweringError(f"kernel {spec.name!r} has no backward block")
     bp = backward_plan(plan)
     fmts = {m.name: m.operand_format for m in bp.mmas}
-    if fmts["dK"] != "bf16" or fmts["dQ"] != "bf16" or fmts["dV"] != fmts["dP"] or \
-            not {fmts["S"], fmts["dP"]} <= {"bf16", "fp8e4m3"}:
+    # FP8 dS (dK and dQ in FP8) exists only on top of FP8 S and FP8 dP/dV: it reads the forward's
+    # FP8 Q/K payloads (transposed copies) and bounds its scale with dO's and V's
+    ds_ok = fmts["dK"] == fmts["dQ"] == "bf16" or \
+        fmts["dK"] == fmts["dQ"] == fmts["S"] == fmts["dP"] == "fp8e4m3"
+    if not ds_ok or fmts["dV"] != fmts["dP"] or not {fmts["S"], fmts["dP"]} <= {"bf16", "fp8e4m3"}:
         raise LoweringError(f"the sm90 backward template has no variant for MMA formats {fmts}")
     if bp.tile_n != 64 * bp.mma_warpgroups or bp.tile_m != 64:
         raise LoweringError(f"sm90 backward tiles must be 64 x (64 x warpgroups), got {bp.tile_m} x {bp.tile_n}")
@@ -64,9 +67,11 @@ def context(plan) -> dict:
         class_name="".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Bwd",
         s_fp8=fmts["S"] == "fp8e4m3",
         do_fp8=fmts["dP"] == "fp8e4m3",
+        ds_fp8=bp.ds_fp8,  # dK += dS^T Q and dQ = dS K in FP8 (dS : fp8e4m3)
         origins={"backward": spec.origin("backward"), "mask": spec.origin("mask"),
                  "reuse": spec.origin("backward.reuse"),
-                 "deterministic": spec.origin("backward.deterministic")},
+                 "deterministic": spec.origin("backward.deterministic"),
+                 "ds": spec.origin("backward.dS")},
         head_dim=bp.head_dim,
         causal=bp.causal,
         tile_m=bp.tile_m,

@@ -308,6 +308,119 @@ def _fake_quant_rows(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
     raise ReferenceError(f"gradient format {f.value} is not supported (use fp8e4m3/fp8e5m2/bf16/fp16/fp32)")
 
 
+# ------------------------------------------------ FP8 dS, the sm90a recipe -----
+
+def _bwd_tile():
+    """(tile_m, tile_n) of the sm90a backward (64 query rows x 128 keys): the FP8 dS recipe's
+    scale granularity. Imported lazily (the planner package is not needed for anything else)."""
+    from fp4gen.ir.passes.backward import BWD_TILE_M, BWD_TILE_N
+
+    return BWD_TILE_M, BWD_TILE_N
+
+
+def _is_fp8_block128(op: OperandFormat) -> bool:
+    return op.format is Format.FP8E4M3 and op.granularity is ScaleGranularity.BLOCK and op.block == 128
+
+
+def fp8_ds_recipe(spec: KernelSpec) -> bool:
+    """Whether ``backward`` rounds dS by the sm90a FP8 dS recipe (``fp8_ds_tile_scale``): a
+    ``dS : fp8e4m3`` with the default per-tensor scale (or ``scale=none``, read as per tensor
+    like dO), an FP8 dO, Q and K reused (``reuse q k``) as fp8e4m3(block=128), and V FP8 with
+    one scale per (batch, head). Other FP8 dS keep one scale per row of each key tile
+    (``_fake_quant_rows``)."""
+    bw = spec.backward
+    if bw is None:
+        return False
+    fds, fdo = bw.format_of("dS"), bw.format_of("dO")
+    return (fds.format is Format.FP8E4M3 and fds.granularity in (ScaleGranularity.TENSOR, ScaleGranularity.NONE)
+            and fdo.format in _FP8 and {"q", "k"} <= set(bw.reuse)
+            and _is_fp8_block128(spec.q) and _is_fp8_block128(spec.k)
+            and spec.v.format in _FP8 and spec.v.granularity in (ScaleGranularity.TENSOR, ScaleGranularity.NONE))
+
+
+def fp8_ds_scale_cover(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with 448 s >= x (float32 x >= 0), from x's bits, without a
+    division: x = m 2^e with m in [1, 2) gives 2^(e-8) if m <= 1.75 else 2^(e-7)
+    (448 = 1.75 2^8; m <= 1.75 iff the mantissa field is <= 0x600000). The sign bit is ignored.
+
+    - x < 2^-117 (exponent field < 10: 0, subnormals and the tiny normals) -> 1. A tile with
+      such an x = amax |dS| * s_q has f = s_q (see ``fp8_ds_tile_scale``), so its
+      |dS f| < 2^-117 rounds to zero in e4m3, i.e. its dQ/dK contributions are flushed. (An
+      exact scale there would be near fp32's subnormals, and 1 / c could overflow.) The
+      kernel's ``_bwd_fp8_scale_cover`` uses the same threshold.
+    - inf / NaN -> NaN.
+    """
+    b = x.to(torch.float32).contiguous().view(torch.int32)
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    r = e - 8 + (m > 0x600000).to(torch.int32)
+    s = (torch.clamp(r, min=1) << 23).view(torch.float32)
+    s = torch.where(e < 10, torch.ones_like(s), s)
+    return torch.where(e == 255, torch.full_like(s, float("nan")), s)
+
+
+FP8_DS_SMALL = 112.0  # 448 / 4: a tile whose max f |dS| stays below uses a quarter of e4m3's range
+FP8_DS_HALVE_MIN = 2.0 ** -59  # the guess is halved only from here up: it never goes below 2^-60
+
+
+def fp8_ds_tile_scale(a_sq: torch.Tensor, c_guess: torch.Tensor, first: bool):
+    """FP8 dS on sm90a: the power-of-two scale c of one backward tile (64 query rows x 128 keys,
+    ``BWD_TILE_M`` x ``BWD_TILE_N``) and the next tile's guess, as the kernel picks them.
+
+    ``a_sq`` (...) float32: the tile's max |dS| times the scale s_q of the 128-token Q block
+    holding its rows; ``c_guess`` (...): the scale the previous query tile of the same key tile
+    handed on (``first``: this is the key tile's first query tile, which has none). Returns
+    (c, c_next)::
+
+        c      = c_guess                 if not first and a_sq / c_guess <= 448
+               = fp8_ds_scale_cover(a_sq) otherwise (the kernel rounds such a tile again)
+        c_next = c / 2 if a_sq / c < 112 (and c was the guess) and c >= 2^-59 else c
+
+    (The floor keeps runs of all-zero tiles, e.g. from masked dO rows, from halving the guess
+    down to 0, where 1 / c and the dK rescale would break.)
+
+    The tile's dS is used as dS8 / f with f = s_q / c and dS8 = e4m3(f dS) (RNE, saturating),
+    by dQ = dS K and dK = dS^T Q (K, Q the reused FP8 payloads, dequantized); |f dS| <= 448.
+
+    Why: on Hopper the FP8 wgmma has no block scales, so a scale can only be applied per MMA
+    tile. dQ of a tile gets c s_k / s_q after its MMA; dK = dS^T Q accumulates over the query
+    tiles of a key tile in registers, so Q's block scale is folded into f ((dS8 / f)^T s_q Q8 =
+    c dS8^T Q8) and the kernel keeps dK in units of the current c (rescaling the accumulator by
+    a power of two when c changes). Agreeing on the tile's exact max would take the CTA's MMA
+    warps one more barrier per tile (about 5 % of the kernel, measured); instead each thread
+    checks the guess against its own values and the dS barrier ORs the overflows (and ANDs the
+    "below a quarter"), so only a tile that overflows pays for the exact max. A per-(batch,
+    head) scale from a bound of |dS| was too coarse: with P ~ 1/S most dS sit many binades
+    below any head-wide bound and underflow in e4m3 (docs/numerics.md, "FP8 dS on sm90a").
+    """
+    a_sq = a_sq.to(torch.float32)
+    over = (a_sq / c_guess > 448.0) | first
+    c = torch.where(over, fp8_ds_scale_cover(a_sq), c_guess)
+    small = (a_sq / c < FP8_DS_SMALL) & ~over & (c >= FP8_DS_HALVE_MIN)
+    return c, torch.where(small, c * 0.5, c)
+
+
+def _fp8_ds_round_tiles(ds, sq_rows, tile_m: int, t0: int, m_min: int, c_guess):
+    """dS of one key tile (B, H, r, c), rows from query tile ``t0`` (a multiple of ``tile_m``
+    rows), as dQ and dK read it under the sm90a recipe: e4m3(f dS) / f with one f = s_q / c per
+    ``tile_m`` rows, c from ``fp8_ds_tile_scale`` walked in query-tile order from the key tile's
+    first visited tile ``m_min`` (tiles before it are masked entirely: dS = 0, no scale);
+    ``sq_rows`` (B, H, r): each row's Q block scale. Returns (dS as read, the next c_guess)."""
+    B, H, r, c = ds.shape
+    out = torch.zeros_like(ds)
+    for i in range(0, r, tile_m):
+        t = t0 + i // tile_m
+        if t < m_min:
+            continue
+        blk = ds[:, :, i:i + tile_m]
+        s_q = sq_rows[:, :, i].to(torch.float32)
+        a = blk.abs().amax(dim=(-2, -1)).to(torch.float32)  # NaN propagates
+        cs, c_guess = fp8_ds_tile_scale(a * s_q, c_guess, t == m_min)
+        f = (s_q / cs)[..., None, None]
+        out[:, :, i:i + tile_m] = round_to(blk * f, E4M3) / f
+    return out, c_guess
+
+
 def _hp(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
     """An input in the forward's format when that is a float dtype, else rounded to bf16
     (what a backward MMA reads when it does not take the forward's low-precision payload)."""
@@ -323,8 +436,10 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
     own Direct-P values divided by the l that the LSE encodes); dO, dP, dS are rounded to
     ``spec.backward.format_of(...)`` (FP8 gradient operands: dO with its OperandFormat
     granularity (tensor/block/token, as Q), dP and dS with one scale per row of each
-    key tile). The operands of each product follow the format of its gradient operand,
-    since one MMA cannot mix FP8 with bf16:
+    key tile; except the sm90a FP8 dS recipe, ``fp8_ds_recipe`` / ``fp8_ds_tile_scale``: one
+    power-of-two scale per backward tile of 64 query rows x 128 keys, from the tile's amax or
+    handed on by the previous tile, Q's block scale folded in). The operands of each product follow the format of its gradient
+    operand, since one MMA cannot mix FP8 with bf16:
 
     - dP = dO V^T and dV = P^T dO: with an FP8 dO, V as the forward quantized it and P as
       FP8 E4M3 with the fixed 2**8 scale (when the forward's P is FP8/FP4); with a bf16 dO,
@@ -359,6 +474,13 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
         vv = _expand_heads(_hp(v, spec.v), H, 2).permute(0, 2, 1, 3)
     O = o.to(torch.float32).permute(0, 2, 1, 3)
     Drow = (dO * O).sum(-1)  # D_i = rowsum(dO * O)
+    # sm90a FP8 dS: one dS scale per backward tile (64 query rows x 128 keys), Q's block scale folded in
+    ds_tile_m = None
+    if fp8_ds_recipe(spec):
+        ds_tile_m, ds_tile_n = _bwd_tile()
+        if st.tile_n != ds_tile_n:
+            raise ReferenceError(f"the sm90a FP8 dS recipe scales dS per {ds_tile_m} x {ds_tile_n} tile: "
+                                 f"it needs key tiles of {ds_tile_n} (schedule tile_n {st.tile_n})")
     lse2 = lse.to(torch.float32) / LN2
     lse2_s = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2)  # -> p = 0
     p_fn, running_max, lse_shift = _p_method(spec)
@@ -384,6 +506,9 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
     dk = torch.zeros(B, H, Sk, D, device=dev)
     dv = torch.zeros(B, H, Sk, D, device=dev)
     rc = _row_chunk(B, H, st.tile_n, D)
+    if ds_tile_m is not None:  # row chunks of whole dS tiles; the scale guess of every key tile
+        rc = max(ds_tile_m, rc // ds_tile_m * ds_tile_m)
+        ds_guess = {}
     for r0 in range(0, Sq, rc):
         r1 = min(Sq, r0 + rc)
         last = Sk if not st.causal else min(Sk, r1 + Sk - Sq)
@@ -403,7 +528,13 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
             dv[:, :, c0:c1] += pq.transpose(-1, -2) @ dO[:, :, r0:r1]
             dpm = _fake_quant_rows(dO[:, :, r0:r1] @ vv[:, :, c0:c1].transpose(-1, -2), fdp)
             ds = p * (dpm - Drow[:, :, r0:r1, None])
-            ds = _fake_quant_rows(ds, fds)
+            if ds_tile_m is not None:
+                # the kernel's CTA for this key tile starts at its first query tile with a visible key
+                m_min = max(0, c0 - (Sk - Sq)) // ds_tile_m if st.causal else 0
+                ds, ds_guess[c0] = _fp8_ds_round_tiles(ds, st.sq[:, :, r0:r1], ds_tile_m, r0 // ds_tile_m, m_min,
+                                                       ds_guess.get(c0, torch.ones(B, H, device=dev)))
+            else:
+                ds = _fake_quant_rows(ds, fds)
             dq[:, :, r0:r1] += ds @ k_for_dq(c0, c1)
             dk[:, :, c0:c1] += ds.transpose(-1, -2) @ q_for_dk(r0, r1)
     scale = spec.scale

@@ -9,13 +9,20 @@ scores from the forward's Q/K and the stored LSE, then runs five MMAs::
     dP^T = V dO^T            already in the register order of the next A operand)
     dV  += P^T dO            A = P^T from registers
     dK  += dS^T Q            A = dS^T from registers
-    dQ   = dS K              A = dS from SMEM (dS^T written, read MN-major); the fp32
+    dQ   = dS K              A = dS from SMEM (dS^T written, read MN-major; FP8 dS: dS
+                             written transposed, read K-major); the fp32
                              tile is staged in SMEM and a dQ warp adds it into a global
                              accumulator with bulk reduces (cp.reduce.async.bulk, whole
                              rows), while the MMA warps run dK; when the spec asks for
                              ``deterministic`` the key tiles take turns (a per-query-tile
                              counter), so every element sees its adds in ascending
                              key-tile order.
+
+With ``dS : fp8e4m3`` (``_ds_format``) dK and dQ are FP8 wgmmas too: dS is rounded to e4m3
+with one power-of-two scale per 64 x 128 tile (Q's block scale folded in), handed from one
+query tile to the next and taken from the tile's max only when the guess would overflow
+(numerics: ``fp8_ds_tile_scale``), and their B operands are transposed (K-major) FP8 copies
+of the forward's Q and K payloads; the bf16 Q/K tiles are gone.
 
 Preprocessing (D_i = rowsum(dO * O), LSE in log2 units, padding) and postprocessing
 (dQ scale and cast, the GQA sum of dK/dV) are host-side torch ops in this first version.
@@ -101,6 +108,13 @@ class BackwardPlan:
         """Operand format of one of the five MMAs (S, dP, dV, dK, dQ)."""
         return {m.name: m.operand_format for m in self.mmas}[name]
 
+    @property
+    def ds_fp8(self) -> bool:
+        """dK += dS^T Q and dQ = dS K in FP8 (``dS : fp8e4m3``): dS rounded to e4m3 with one
+        scale per tile, B = the forward's transposed FP8 Q/K copies. Read off the MMA
+        table (not a field of its own, so the dumps of the other plans keep their keys)."""
+        return self.mma_format_of("dQ") != "bf16"
+
 
 def _elt_bytes(fmt: str) -> int:
     return 1 if fmt.startswith("fp8") else 2
@@ -149,6 +163,29 @@ def _do_format(spec, bw) -> str:
     return "fp8e4m3"
 
 
+def _ds_format(spec, bw, s_fmt: str, do_fmt: str) -> str:
+    """Operand format of dK = dS^T Q and dQ = dS K: bf16, or FP8 dS with the forward's FP8 Q/K
+    (their transposed copies) when S already reads them (``reuse q k``, fp8e4m3(block=128))
+    and dO is FP8 (the FP8 dS kernel extends the FP8 dP/dV one)."""
+    fds = bw.format_of("dS")
+    if fds.format is Format.BF16:
+        return "bf16"
+    where = spec.loc("backward.dS")
+    if fds.format is not Format.FP8E4M3:
+        raise PlanError(f"dS : {fds} is not supported by the sm90a backward; use bf16 or fp8e4m3", where)
+    if fds.granularity not in (ScaleGranularity.TENSOR, ScaleGranularity.NONE):
+        raise PlanError(f"dS : {fds}: the sm90a backward scales FP8 dS itself, one power-of-two scale per "
+                        f"{BWD_TILE_M} x {BWD_TILE_N} tile, picked as dS is computed (the FP8 wgmma has no "
+                        "block scales); write `dS : fp8e4m3`", where)
+    if s_fmt != "fp8e4m3" or do_fmt != "fp8e4m3":
+        raise PlanError(f"FP8 dS needs `reuse q k` with fp8e4m3(block={BWD_TILE_N}) Q/K and dO : fp8e4m3 "
+                        f"(got {'S from bf16 Q/K' if s_fmt == 'bf16' else 'FP8 S'}, dO : {do_fmt})", where,
+                        notes=("dQ = dS K and dK = dS^T Q read the forward's FP8 Q/K payloads (a wgmma "
+                               "cannot mix FP8 and bf16), and the FP8 dS kernel extends the FP8 dP/dV one "
+                               "(dO : fp8e4m3)",))
+    return "fp8e4m3"
+
+
 def backward_block(plan: KernelPlan, target: Target, planner: str):
     """(spec, backward block) of ``plan``, refused with the reason when the spec has no backward
     block or targets another architecture than ``planner`` plans for."""
@@ -172,48 +209,63 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
     s_fmt = _score_format(spec, bw)
     grads = tuple((n, bw.format_of(n).format.value) for n in ("dO", "dP", "dS", "dQ", "dK", "dV"))
     do_fmt = _do_format(spec, bw)
-    for n in ("dP", "dS"):
-        f = bw.format_of(n).format
-        if f.value.startswith("fp8"):
-            raise PlanError(
-                f"FP8 {n} on sm90a is not implemented yet ({n} : {f.value})", spec.loc(f"backward.{n}"),
-                notes=("dS feeds dQ = dS K and dK = dS^T Q: in FP8 both need K-major (transposed) copies "
-                       "of dS, Q and K; dP never feeds an MMA (it stays fp32 in registers)",))
-    for n in ("dQ", "dK", "dV", "dP", "dS"):
+    ds_fmt = _ds_format(spec, bw, s_fmt, do_fmt)
+    if bw.format_of("dP").format.is_fp8:
+        raise PlanError(f"FP8 dP on sm90a is not implemented (dP : {bw.format_of('dP')}): dP never feeds an MMA "
+                        "(it stays fp32 in registers), so rounding it to FP8 would only lose accuracy; "
+                        "leave dP out (bf16)", spec.loc("backward.dP"))
+    for n in ("dQ", "dK", "dV", "dP"):
         f = bw.format_of(n).format
         if f is not Format.BF16:
             raise PlanError(f"gradient {n} : {f.value} is not supported by the sm90a backward (bf16)",
                             spec.loc(f"backward.{n}"))
-    mfmt = "bf16"
+    ds8 = ds_fmt != "bf16"
     m, n_ = BWD_TILE_M, BWD_TILE_N
+    if ds8:  # K-major operands: dS^T from registers and dS from SMEM, the Q^T / K^T FP8 copies
+        dk_mma = BwdMma("dK", "dK += dS^T Q", "registers", "K", "K", ds_fmt, "keys: 64 per warpgroup")
+        dq_mma = BwdMma("dQ", "dQ = dS K", "smem", "K", "K", ds_fmt, f"head dim: {d // 2} columns per warpgroup")
+    else:
+        dk_mma = BwdMma("dK", "dK += dS^T Q", "registers", "K", "MN", ds_fmt, "keys: 64 per warpgroup")
+        dq_mma = BwdMma("dQ", "dQ = dS K", "smem", "MN", "MN", ds_fmt, f"head dim: {d // 2} columns per warpgroup")
     mmas = (
         BwdMma("S", "S^T = K Q^T", "smem", "K", "K", s_fmt, "keys: 64 per warpgroup"),
         BwdMma("dP", "dP^T = V dO^T", "smem", "K", "K", do_fmt, "keys: 64 per warpgroup"),
         BwdMma("dV", "dV += P^T dO", "registers", "K", "K" if do_fmt != "bf16" else "MN", do_fmt,
                "keys: 64 per warpgroup"),
-        BwdMma("dK", "dK += dS^T Q", "registers", "K", "MN", mfmt, "keys: 64 per warpgroup"),
-        BwdMma("dQ", "dQ = dS K", "smem", "MN", "MN", mfmt, f"head dim: {d // 2} columns per warpgroup"),
+        dk_mma,
+        dq_mma,
     )
-    eb = _elt_bytes(mfmt)
+    eb = _elt_bytes(ds_fmt)
     ob = _elt_bytes(do_fmt)
     qs = BWD_Q_STAGES
-    smem = [
-        SmemItem("K", n_ * d * eb, f"{n_} keys x {d} bf16, loaded once per CTA; read MN-major by dQ"
-                 + ("" if s_fmt != "bf16" else " and K-major by S")),
-        SmemItem("V", n_ * d * ob, f"{n_} keys x {d} {do_fmt}, loaded once per CTA (dP)"),
-        SmemItem("Q", qs * m * d * eb, f"{qs} stages x {m} x {d} bf16; MN-major (dK)"
-                 + ("" if s_fmt != "bf16" else ", K-major (S)")),
-        SmemItem("dO", qs * m * d * ob, f"{qs} stages x {m} x {d} {do_fmt}; K-major (dP)"
-                 + (", MN-major (dV)" if do_fmt == "bf16" else "")),
-    ]
+    smem = []
+    if not ds8:  # bf16 Q/K for dQ and dK (FP8 dS reads the transposed FP8 copies instead)
+        smem.append(SmemItem("K", n_ * d * eb, f"{n_} keys x {d} bf16, loaded once per CTA; read MN-major by dQ"
+                             + ("" if s_fmt != "bf16" else " and K-major by S")))
+    smem.append(SmemItem("V", n_ * d * ob, f"{n_} keys x {d} {do_fmt}, loaded once per CTA (dP)"))
+    if not ds8:
+        smem.append(SmemItem("Q", qs * m * d * eb, f"{qs} stages x {m} x {d} bf16; MN-major (dK)"
+                             + ("" if s_fmt != "bf16" else ", K-major (S)")))
+    smem.append(SmemItem("dO", qs * m * d * ob, f"{qs} stages x {m} x {d} {do_fmt}; K-major (dP)"
+                         + (", MN-major (dV)" if do_fmt == "bf16" else "")))
     if s_fmt != "bf16":
         smem += [SmemItem("K8", n_ * d, f"{n_} keys x {d} {s_fmt}: the forward's payload, K-major (S)"),
                  SmemItem("Q8", qs * m * d, f"{qs} stages x {m} x {d} {s_fmt}: the forward's payload, K-major (S)")]
     if do_fmt != "bf16":
         smem += [SmemItem("dO^T", qs * d * m, f"{qs} stages x {d} x {m} {do_fmt}, queries contiguous (dV, K-major)")]
+    if ds8:
+        smem += [SmemItem("K^T8", d * n_, f"{d} x {n_} {ds_fmt} (K^T, keys contiguous, interleaved per 16: key r+8 "
+                          "after key r): the forward quantizer's transposed copy, loaded once per CTA (dQ, K-major)"),
+                 SmemItem("Q^T8", qs * d * m, f"{qs} stages x {d} x {m} {ds_fmt} (Q^T, queries contiguous, "
+                          "permuted per 32 like dO^T): the forward quantizer's transposed copy (dK, K-major)")]
+        ds_item = SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
+                           f"{BWD_DS_STAGES} x {m} queries x {n_} keys {ds_fmt} (dS, stored transposed by "
+                           "stmatrix.trans, keys interleaved per 16 like K^T8), K-major A operand of dQ")
+    else:
+        ds_item = SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
+                           f"{BWD_DS_STAGES} x {n_} keys x {m} queries (dS^T), MN-major A operand of dQ")
     smem = tuple(smem) + (
-        SmemItem("dS", BWD_DS_STAGES * m * n_ * eb,
-                 f"{BWD_DS_STAGES} x {n_} keys x {m} queries (dS^T), MN-major A operand of dQ"),
+        ds_item,
         SmemItem("dQ", m * d * 4,
                  f"{m} x {d} fp32 staging tile in fragment order (16-byte stores, one contiguous bulk reduce)"),
         SmemItem("LSE/D", 2 * qs * m * 4, f"{qs} stages x {m} fp32 LSE2 and D rows, bulk-copied with Q/dO"),
@@ -234,11 +286,28 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         "P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers"
         if do_fmt == "bf16" else
         "dV = P^T dO in FP8: P as e4m3(2^8 P) from registers (queries permuted per 32, dO^T to match), "
-        "dO and V with one fp32 scale per (batch, head); dS rounded to bf16; dP stays fp32 in registers",
+        "dO and V with one fp32 scale per (batch, head); "
+        + ("dS in FP8 (below)" if ds8 else "dS rounded to bf16") + "; dP stays fp32 in registers",
     ]
     if s_fmt != "bf16":
         notes.append("S^T recomputed from the forward's FP8 Q/K payloads and 128-token block scales "
-                     "(bit-identical to the forward's P); dQ/dK read the bf16 Q/K")
+                     "(bit-identical to the forward's P); "
+                     + ("dQ/dK read the transposed FP8 copies of the same payloads" if ds8 else
+                        "dQ/dK read the bf16 Q/K"))
+    if ds8:
+        notes += [
+            "dK += dS^T Q in FP8: A = dS^T from registers (e4m3, queries permuted per 32), B = Q^T, the forward "
+            "quantizer's transposed FP8 copy (K-major, queries permuted per 32 like dO^T); dQ = dS K in FP8: "
+            "A = dS in SMEM (K-major, keys interleaved per 16: key r+8 after key r, written with "
+            "stmatrix.trans), B = K^T, the forward quantizer's transposed FP8 copy (K-major, keys in the "
+            "same order)",
+            f"dS scale: one e4m3 scale per {m} x {n_} tile, a power of two c with Q's 128-token block scale "
+            "folded in (dS8 = e4m3(dS s_q / c)), handed from one query tile of a key tile to the next, "
+            "recomputed from the tile's max (the smallest c with 448 c >= max|dS| s_q) on the key tile's "
+            "first query tile and when the guess would overflow, and halved for the next tile when the tile "
+            "uses less than a quarter of e4m3's range; dQ = (c s_k / s_q) dS8 K8 after its MMA, dK is kept in "
+            "units of the current tile's c (dK = sum_t c_t dS8_t^T Q8_t; numerics: fp8_ds_tile_scale)",
+        ]
     return BackwardPlan(
         head_dim=d,
         causal=spec.mask is Mask.CAUSAL,

@@ -4,7 +4,8 @@ CPU: it compiles for sm_90a without a GPU, its PTX has the arithmetic the contra
 (IEEE division, reciprocal-multiply scale, no flush to zero), and the bit tricks it relies
 on are checked exhaustively in torch. GPU (``gpu`` marker): bit-exact equality of payload
 bytes and scales with the ``fp4gen.numerics`` quantizers and with the generated module's
-torch path, on random, adversarial, ragged and GQA inputs.
+torch path, on random, adversarial, ragged and GQA inputs; the transposed copies of Q and K
+(``transposed=``) bit-exact with the torch reference ``transposed_operand``.
 
 Scales are compared bit for bit, except that NaN scales only have to be NaN in both (the
 NaN payload bits are not part of the contract: torch on CPU keeps 0x7FC00000, a GPU
@@ -25,13 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plans import load_module, make_plan  # noqa: E402
 
 from fp4gen.device import quantize as dq  # noqa: E402
+from fp4gen.device.layout import FP8_DS_KEY_PERM, FP8_P_KEY_PERM  # noqa: E402
 
 # ------------------------------------------------------------------ CPU
 
 
 @pytest.mark.parametrize("d", [128, 64])
 def test_compiles_for_sm90a_without_gpu(d):
-    assert dq.compile_only("sm_90a", d) == [f"fp8_quantize_{k}_d{d}" for k in ("block", "amax", "vt", "vt_nat")]
+    kinds = ("block", "amax", "vt", "vt_nat", "block_qt", "block_kt")
+    assert dq.compile_only("sm_90a", d) == [f"fp8_quantize_{k}_d{d}" for k in kinds]
 
 
 def test_user_errors():
@@ -43,6 +46,13 @@ def test_user_errors():
         dq.quantize_blockwise(torch.zeros(1, 4, 1, 64))
     with pytest.raises(ValueError, match="4-d"):
         dq.quantize_v_operand(torch.zeros(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="transposed"):
+        dq.quantize_blockwise(torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16), transposed="v")
+    x = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="for_backward=True"):
+        dq.quantize_inputs(x, x, x, transposed_qk=True)
+    with pytest.raises(ValueError, match="transposed"):
+        dq._BlockQuant(64, True, transposed="q")
 
 
 def test_ptx_arithmetic(tmp_path):
@@ -55,12 +65,14 @@ def test_ptx_arithmetic(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     ptx = {f: (tmp_path / f).read_text() for f in os.listdir(tmp_path) if f.endswith(".ptx")}
-    assert len(ptx) == 3, list(ptx)
+    # one file per entry point and argument types, cut short: vt / vt_nat share one, and so do
+    # the two transposed Q/K kernels
+    assert len(ptx) == 4, list(ptx)
     text = "\n".join(ptx.values())
     assert ".ftz" not in text  # subnormal scales and quotients must survive
     assert "div.approx" not in text and "div.full" not in text
     quant = [t for f, t in ptx.items() if "cvt.rn.satfinite.e4m3x2.f32" in t]
-    assert len(quant) == 2  # Q/K pass and V^T pass; the amax pass writes no payload
+    assert len(quant) == 3  # Q/K pass, with and without Q^T/K^T, and V^T pass; amax writes no payload
     for t in quant:
         assert t.count("div.rn.f32") == 64  # 8 vectors x 8 elements per thread, IEEE division
         assert f"mul.rn.f32 s, a, 0f{dq._R448_BITS:08X}" in t
@@ -115,8 +127,6 @@ def test_nan_byte_fixup_only_rewrites_0xff():
 def test_v_permutation_gather_matches_v_operand_layout():
     """The V^T pass writes output column 32g + p from key 32g + FP8_P_KEY_PERM[p]: the same
     map the torch path's _v_operand builds with index_select."""
-    from fp4gen.device.layout import FP8_P_KEY_PERM
-
     mod = load_module(make_plan("fp8_exp", 64, False), _tmp())
     S = 70
     v8 = torch.arange(S, dtype=torch.int64).repeat_interleave(64).reshape(1, S, 1, 64).to(torch.uint8)
@@ -124,6 +134,68 @@ def test_v_permutation_gather_matches_v_operand_layout():
     ours = [(32 * (c // 32) + FP8_P_KEY_PERM[c % 32]) for c in range(96)]
     ours = [k if k < S else 0 for k in ours]  # padding keys are byte 0 (key 0's value here is 0 too)
     assert vt.tolist() == ours
+
+
+def test_ds_key_perm_puts_key_r_plus_8_after_key_r():
+    """K^T for FP8 dQ = dS K: within every 16 keys, the pair (2i, 2i + 1) holds keys i and i + 8,
+    the two accumulator rows one thread packs into a 16-bit unit of dS's transposed stmatrix."""
+    from fp4gen.device.layout import FP8_DS_KEY_PERM, FP8_P_KEY_PERM
+
+    assert len(FP8_P_KEY_PERM) == 32
+    assert sorted(FP8_DS_KEY_PERM) == list(range(32))
+    assert FP8_DS_KEY_PERM[:4] == (0, 8, 1, 9) and FP8_DS_KEY_PERM[14:18] == (7, 15, 16, 24)
+    for p in range(0, 32, 2):
+        key = FP8_DS_KEY_PERM[p]
+        assert key // 16 == p // 16 and key % 16 == (p % 16) // 2 and FP8_DS_KEY_PERM[p + 1] == key + 8
+
+
+def _transposed_by_loops(x, tiles, tokens, perm):
+    """``transposed_tiles`` written out element by element (the definition, for small shapes)."""
+    B, S, H, D = x.shape
+    out = torch.zeros((B, H, tiles, D, tokens), dtype=x.dtype)
+    for t in range(tiles):
+        for p in range(tokens):
+            s = t * tokens + 32 * (p // 32) + perm[p % 32]
+            if s < S:
+                out[:, :, t, :, p] = x[:, s]
+    return out
+
+
+@pytest.mark.parametrize("op", ["q", "k"])
+@pytest.mark.parametrize("s", [1, 50, 64, 100, 128, 200, 300])
+def test_transposed_operand_layout_and_round_trip(op, s):
+    """The layouts of quantize_blockwise(transposed=...) from a natural payload: (B, H, tiles, D,
+    tokens) with ceil(S/128) * 128 / tokens tiles, tokens permuted per 32, zero past S; the
+    inverse gives the payload back."""
+    B, H, D = 2, 3, 16
+    tokens, perm = dq.TRANSPOSED_TILES[op]
+    assert (tokens, perm) == {"q": (64, FP8_P_KEY_PERM), "k": (128, FP8_DS_KEY_PERM)}[op]
+    x = torch.randint(1, 256, (B, s, H, D), dtype=torch.uint8)  # no zero byte: zeros are padding
+    xt = dq.transposed_operand(x, op)
+    tiles = -(-s // 128) * (128 // tokens)
+    assert xt.shape == (B, H, tiles, D, tokens) and xt.is_contiguous() and xt.dtype == torch.uint8
+    assert torch.equal(xt, _transposed_by_loops(x, tiles, tokens, perm))
+    assert int((xt == 0).sum()) == B * H * D * (tiles * tokens - s)  # padding, and only padding
+    assert torch.equal(dq.untransposed_tiles(xt, s, perm), x)
+    f8 = dq.transposed_operand(x.view(torch.float8_e4m3fn), op)
+    assert f8.dtype == torch.float8_e4m3fn and torch.equal(f8.view(torch.uint8), xt)
+    assert torch.equal(dq.untransposed_tiles(f8, s, perm).view(torch.uint8), x)
+
+
+def test_q_transposed_is_the_backward_dot_layout():
+    """Q^T is in the layout the backward's dO^T has: bwd_prep.dot_tiles of a V^T-style payload
+    (B, H, D, S padded to 32, queries permuted per 32 by FP8_P_KEY_PERM)."""
+    from fp4gen.device import bwd_prep
+
+    B, S, H, D = 1, 200, 2, 32
+    x = torch.randint(1, 256, (B, S, H, D), dtype=torch.uint8)
+    s32 = -(-S // 32) * 32
+    vt = torch.zeros((B, H, D, s32), dtype=torch.uint8)
+    vt[..., :S] = x.permute(0, 2, 3, 1)
+    cols = [32 * (c // 32) + FP8_P_KEY_PERM[c % 32] for c in range(s32)]
+    vt = vt[..., cols]
+    sqp = -(-S // 128) * 128
+    assert torch.equal(dq.transposed_operand(x, "q"), bwd_prep.dot_tiles(vt, sqp))
 
 
 def _tmp():
@@ -289,6 +361,56 @@ def test_forward_uses_fused_quantizer_and_matches_torch_path():
     o_fused = mod.forward(q, k, v)
     o_torch = mod.forward(q, k, v, prepared=mod.quantize_inputs(q, k, v, fast=False))
     assert torch.equal(o_fused, o_torch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("S", [128, 200, 1000, 4096])
+def test_transposed_copies_bit_exact(S, D):
+    """quantize_blockwise(x, transposed="q" / "k"): payload and scales bit-identical to the plain
+    kernel's, the transposed copy bit-identical to transposed_operand(payload) (padding zero)."""
+    g = torch.Generator(device="cuda").manual_seed(S + D)
+    B, H = 2, 3
+    x = _rand((B, S, H, D), g)
+    x[0, S // 3, 1] *= 1000.0  # a few rows scaled large: their blocks' scales differ
+    x[1, S - 1, 2] *= 300.0
+    x[1, 0, 0, :8] *= 50.0
+    x8, scale = dq.quantize_blockwise(x)
+    for op in ("q", "k"):
+        y8, sc, yt8 = dq.quantize_blockwise(x, transposed=op)
+        assert torch.equal(_bytes(y8), _bytes(x8)) and _same_scale(sc, scale), op
+        ref = dq.transposed_operand(x8, op)
+        assert yt8.dtype == torch.float8_e4m3fn and yt8.shape == ref.shape, op
+        assert torch.equal(_bytes(yt8), _bytes(ref)), op
+
+
+@pytest.mark.gpu
+def test_transposed_copies_of_adversarial_blocks():
+    """NaN, Inf, zero, -0.0 and subnormal blocks and a ragged last block, transposed bit for bit."""
+    q, _, _ = _adversarial()
+    x8, scale = dq.quantize_blockwise(q)
+    for op in ("q", "k"):
+        y8, sc, yt8 = dq.quantize_blockwise(q, transposed=op)
+        assert torch.equal(_bytes(y8), _bytes(x8)) and _same_scale(sc, scale), op
+        assert torch.equal(_bytes(yt8), _bytes(dq.transposed_operand(x8, op))), op
+
+
+@pytest.mark.gpu
+def test_quantize_inputs_with_transposed_qk():
+    """for_backward + transposed_qk: the 7 tensors of for_backward, then Q^T and K^T of q8, k8."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    B, Sq, Sk, H, Hkv, D = 2, 300, 700, 4, 2, 128
+    q, k, v = _rand((B, Sq, H, D), g), _rand((B, Sk, Hkv, D), g, 0.5), _rand((B, Sk, Hkv, D), g, 20.0)
+    out = dq.quantize_inputs(q, k, v, for_backward=True, transposed_qk=True)
+    base = dq.quantize_inputs(q, k, v, for_backward=True)
+    assert len(out) == 9 and len(base) == 7
+    names = ("q8", "k8", "vt8", "scale_q", "scale_k", "scale_v", "v8")
+    for n, a, b in zip(names, out, base):
+        assert (_same_scale(a, b) if n.startswith("scale") else torch.equal(_bytes(a), _bytes(b))), n
+    qt8, kt8 = out[7:]
+    assert qt8.shape == (B, H, 2 * 3, D, 64) and kt8.shape == (B, Hkv, 6, D, 128)
+    assert torch.equal(_bytes(qt8), _bytes(dq.transposed_operand(out[0], "q")))
+    assert torch.equal(_bytes(kt8), _bytes(dq.transposed_operand(out[1], "k")))
 
 
 def _emulate_kernel_blockwise(x: torch.Tensor):

@@ -169,7 +169,8 @@ def test_direct_p_decode_is_e4m3_exact():
 
 def _expected_names(mod):
     # FP8 modules also compile the fused input quantizer (fp4gen.device.quantize)
-    quant = [f"fp8_quantize_{k}_d{mod.HEAD_DIM}" for k in ("block", "amax", "vt", "vt_nat")] if mod.IN_FP8 else []
+    kinds = ("block", "amax", "vt", "vt_nat", "block_qt", "block_kt")
+    quant = [f"fp8_quantize_{k}_d{mod.HEAD_DIM}" for k in kinds] if mod.IN_FP8 else []
     return [mod.KERNEL_NAME] + quant
 
 

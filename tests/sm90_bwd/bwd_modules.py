@@ -44,7 +44,7 @@ attention {name} {{
   schedule {{ tile 128 x 128 }}
   backward {{
     reuse q k lse
-    dO : {do}
+    dO : {do}{ds}
     deterministic {det}
   }}
 }}
@@ -52,14 +52,16 @@ attention {name} {{
 
 
 def make_spec(head_dim=128, causal=True, deterministic=False, fp8=False) -> KernelSpec:
-    """``fp8``: False (bf16 backward), True (FP8 S, dP, dV) or "s" (FP8 S only, bf16 dO)."""
-    tag = {False: "bf16", True: "fp8", "s": "fp8s"}[fp8]
+    """``fp8``: False (bf16 backward), True (FP8 S, dP, dV), "s" (FP8 S only, bf16 dO) or "ds"
+    (FP8 S, dP, dV and dS: every MMA in FP8)."""
+    tag = {False: "bf16", True: "fp8", "s": "fp8s", "ds": "fp8ds"}[fp8]
     name = f"sm90_bwd_{tag}_d{head_dim}{'_causal' if causal else ''}{'_det' if deterministic else ''}"
     if fp8:
         from fp4gen.frontend import parse_text
 
         text = FP8_SPEC.format(name=name, d=head_dim, mask="causal" if causal else "none",
-                               do="fp8e4m3" if fp8 is True else "bf16", det=str(deterministic).lower())
+                               do="bf16" if fp8 == "s" else "fp8e4m3",
+                               ds="\n    dS : fp8e4m3" if fp8 == "ds" else "", det=str(deterministic).lower())
         return parse_text(text, f"{name}.attn")[0]
     return KernelSpec(name=name, target=Target.SM90A, head_dim=head_dim,
                       mask=Mask.CAUSAL if causal else Mask.NONE,

@@ -63,7 +63,7 @@ def _plan(**kw):
     (dict(backward=Backward(formats={"dO": OperandFormat(Format.FP8E5M2)})), "fp8e5m2 is not implemented"),
     # FP8 dO needs the forward's P and V in FP8 (one wgmma cannot mix FP8 and bf16)
     (dict(backward=Backward(formats={"dO": OperandFormat(Format.FP8E4M3)})), "needs the forward's V in fp8e4m3"),
-    (dict(backward=Backward(formats={"dS": OperandFormat(Format.FP8E4M3)})), "FP8 dS on sm90a is not implemented"),
+    (dict(backward=Backward(formats={"dS": OperandFormat(Format.FP8E4M3)})), "FP8 dS needs `reuse q k`"),
     (dict(backward=Backward(formats={"dQ": OperandFormat(Format.FP16)})), "dQ : fp16 is not supported"),
     # reused FP8 Q/K must carry the forward's 128-token block scales (one per key tile)
     (dict(q=OperandFormat(Format.FP8E4M3), k=OperandFormat(Format.FP8E4M3)), r"must be fp8e4m3\(block=128\)"),

@@ -113,6 +113,37 @@ def test_fp8_backward_reuses_the_forward_state_exactly(case, tmp_path_factory):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", list(bm.CASES))
+@pytest.mark.parametrize("d, causal", [(128, True), (64, True), (128, False)])
+def test_fp8_ds_matches_oracle_and_f64(case, d, causal, tmp_path_factory):
+    """Every MMA in FP8 (dS : fp8e4m3: dQ = dS K and dK = dS^T Q from the forward's Q/K payloads
+    through their transposed copies, dS with one power-of-two scale per 64 x 128 tile, handed
+    from query tile to query tile and recomputed when it would overflow), against the oracle,
+    which picks the scales by the same rule."""
+    spec, mod = _module(d, causal, False, tmp_path_factory, fp8="ds")
+    row = bm.check_case(mod, spec, case)
+    assert row["pass"], row
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", ["basic", "gqa_6_2", "ragged_200"])
+def test_fp8_ds_backward_reuses_the_forward_state_exactly(case, tmp_path_factory):
+    """FP8 dS: the forward's quantize_inputs(..., for_backward=True, transposed_qk=True) handed
+    over gives bit-identical gradients to the backward quantizing (and transposing) again; a
+    prepared tuple without the transposed copies is refused."""
+    spec, mod = _module(128, True, False, tmp_path_factory, fp8="ds")
+    q, k, v, do = bm.make_inputs(case, 128, seed=3)
+    o, lse = bm.torch_forward(q, k, v, True, spec.scale)
+    again = mod.backward(q, k, v, o, lse, do)
+    reused = mod.backward(q, k, v, o, lse, do,
+                          prepared=mod.quantize_inputs(q, k, v, for_backward=True, transposed_qk=True))
+    for x, y in zip(again, reused):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="transposed"):
+        mod.backward(q, k, v, o, lse, do, prepared=mod.quantize_inputs(q, k, v, for_backward=True))
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("d", [256, 128, 64])
 @pytest.mark.parametrize("sq", [1, 100, 200, 300])
 def test_fused_fp8_preprocessing_equals_the_separate_passes(d, sq):

@@ -372,24 +372,38 @@ def test_forward_only_module_uses_reference_backward(standin_backend, pretend_ho
     assert info["backward"] == "reference" and "no backward" in info["reason"]
 
 
-def _fake_fp8_state_module(spec, calls, do_fp8=True):
+def _fake_fp8_state_module(spec, calls, do_fp8=True, ds_fp8=False):
     """A fake generated module whose backward recomputes S from the forward's FP8 Q/K
-    (``BWD_S_FP8``) and, with ``do_fp8``, runs dP in FP8 (``BWD_DO_FP8``: it also takes V's
-    natural payload): quantize_inputs returns distinguishable payloads and scales, forward and
-    backward record the ``prepared`` they were given."""
+    (``BWD_S_FP8``), with ``do_fp8`` runs dP in FP8 (``BWD_DO_FP8``: it also takes V's natural
+    payload) and with ``ds_fp8`` dQ/dK in FP8 (``BWD_DS_FP8``: it also takes the transposed Q/K
+    payloads): quantize_inputs returns distinguishable payloads and scales (the transposed copies
+    in ``fp4gen.device.quantize``'s layout) and records its options; forward and backward record
+    the ``prepared`` they were given."""
+    from fp4gen.device.quantize import transposed_operand
+
     mod, _ = _fake_generated(spec, "sm90a", calls=calls)
     mod.BWD_S_FP8, mod.BWD_DO_FP8, mod.QUANT_BLOCK = True, do_fp8, 128
+    if ds_fp8:
+        mod.BWD_DS_FP8 = True
+    mod.quantize_options = []
     fwd, bwd = mod.forward, mod.backward
 
-    def quantize_inputs(q, k, v, for_backward=False):
+    def quantize_inputs(q, k, v, for_backward=False, transposed_qk=False):
         calls.append("quantize")
+        mod.quantize_options.append({"for_backward": for_backward, "transposed_qk": transposed_qk})
+        if transposed_qk and not for_backward:
+            raise ValueError("quantize_inputs: transposed_qk=True needs for_backward=True")
         b, sq, h, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         scales = [torch.full((b, h, -(-sq // 128)), 0.5), torch.full((b, hkv, -(-sk // 128)), 0.25),
                   torch.full((b, hkv), 0.125)]
-        out = (q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), v.transpose(1, 3).to(torch.float8_e4m3fn),
-               *scales)
-        return out + ((v * 2).to(torch.float8_e4m3fn),) if for_backward else out
+        q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+        out = (q8, k8, v.transpose(1, 3).to(torch.float8_e4m3fn), *scales)
+        if for_backward:
+            out += ((v * 2).to(torch.float8_e4m3fn),)
+        if transposed_qk:
+            out += (transposed_operand(q8, "q"), transposed_operand(k8, "k"))
+        return out
 
     def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
         mod.seen_forward = prepared
@@ -403,43 +417,95 @@ def _fake_fp8_state_module(spec, calls, do_fp8=True):
     return mod
 
 
-@pytest.mark.parametrize("do_fp8", [True, False])
-def test_backward_reuses_the_forwards_fp8_state(standin_backend, pretend_hopper, monkeypatch, do_fp8):
-    spec = fp32_spec(name=f"gen_state_{do_fp8}", causal=True).with_target(Target.SM90A)
+# the fake module's gradient formats: S only, S + dP/dV (FP8 dO), S + dP/dV + dQ/dK (FP8 dS)
+_STATE_KINDS = {"s": (False, False), "do": (True, False), "ds": (True, True)}
+
+
+def test_forward_state_options():
+    """What torch_ops asks the forward's quantize_inputs to write for each kind of FP8 backward."""
+    spec = fp32_spec(name="gen_state_opts", causal=True).with_target(Target.SM90A)
+    want = {"s": {}, "do": {"for_backward": True}, "ds": {"for_backward": True, "transposed_qk": True}}
+    for kind, (do_fp8, ds_fp8) in _STATE_KINDS.items():
+        mod = _fake_fp8_state_module(spec, [], do_fp8, ds_fp8)
+        assert torch_ops.forward_state_options(mod) == want[kind], kind
+    mod = _fake_fp8_state_module(spec, [], True, False)
+    mod.BWD_DS_FP8 = False  # as a generated module without dS : fp8e4m3 spells it
+    assert torch_ops.forward_state_options(mod) == {"for_backward": True}
+
+
+@pytest.mark.parametrize("kind", list(_STATE_KINDS))
+def test_backward_reuses_the_forwards_fp8_state(standin_backend, pretend_hopper, monkeypatch, kind):
+    do_fp8, ds_fp8 = _STATE_KINDS[kind]
+    spec = fp32_spec(name=f"gen_state_{kind}", causal=True).with_target(Target.SM90A)
     calls = []
-    mod = _fake_fp8_state_module(spec, calls, do_fp8)
+    mod = _fake_fp8_state_module(spec, calls, do_fp8, ds_fp8)
     _install(monkeypatch, mod, spec)
     q, k, v = (t.requires_grad_(True) for t in _qkv(sq=130, sk=130, h=4, hkv=2))
     attention(q, k, v, spec=spec).sum().backward()
     assert calls == ["quantize", "fwd", "bwd"]  # quantized once, by the forward
+    assert mod.quantize_options == [{"for_backward": do_fp8 or ds_fp8, "transposed_qk": ds_fp8}]
     f, b = mod.seen_forward, mod.seen_backward
     assert b[2] is None  # V's transposed payload is not kept
-    # V's natural payload travels only to a backward with FP8 dP
-    assert len(f) == len(b) == (7 if do_fp8 else 6)
-    for i in (0, 1) + ((6,) if do_fp8 else ()):
+    # V's natural payload travels only to a backward with FP8 dP, Q^T / K^T only with FP8 dS
+    assert len(f) == len(b) == {"s": 6, "do": 7, "ds": 9}[kind]
+    for i in (0, 1) + tuple(range(6, len(f))):
         assert b[i].dtype == torch.float8_e4m3fn and torch.equal(b[i].view(torch.uint8), f[i].view(torch.uint8))
     for i in (3, 4, 5):
         assert torch.equal(b[i], f[i])
+    if ds_fp8:  # (B, H, ceil(Sq / 128) * 2, D, 64) and (B, Hkv, ceil(Sk / 128), D, 128)
+        assert b[7].shape == (2, 4, 4, 16, 64) and b[8].shape == (2, 2, 2, 16, 128)
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
 
-def test_forward_state_fake_and_opcheck(standin_backend, pretend_hopper, monkeypatch):
-    spec = fp32_spec(name="gen_state_op", causal=True).with_target(Target.SM90A)
-    mod = _fake_fp8_state_module(spec, [])
+def test_prepared_from_state_rebuilds_the_transposed_copies():
+    """The FP8-dS state (8 tensors, all FP8 payloads as bytes) -> the 9-tuple the backward takes:
+    float8 views of the same storage, V^T (not kept) as None."""
+    from fp4gen.device.quantize import transposed_operand
+
+    g = torch.Generator().manual_seed(3)
+    q8, k8, v8 = (torch.randn(1, s, h, 16, generator=g).to(torch.float8_e4m3fn)
+                  for s, h in ((130, 4), (200, 2), (200, 2)))
+    sq, sk, sv = torch.rand(1, 4, 2), torch.rand(1, 2, 2), torch.rand(1, 2)
+    prepared = (q8, k8, None, sq, sk, sv, v8, transposed_operand(q8, "q"), transposed_operand(k8, "k"))
+    state = torch_ops._forward_state(prepared)
+    assert len(state) == 8
+    assert [t.dtype for t in state] == [torch.uint8] * 2 + [torch.float32] * 3 + [torch.uint8] * 3
+    back = torch_ops._prepared_from_state(state)
+    assert len(back) == 9 and back[2] is None
+    for i in (0, 1, 6, 7, 8):
+        assert back[i].dtype == torch.float8_e4m3fn and back[i].shape == prepared[i].shape
+        assert back[i].data_ptr() == prepared[i].data_ptr()  # views, not copies
+        assert torch.equal(back[i].view(torch.uint8), prepared[i].view(torch.uint8))
+    for i in (3, 4, 5):
+        assert back[i] is prepared[i]
+
+
+@pytest.mark.parametrize("kind", ["do", "ds"])
+def test_forward_state_fake_and_opcheck(standin_backend, pretend_hopper, monkeypatch, kind):
+    do_fp8, ds_fp8 = _STATE_KINDS[kind]
+    spec = fp32_spec(name=f"gen_state_op_{kind}", causal=True).with_target(Target.SM90A)
+    mod = _fake_fp8_state_module(spec, [], do_fp8, ds_fp8)
     _install(monkeypatch, mod, spec)
     key = torch_ops.spec_key(spec)
     q, k, v = _qkv(sq=130, sk=200, h=4, hkv=2)
     (o, lse, state), (_, _, fstate) = _fwd_real_and_fake(q, k, v, key)
     assert [(t.shape, t.dtype) for t in fstate] == [(t.shape, t.dtype) for t in state]
-    assert [t.shape for t in state] == [(2, 130, 4, 16), (2, 200, 2, 16), (2, 4, 2), (2, 2, 2), (2, 2),
-                                        (2, 200, 2, 16)]
+    shapes = [(2, 130, 4, 16), (2, 200, 2, 16), (2, 4, 2), (2, 2, 2), (2, 2), (2, 200, 2, 16)]
+    if ds_fp8:  # qt8 (B, H, ceil(Sq / 128) * 2, D, 64), kt8 (B, Hkv, ceil(Sk / 128), D, 128), as bytes
+        shapes += [(2, 4, 4, 16, 64), (2, 2, 2, 16, 128)]
+        assert [t.dtype for t in state[5:]] == [torch.uint8] * 3
+    assert [t.shape for t in state] == shapes
     torch.library.opcheck(torch.ops.fp4gen.attention_fwd.default, (q, k, v, key, None, "auto"))
     torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default,
                           (q, k, v, o, lse, torch.randn_like(o), state, key, None, "auto"))
     fn = torch.compile(lambda q, k, v: attention(q, k, v, spec=spec).sum(), fullgraph=True)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     fn(q, k, v).backward()
-    assert mod.seen_backward is not None and mod.seen_backward[0].shape == q.shape
+    b = mod.seen_backward
+    assert b is not None and b[0].shape == q.shape and len(b) == len(shapes) + 1
+    if ds_fp8:
+        assert [t.dtype for t in b[7:]] == [torch.float8_e4m3fn] * 2
+        assert [t.shape for t in b[7:]] == shapes[6:]
 
 
 # ---------------------------------------------------------------------------
