@@ -751,15 +751,6 @@ def _bwd_stmatrix_x4_trans(smem_addr, r0, r1, r2, r3, *, loc=None, ip=None):
 
 
 @_bwd_user_op
-def _bwd_absmax2(x, y, *, loc=None, ip=None) -> Float32:
-    """max(|x|, |y|) (ptxas folds the abs into the FMNMX)."""
-    return Float32(_bwd_llvm.inline_asm(
-        _bwd_T.f32(), [Float32(x).ir_value(loc=loc, ip=ip), Float32(y).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .f32 a, b;\nabs.f32 a, $1;\nabs.f32 b, $2;\nmax.f32 $0, a, b;\n}", "=f,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=_bwd_llvm.AsmDialect.AD_ATT))
-
-
-@_bwd_user_op
 def _bwd_barrier_red(barrier_id: int, number_of_threads: int, pred, op: str, *, loc=None, ip=None):
     """Named barrier that also reduces ``pred`` over its threads (``bar.red.or/and.pred``): every
     thread gets the same answer."""
@@ -787,43 +778,6 @@ def _bwd_warp_max_nonneg(x, *, loc=None, ip=None) -> Float32:
         has_side_effects=True, is_align_stack=False, asm_dialect=_bwd_llvm.AsmDialect.AD_ATT))
 
 
-@_bwd_user_op
-def _bwd_pow2_reciprocal(c, *, loc=None, ip=None) -> Float32:
-    """1 / c, exactly, for c a normal power of two (from its exponent bits; NaN stays NaN)."""
-    return Float32(_bwd_llvm.inline_asm(
-        _bwd_T.f32(), [Float32(c).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 e, r;\n.reg .pred special;\nmov.b32 r, $1;\nbfe.u32 e, r, 23, 8;\n"
-        "setp.eq.u32 special, e, 255;\nsub.u32 e, 254, e;\nshl.b32 e, e, 23;\n@!special mov.b32 r, e;\n"
-        "mov.b32 $0, r;\n}", "=f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=_bwd_llvm.AsmDialect.AD_ATT))
-
-
-@_bwd_user_op
-def _bwd_fp8_scale_cover(x, *, loc=None, ip=None) -> Float32:
-    """The smallest power of two s with 448 s >= x (x >= 0): x = m 2^e, m in [1, 2), gives
-    2^(e-8) if m <= 1.75 else 2^(e-7) (448 = 1.75 2^8); 1 for x < 2^-117 (0 included), NaN
-    for inf/NaN. Exact and without a division: the numerics oracle does the same bit arithmetic."""
-    return Float32(_bwd_llvm.inline_asm(
-        _bwd_T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 e, m, r;\n.reg .pred big, tiny, special;\n"
-        "mov.b32 r, $1;\n"
-        "bfe.u32 e, r, 23, 8;\n"
-        "and.b32 m, r, 0x7fffff;\n"
-        "setp.gt.u32 big, m, 0x600000;\n"
-        "sub.u32 r, e, 8;\n"
-        "@big add.u32 r, r, 1;\n"
-        "shl.b32 r, r, 23;\n"
-        "setp.lt.u32 tiny, e, 10;\n"
-        "@tiny mov.b32 r, 0x3f800000;\n"
-        "setp.eq.u32 special, e, 255;\n"
-        "@special mov.b32 r, 0x7fc00000;\n"
-        "mov.b32 $0, r;\n}",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=_bwd_llvm.AsmDialect.AD_ATT,
-    ))
 
 
 def _bwd_smem_layout(dtype, rows, cols, major_cols, stages=None):
@@ -906,7 +860,7 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
         # the forward quantizer's transposed copies: Q^T in 64-query tiles (queries permuted per 32
         # like dO^T), K^T in 128-key tiles (keys interleaved per 16 like the dS tile dQ reads)
         mQt, mKt = _bwd_tiles_view(mQt), _bwd_tiles_view(mKt)
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K = warpgroup.OperandMajorMode.K  # FP8 wgmma: every operand K-major
         # S^T = K Q^T and dP^T = V dO^T: keys are M (64 per warpgroup), queries N
         mma_s = [
             sm90_utils.make_trivial_tiled_mma(
@@ -1269,7 +1223,7 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
                 # previous tile's max |dS| (no extra barrier); a tile whose f |dS| would pass 448 (any
                 # thread, reduced at the dS barrier) is rounded again with the c its max needs.
                 ds_c = ds_c_next
-                ds_inv_c = _bwd_pow2_reciprocal(ds_c)
+                ds_inv_c = _bwd_ptx.pow2_reciprocal(ds_c)
                 ds_f = scale_q * ds_inv_c  # = s_q / c exactly
                 scale_vdo_f = scale_vdo * ds_f
                 dsum_f = ds_f * (1.0 / _BWD_P_SCALE)
@@ -1282,7 +1236,7 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
                 _bwd_dlayout.pack_p_fp8(acc_S, tdVrP, False)  # e4m3 (RNE, saturating), queries permuted as dO^T
                 # this thread's max f |dS| (a tree: short dependency chains): does it overflow e4m3
                 # with this tile's c, does it use less than a quarter of its range
-                ds_loc = _bwd_tree_max([_bwd_absmax2(acc_dP[2 * i], acc_dP[2 * i + 1])
+                ds_loc = _bwd_tree_max([_bwd_ptx.absmax2(acc_dP[2 * i], acc_dP[2 * i + 1])
                                         for i in range(cute.size(acc_dP) // 2)])
                 ds_redo = (ds_loc > 448.0) | (m_block == m_block_min)  # the first tile: c from its max
                 ds_small = ds_loc < 112.0
@@ -1301,13 +1255,13 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
                     if ds_lane == 0:
                         sDsMax[tidx // 32] = ds_warp_max
                     cute.arch.barrier(barrier_id=_BWD_BAR_DS, number_of_threads=_BWD_MMA_THREADS)
-                    ds_c_new = _bwd_fp8_scale_cover(
+                    ds_c_new = _bwd_ptx.fp8_scale_cover(
                         _bwd_tree_max([sDsMax[w] for w in range(_BWD_MMA_THREADS // 32)]) * ds_c)
-                    ds_rescale = ds_c * _bwd_pow2_reciprocal(ds_c_new)
+                    ds_rescale = ds_c * _bwd_ptx.pow2_reciprocal(ds_c_new)
                     for i in cutlass.range_constexpr(cute.size(acc_dP)):
                         acc_dP[i] = acc_dP[i] * ds_rescale
                     ds_c = ds_c_new
-                    ds_inv_c = _bwd_pow2_reciprocal(ds_c)
+                    ds_inv_c = _bwd_ptx.pow2_reciprocal(ds_c)
                     self.store_ds_fp8(acc_dP, tdKrdS, ds_base + ds_stage * ds_stage_bytes)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=_BWD_BAR_DS, number_of_threads=_BWD_MMA_THREADS)

@@ -84,3 +84,45 @@ def f32_as_u32(x, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def u32_as_f32(x, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), "mov.b32 $0, $1;", "=f,r", [Uint32(x)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def absmax2(x, y, *, loc=None, ip=None) -> Float32:
+    """max(|x|, |y|) (ptxas folds the abs into the FMNMX)."""
+    return Float32(_asm(T.f32(), "{\n.reg .f32 a, b;\nabs.f32 a, $1;\nabs.f32 b, $2;\nmax.f32 $0, a, b;\n}",
+                        "=f,f,f", [Float32(x), Float32(y)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def pow2_reciprocal(c, *, loc=None, ip=None) -> Float32:
+    """1 / c, exactly, for c a normal power of two (from its exponent bits; NaN stays NaN)."""
+    return Float32(_asm(
+        T.f32(),
+        "{\n.reg .b32 e, r;\n.reg .pred special;\nmov.b32 r, $1;\nbfe.u32 e, r, 23, 8;\n"
+        "setp.eq.u32 special, e, 255;\nsub.u32 e, 254, e;\nshl.b32 e, e, 23;\n@!special mov.b32 r, e;\n"
+        "mov.b32 $0, r;\n}",
+        "=f,f", [Float32(c)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fp8_scale_cover(x, *, loc=None, ip=None) -> Float32:
+    """The smallest power of two s with 448 s >= x (x >= 0): x = m 2^e, m in [1, 2), gives
+    2^(e-8) if m <= 1.75 else 2^(e-7) (448 = 1.75 2^8); 1 for x < 2^-117 (0 included), NaN
+    for inf/NaN. Exact and without a division; the numerics oracle's
+    ``reference.fp8_ds_scale_cover`` does the same bit arithmetic."""
+    return Float32(_asm(
+        T.f32(),
+        "{\n.reg .b32 e, m, r;\n.reg .pred big, tiny, special;\n"
+        "mov.b32 r, $1;\n"
+        "bfe.u32 e, r, 23, 8;\n"
+        "and.b32 m, r, 0x7fffff;\n"
+        "setp.gt.u32 big, m, 0x600000;\n"
+        "sub.u32 r, e, 8;\n"
+        "@big add.u32 r, r, 1;\n"
+        "shl.b32 r, r, 23;\n"
+        "setp.lt.u32 tiny, e, 10;\n"
+        "@tiny mov.b32 r, 0x3f800000;\n"
+        "setp.eq.u32 special, e, 255;\n"
+        "@special mov.b32 r, 0x7fc00000;\n"
+        "mov.b32 $0, r;\n}",
+        "=f,f", [Float32(x)], loc=loc, ip=ip))
