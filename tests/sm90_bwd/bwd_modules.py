@@ -254,3 +254,24 @@ def diagnose(got, ref, tile_q=64, tile_k=128):
             "tiles": [round(rel_l2(x[:, i:i + t], r[:, i:i + t]), 4) for i in range(0, S, t)][:64],
         }
     return out
+
+
+def oracle_tile_scales(monkeypatch, args):
+    """``reference.backward(*args)`` and the FP8 dS scale c of every tile it rounds, in the
+    order it picks them (``fp8_ds_tile_scale`` is called once per visited tile; with one row
+    chunk that is the kernel's walk: key tile outer, query tiles ascending)."""
+    from fp4gen.numerics import reference as R
+
+    seen, pick = [], R.fp8_ds_tile_scale
+
+    def record(a_sq, c_guess, first):
+        c, c_next = pick(a_sq, c_guess, first)
+        seen.append(c)
+        return c, c_next
+
+    monkeypatch.setattr(R, "fp8_ds_tile_scale", record)
+    try:
+        out = R.backward(*args)
+    finally:
+        monkeypatch.setattr(R, "fp8_ds_tile_scale", pick)
+    return out, seen

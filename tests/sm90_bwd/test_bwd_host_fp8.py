@@ -39,6 +39,16 @@ def _e4m3(x):
     return x.clamp(-448.0, 448.0).to(E4M3).float()
 
 
+def _per_query_head(x, H: int, n: int):
+    """(B, S, Hx, D) -> (B, H, n, D) float32, zero-padded to n tokens, key/value heads repeated
+    for the query heads of their group (the kernel's view of one operand per query head)."""
+    B, _, _, D = x.shape
+    x = x.float().repeat_interleave(H // x.shape[2], dim=2).permute(0, 2, 1, 3)
+    out = torch.zeros(B, H, n, D)
+    out[:, :, : x.shape[2]] = x
+    return out
+
+
 def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
     """What the compiled FP8 kernel computes, tile by tile, from the arguments it is given."""
     assert mod.BWD_S_FP8 and mod.BWD_DO_FP8 and not mod.BWD_DETERMINISTIC
@@ -52,11 +62,8 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
     sqp = lse2.shape[2]
     c = torch.tensor(softmax_scale * math.log2(math.e), dtype=torch.float32)
 
-    def heads(x, n):  # (B, S, Hx, D) -> (B, H, n, D) zero-padded, query heads expanded
-        x = x.float().repeat_interleave(H // x.shape[2], dim=2).permute(0, 2, 1, 3)
-        out = torch.zeros(B, H, n, D)
-        out[:, :, : x.shape[2]] = x
-        return out
+    def heads(x, n):
+        return _per_query_head(x, H, n)
 
     n_kb = -(-Sk // BN)
     Q, Qp = heads(q, sqp), heads(q8, sqp)
@@ -159,11 +166,8 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
     assert kt8.shape == (B, Hkv, n_kb, D, BN), kt8.shape
     c_log2 = torch.tensor(softmax_scale * math.log2(math.e), dtype=torch.float32)
 
-    def heads(x, n):  # (B, S, Hx, D) -> (B, H, n, D) zero-padded, query heads expanded
-        x = x.float().repeat_interleave(H // x.shape[2], dim=2).permute(0, 2, 1, 3)
-        out = torch.zeros(B, H, n, D)
-        out[:, :, : x.shape[2]] = x
-        return out
+    def heads(x, n):
+        return _per_query_head(x, H, n)
 
     Qp, Kp = heads(q8, sqp), heads(k8, n_kb * BN)  # S^T = K Q^T: the natural payloads
     Vp, dOp = heads(v8, n_kb * BN), heads(do8, sqp)
@@ -415,8 +419,6 @@ def test_fp8_ds_emulation_picks_the_oracles_tile_scales(cpu_fp8_backward, tmp_pa
     m_min), GQA and Sq != Sk included. The gradients alone hardly tell scale rules apart (a
     power-of-two scale only moves which tiny values fall into e4m3's subnormals), so the scales
     are compared exactly."""
-    from fp4gen.numerics import reference as R
-
     for case in ("gqa_6_2", "sq300_sk100"):
         spec, mod = _ds_module(128, True, tmp_path_factory)
         cpu_fp8_backward(mod)
@@ -425,16 +427,7 @@ def test_fp8_ds_emulation_picks_the_oracles_tile_scales(cpu_fp8_backward, tmp_pa
                             lambda args, s, off, gqa: emulate_fp8_ds_kernel(mod, args, s, off, gqa, record=mine))
         q, k, v, o, lse, do = _ds_inputs(mod, spec, case)
         mod.backward(q, k, v, o, lse, do)
-        oracle, pick = [], R.fp8_ds_tile_scale
-
-        def record(a_sq, c_guess, first):
-            c, c_next = pick(a_sq, c_guess, first)
-            oracle.append(c)
-            return c, c_next
-
-        monkeypatch.setattr(R, "fp8_ds_tile_scale", record)
-        R.backward(q, k, v, o, lse, do, spec)  # one row chunk: the kernel's walk order
-        monkeypatch.setattr(R, "fp8_ds_tile_scale", pick)
+        _, oracle = bm.oracle_tile_scales(monkeypatch, (q, k, v, o, lse, do, spec))  # one row chunk
         assert len(mine) == len(oracle) > 0, (case, len(mine), len(oracle))
         assert all(torch.equal(c, r) for (c, _, _, _), r in zip(mine, oracle)), case
         if case == "sq300_sk100":  # the one key tile starts at query tile 3 (queries 192...)

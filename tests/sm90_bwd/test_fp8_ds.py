@@ -434,23 +434,6 @@ def _transcription(case, d, variant="kernel", causal=True):
     return dq.permute(0, 2, 1, 3), dk.permute(0, 2, 1, 3), walk
 
 
-def _oracle_scales(monkeypatch, args):
-    """R.backward(*args) and the c of every tile it rounds, in the order it picks them
-    (``fp8_ds_tile_scale`` is called once per visited tile; with one row chunk that is the
-    kernel's walk: key tile outer, query tiles ascending)."""
-    seen, pick = [], R.fp8_ds_tile_scale
-
-    def record(a_sq, c_guess, first):
-        c, c_next = pick(a_sq, c_guess, first)
-        seen.append(c)
-        return c, c_next
-
-    monkeypatch.setattr(R, "fp8_ds_tile_scale", record)
-    out = R.backward(*args)
-    monkeypatch.setattr(R, "fp8_ds_tile_scale", pick)
-    return out, seen
-
-
 def _same_scales(oracle, walk) -> bool:
     return len(oracle) == len(walk) and all(torch.equal(a.double(), w[0]) for a, w in zip(oracle, walk))
 
@@ -471,7 +454,7 @@ def test_oracle_is_the_recipe(case, d, causal, monkeypatch):
     tile; every tile from its own max differs on 3/12 to 22/36 tiles; with the wrong f 3.1e-2 to
     3.8e-2 (another rounding of every dS value)."""
     (_, _, sd32), (q, k, v, o, lse, do) = _state(case, d, causal=causal)
-    (dq, dk, _), scales = _oracle_scales(monkeypatch, (q, k, v, o, lse, do, sd32))
+    (dq, dk, _), scales = bm.oracle_tile_scales(monkeypatch, (q, k, v, o, lse, do, sd32))
     tq, tk, walk = _transcription(case, d, causal=causal)
     e_q, e_k = bm.rel_l2(dq, tq), bm.rel_l2(dk, tk)
     assert e_q < 1e-3 and e_k < 1e-3, (e_q, e_k)
@@ -497,7 +480,7 @@ def test_oracle_walks_from_the_first_visible_query_tile(case, d, monkeypatch):
     Measured: 1e-7 vs the transcription; starting at 0: 4.2e-2 / 2.7e-2 (sq300_sk100 D 64 /
     128), 6.9e-2 (basic)."""
     (_, _, sd32), (q, k, v, o, lse, do) = _state(case, d)
-    (dq, dk, _), scales = _oracle_scales(monkeypatch, (q, k, v, o, lse, do, sd32))
+    (dq, dk, _), scales = bm.oracle_tile_scales(monkeypatch, (q, k, v, o, lse, do, sd32))
     tq, tk, walk = _transcription(case, d)
     assert bm.rel_l2(dq, tq) < 1e-3 and bm.rel_l2(dk, tk) < 1e-3
     assert _same_scales(scales, walk)
@@ -515,9 +498,9 @@ def test_oracle_row_chunks_are_whole_tiles(monkeypatch):
     between chunks would give it two scales: ~1e-2 off.)"""
     (_, _, sd32), (q, k, v, o, lse, do) = _state("ragged_200", 64)
     args = (q, k, v, o, lse, do, sd32)
-    ref, ref_scales = _oracle_scales(monkeypatch, args)
+    ref, ref_scales = bm.oracle_tile_scales(monkeypatch, args)
     monkeypatch.setattr(R, "_row_chunk", lambda *a: 100)
-    got, scales = _oracle_scales(monkeypatch, args)
+    got, scales = bm.oracle_tile_scales(monkeypatch, args)
     for x, y in zip(got, ref):
         assert bm.rel_l2(x, y) < 1e-5
     walk = _transcription("ragged_200", 64)[2]
