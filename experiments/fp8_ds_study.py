@@ -18,6 +18,15 @@ and, for comparison, the whole FP8 recipe of the oracle (``sm90_fp8_train_causal
 Q/K/P/V forward, FP8 dO/dP/dV, bf16 dS) against the same float64 gradients.
 
     python3 experiments/fp8_ds_study.py            # prints a table (about a minute on 2 cores)
+
+Written before FP8 dS existed; it measured at S = 1024, where the per-(batch, head) bound
+looked as good as dS's amax. It is not at long sequences (P ~ 1/S puts most dS many binades
+below a head-wide bound): the kernel built on it lost accuracy with S on the H200. The
+``--recipes`` mode measures the two backwards that exist now, through the numerics oracle:
+the FP8 recipe with bf16 dS and the all-FP8 one (``dS : fp8e4m3``, one scale per 64 x 128
+tile), whole backward against float64 autograd, H = 1, at the given lengths:
+
+    python3 experiments/fp8_ds_study.py --recipes 1024 4096   # about a minute on 2 cores
 """
 from __future__ import annotations
 
@@ -34,12 +43,12 @@ S, H, D = 1024, 4, 128
 TILE_M, TILE_N = 64, 128
 
 
-def inputs(kind: str, seed: int = 0):
+def inputs(kind: str, seed: int = 0, seq: int = S, heads: int = H):
     g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(1, S, H, D, generator=g) for _ in range(4))
+    q, k, v, do = (torch.randn(1, seq, heads, D, generator=g) for _ in range(4))
     if kind == "peaked":  # large logits (a peaky softmax) and heavy-tailed output gradients
         q, k = q * 2.5, k * 2.5
-        do = do * torch.exp(torch.randn(1, S, H, 1, generator=g))
+        do = do * torch.exp(torch.randn(1, seq, heads, 1, generator=g))
     return [x.to(torch.bfloat16) for x in (q, k, v, do)]
 
 
@@ -47,7 +56,8 @@ def exact(q, k, v, do, scale):
     """float64 P, dP, D and the autograd gradients (causal), (B, H, S, *) layouts."""
     q, k, v, do = (x.double().permute(0, 2, 1, 3) for x in (q, k, v, do))
     s = (q @ k.transpose(-1, -2)) * scale
-    mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+    n = q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
     p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
     o = p @ v
     dp = do @ v.transpose(-1, -2)
@@ -86,16 +96,37 @@ def ds_variants(e, scale):
     return out
 
 
-def recipe(q, k, v, do):
+def train_spec(name: str = "sm90_fp8_train_causal_d128"):
     from fp4gen.frontend import parse_file
-    from fp4gen.numerics import reference
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                         "sm90_fp8_train_d128.attn")
-    spec = parse_file(path)[0]
+    return next(sp for sp in parse_file(path) if sp.name == name)
+
+
+def recipe(q, k, v, do, name: str = "sm90_fp8_train_causal_d128"):
+    """dq, dk of the numerics oracle for the example training kernel ``name`` (its own forward's
+    O and LSE, as a training step hands over)."""
+    from fp4gen.numerics import reference
+
+    spec = train_spec(name)
     o, lse = reference.forward(q, k, v, spec)
     dq, dk, _ = reference.backward(q, k, v, o.to(torch.bfloat16), lse, do, spec)
     return spec.scale, dq, dk
+
+
+def recipes_table(lengths):
+    """The FP8 recipe (bf16 dS) and the all-FP8 one (FP8 dS per tile) against float64 autograd."""
+    print("causal, H=1, D=128; rel-L2 vs float64 autograd of the whole backward, dq / dk")
+    print(f"{'S':>6s} {'inputs':7s} {'bf16 dS':>17s} {'FP8 dS (per tile)':>24s}")
+    for n in lengths:
+        for kind in ("randn", "peaked"):
+            q, k, v, do = inputs(kind, seq=n, heads=1)
+            scale, bq, bk = recipe(q, k, v, do)
+            _, fq, fk = recipe(q, k, v, do, "sm90_fp8_train_ds8_causal_d128")
+            e = exact(q, k, v, do, scale)
+            r = [rel_l2(x.double().permute(0, 2, 1, 3), e[w]) for x, w in ((bq, "dq"), (bk, "dk"), (fq, "dq"), (fk, "dk"))]
+            print(f"{n:6d} {kind:7s} {r[0]:8.3f} / {r[1]:.3f}   {r[2]:8.3f} / {r[3]:.3f} ({r[2] / r[0]:.2f}x)", flush=True)
 
 
 def main():
@@ -116,4 +147,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--recipes":
+        recipes_table([int(a) for a in sys.argv[2:]] or [1024, 4096])
+    else:
+        main()
