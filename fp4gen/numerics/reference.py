@@ -347,7 +347,7 @@ def fp8_ds_scale_cover(x: torch.Tensor) -> torch.Tensor:
       such an x = amax |dS| * s_q has f = s_q (see ``fp8_ds_tile_scale``), so its
       |dS f| < 2^-117 rounds to zero in e4m3, i.e. its dQ/dK contributions are flushed. (An
       exact scale there would be near fp32's subnormals, and 1 / c could overflow.) The
-      kernel's ``_bwd_fp8_scale_cover`` uses the same threshold.
+      kernel's ``fp4gen.device.ptx.fp8_scale_cover`` uses the same threshold.
     - inf / NaN -> NaN.
     """
     b = x.to(torch.float32).contiguous().view(torch.int32)

@@ -117,7 +117,7 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
 
 def _cover(x):
     """The smallest power of two c with 448 c >= x (float32 x >= 0); 1 below 2^-117 (0
-    included), NaN for inf / NaN: the kernel's ``_bwd_fp8_scale_cover``, written with frexp
+    included), NaN for inf / NaN: the kernel's ``ptx.fp8_scale_cover``, written with frexp
     instead of its exponent bits."""
     x64 = x.double()
     m, e = torch.frexp(x64 / 448.0)  # x / 448 = m 2^e, m in [0.5, 1)
