@@ -155,7 +155,9 @@ def _compile(variants, tmp_path):
                             st32=ptx.count("st.global.b32"), gqa_st64=gqa_ptx.count("st.global.v2.b32"),
                             stmatrix=ptx.count("stmatrix.sync.aligned"), lds_v2=ptx.count("ld.shared.v2.b32"),
                             sts_v4=ptx.count("st.shared.v4.b32"), ldg=ptx.count("ld.global"),
-                            bulk_g2s=ptx.count("cp.async.bulk.shared::cta.global"))
+                            bulk_g2s=ptx.count("cp.async.bulk.shared::cta.global"),
+                            bar_red=ptx.count("bar.red."), redux=ptx.count("redux.sync"),
+                            stmatrix_trans=ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16"))
         print(json.dumps(out))
     """)
     dump = tmp_path / "dump"
@@ -212,6 +214,22 @@ def test_compile_sm90a_fp8(tmp_path):
     assert f["wgmma"] - f["wgmma_e4m3"] == 64 // 16 + 128 // 16, f
     assert f["ex2"] == 32 and f["red"] == 1 and f["stmatrix"] == 4 and f["bulk_g2s"] == 2, f
     assert f["tma"] >= 7, f  # K, V8, K8, Q, dO8, Q8, dO^T
+
+
+def test_compile_sm90a_fp8_ds(tmp_path):
+    """All-FP8 (dS : fp8e4m3): every wgmma k32 e4m3; dS reaches dQ through stmatrix.trans (two
+    x4 stores per thread, written twice in the source: the tile as guessed and, on overflow,
+    again); the dS barrier ORs the overflows and ANDs the small tiles (two bar.red); one warp
+    redux for the exact max; K^T and Q^T loaded in place of bf16 K and Q."""
+    d = 128
+    f = _compile([(d, True, False, "ds")], tmp_path)[f"d{d}_1_0_fp8"]
+    assert f["names"][:2] == ["sm90_bwd_fp8ds_d128_causal.backward", "sm90_bwd_fp8ds_d128_causal.backward_gqa"]
+    # S^T, dP^T: K = d; dV, dK: K = 64 queries; dQ: K = 128 keys; all in k32 steps
+    assert f["wgmma"] == f["wgmma_e4m3"] == 2 * (d // 32) + 2 * (64 // 32) + 128 // 32, f
+    assert f["stmatrix"] == f["stmatrix_trans"] == 4, f
+    assert f["bar_red"] == 2 and f["redux"] == 1, f
+    assert f["ex2"] == 32 and f["red"] == 1 and f["bulk_g2s"] == 2, f
+    assert f["tma"] == 7, f  # K^T, V8, K8, Q^T, dO8, Q8, dO^T
 
 
 @pytest.mark.slow
