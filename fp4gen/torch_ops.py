@@ -517,13 +517,9 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
         if _keeps_v_payload(mod) or _keeps_qk_transposed(mod):
             state.append(v.new_empty(v.shape, dtype=torch.uint8))
         if _keeps_qk_transposed(mod):
-            from fp4gen.device.quantize import TRANSPOSED_TILES
+            from fp4gen.device.quantize import transposed_shape
 
-            d = q.shape[3]
-            for x, n, op in ((q, h, "q"), (k, hkv, "k")):
-                tokens = TRANSPOSED_TILES[op][0]
-                tiles = -(-x.shape[1] // blk) * blk // tokens
-                state.append(x.new_empty((b, n, tiles, d, tokens), dtype=torch.uint8))
+            state += [x.new_empty(transposed_shape(x.shape, op), dtype=torch.uint8) for x, op in ((q, "q"), (k, "k"))]
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32), state
 
 

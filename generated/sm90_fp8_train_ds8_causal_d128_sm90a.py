@@ -1492,8 +1492,8 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
                              f"(quantize_inputs(q, k, v, for_backward=True, transposed_qk=True): 9 tensors), "
                              f"got {len(prepared)}")
         qt8, kt8 = prepared[7], prepared[8]
-        for name, t, heads, seq, tile in (("qt8", qt8, H, Sq, BWD_TILE_M), ("kt8", kt8, Hkv, Sk, BWD_TILE_N)):
-            want = (B, heads, -(-seq // _BWD_QUANT_BLOCK) * _BWD_QUANT_BLOCK // tile, D, tile)
+        for name, t, x, op in (("qt8", qt8, q, "q"), ("kt8", kt8, k, "k")):
+            want = _bwd_dquant.transposed_shape(x.shape, op)
             if tuple(t.shape) != want or t.dtype != _bwd_torch.float8_e4m3fn:
                 raise ValueError(f"{KERNEL_NAME}.backward: prepared's {name} must be float8_e4m3fn of shape {want} "
                                  f"for these q, k; got {t.dtype} {tuple(t.shape)}")

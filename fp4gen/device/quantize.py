@@ -540,6 +540,14 @@ def _prep(x, what: str):
     return x
 
 
+def transposed_shape(shape, transposed: str) -> tuple:
+    """The shape of the transposed copy of a (B, S, H, D) payload (``TRANSPOSED_TILES``):
+    (B, H, tiles, D, tokens), the ceil(S/128) blocks of 128 tokens cut into tiles of tokens."""
+    B, S, H, D = shape
+    tokens = TRANSPOSED_TILES[transposed][0]
+    return (B, H, (S + BLOCK - 1) // BLOCK * BLOCK // tokens, D, tokens)
+
+
 def quantize_blockwise(x, transposed: str | None = None):
     """(B, S, H, D) bf16 CUDA -> (e4m3 payload (B, S, H, D), fp32 scale (B, H, ceil(S/128))).
 
@@ -560,8 +568,7 @@ def quantize_blockwise(x, transposed: str | None = None):
     if transposed is None:
         _launch("block", D, x, y, sc)
         return y.view(torch.float8_e4m3fn), sc
-    tokens = TRANSPOSED_TILES[transposed][0]
-    yt = torch.empty((B, H, nb * BLOCK // tokens, D, tokens), dtype=torch.uint8, device=x.device)
+    yt = torch.empty(transposed_shape(x.shape, transposed), dtype=torch.uint8, device=x.device)
     _launch(f"block_{transposed}t", D, x, y, sc, yt)
     return y.view(torch.float8_e4m3fn), sc, yt.view(torch.float8_e4m3fn)
 
@@ -650,6 +657,5 @@ def transposed_operand(x8, transposed: str):
     """What ``quantize_blockwise(x, transposed)`` writes as its third tensor, from its payload
     (B, S, H, D): ``transposed_tiles`` with ``TRANSPOSED_TILES[transposed]``, ceil(S/128)
     blocks of 128 tokens. For CPU stand-ins of the fused kernel and for tests."""
-    tokens, perm = TRANSPOSED_TILES[transposed]
-    nb = (x8.shape[1] + BLOCK - 1) // BLOCK
-    return transposed_tiles(x8, nb * BLOCK // tokens, tokens, perm)
+    _, _, tiles, _, tokens = transposed_shape(x8.shape, transposed)
+    return transposed_tiles(x8, tiles, tokens, TRANSPOSED_TILES[transposed][1])
