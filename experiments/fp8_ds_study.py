@@ -27,6 +27,14 @@ the FP8 recipe with bf16 dS and the all-FP8 one (``dS : fp8e4m3``, one scale per
 tile), whole backward against float64 autograd, H = 1, at the given lengths:
 
     python3 experiments/fp8_ds_study.py --recipes 1024 4096   # about a minute on 2 cores
+
+The ``--walk`` mode measures the scale rule itself (``reference.fp8_ds_tile_scale``), on the
+exact dS (float64, causal, H = 1): how often a tile's guess overflows (and the tile pays for
+its exact max a second time in the kernel), how often c changes, and what the rounding of dS
+alone costs against every tile taking c from its own max; for the rule as it is and for the
+rule it replaced (guess handed on as taken, halved below 448 / 4):
+
+    python3 experiments/fp8_ds_study.py --walk 1024 4096       # about a minute on 2 cores
 """
 from __future__ import annotations
 
@@ -129,6 +137,65 @@ def recipes_table(lengths):
             print(f"{n:6d} {kind:7s} {r[0]:8.3f} / {r[1]:.3f}   {r[2]:8.3f} / {r[3]:.3f} ({r[2] / r[0]:.2f}x)", flush=True)
 
 
+def walk_stats(e, sq, rules):
+    """Walk every key tile's query tiles (causal: from the diagonal) with the oracle's scale rule
+    under each of ``rules`` (name -> (FP8_DS_SMALL, FP8_DS_HEADROOM)); ``sq`` (S,) Q's block
+    scale per row. Returns name -> (overflow %, first-tile %, c-change %, dq, dk rel-L2 of dS
+    rounding alone vs float64), plus "own max" (every tile's c from its own max)."""
+    from fp4gen.numerics import reference as R
+
+    ds = e["ds"][0, 0]
+    n = ds.shape[0]
+    saved = R.FP8_DS_SMALL, R.FP8_DS_HEADROOM
+    out = {}
+    try:
+        for name, (small, headroom) in list(rules.items()) + [("own max", (None, None))]:
+            if headroom is not None:
+                R.FP8_DS_SMALL, R.FP8_DS_HEADROOM = small, headroom
+            dsr = torch.zeros_like(ds)
+            over = firsts = changes = tiles = 0
+            for n0 in range(0, n, TILE_N):
+                guess, prev = torch.ones(1), None
+                for t0 in range(n0 // TILE_M * TILE_M, n, TILE_M):
+                    tile = ds[t0:t0 + TILE_M, n0:n0 + TILE_N]
+                    s_q = sq[t0].reshape(1)
+                    a = (tile.abs().amax() * s_q).float().reshape(1)
+                    first = headroom is None or prev is None
+                    over += int(not first and float(a) / float(guess) > 448)
+                    c, guess = R.fp8_ds_tile_scale(a, guess, first)
+                    firsts += int(prev is None)
+                    changes += int(prev is not None and float(c) != float(prev))
+                    tiles += 1
+                    prev = c
+                    f = (s_q / c).double()
+                    dsr[t0:t0 + TILE_M, n0:n0 + TILE_N] = formats.round_to((tile * f).float(), formats.E4M3).double() / f
+            dq = rel_l2(dsr @ e["k"][0, 0], e["ds"][0, 0] @ e["k"][0, 0])
+            dk = rel_l2(dsr.T @ e["q"][0, 0], e["ds"][0, 0].T @ e["q"][0, 0])
+            out[name] = (100 * over / tiles, 100 * firsts / tiles, 100 * changes / tiles, dq, dk)
+    finally:
+        R.FP8_DS_SMALL, R.FP8_DS_HEADROOM = saved
+    return out
+
+
+def walk_table(lengths):
+    from fp4gen.numerics.quant import quantize_fp8
+    from fp4gen.numerics import reference as R
+
+    rules = {"now (x%g on a redo, halve < %g)" % (R.FP8_DS_HEADROOM, R.FP8_DS_SMALL):
+             (R.FP8_DS_SMALL, R.FP8_DS_HEADROOM),
+             "before (x1, halve < 112)": (112.0, 1.0)}
+    print("causal, H=1, D=128; per 64 x 128 dS tile: guess overflowed / walk's first tile / c changed "
+          "(% of tiles), and rel-L2 of dq / dk from rounding dS alone")
+    for n in lengths:
+        for kind in ("randn", "peaked"):
+            q, k, v, do = inputs(kind, seq=n, heads=1)
+            e = exact(q, k, v, do, 1.0 / D ** 0.5)
+            sq = quantize_fp8(q, "block", 128).expand_scale()[0, :, 0, 0].double()
+            for name, (ov, fi, ch, dq, dk) in walk_stats(e, sq, rules).items():
+                print(f"{n:6d} {kind:7s} {name:34s} {ov:5.2f} / {fi:5.2f} / {ch:5.2f}   "
+                      f"{dq:.4e} / {dk:.4e}", flush=True)
+
+
 def main():
     print(f"causal, S={S}, H={H}, D={D}; rel-L2 vs float64 autograd (dS rounding alone, everything "
           "else exact), and the fraction of nonzero dS that rounds to 0")
@@ -147,7 +214,9 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--recipes":
+    if len(sys.argv) > 1 and sys.argv[1] == "--walk":
+        walk_table([int(a) for a in sys.argv[2:]] or [1024, 4096])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--recipes":
         recipes_table([int(a) for a in sys.argv[2:]] or [1024, 4096])
     else:
         main()

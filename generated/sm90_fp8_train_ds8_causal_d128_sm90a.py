@@ -685,6 +685,8 @@ _BWD_QUANT_BLOCK = 128  # tokens per FP8 Q/K scale (the forward's quantizer)
 _BWD_P_SCALE = 256.0  # FP8 P is produced as 2^8 P (numerics: P_FP8_SCALE)
 _BWD_P_LOG2_SCALE = 8.0
 _BWD_DS_C_HALVE_MIN = 2.0 ** -59  # FP8 dS: a tile's scale is halved for the next only from here up
+_BWD_DS_SMALL = 28.0  # FP8 dS: a tile whose f |dS| all stay below 448 / 16 halves the next tile's c
+_BWD_DS_HEADROOM = 4.0  # FP8 dS: a c taken from a tile's exact max is handed on times this
 _BWD_MMA_THREADS = 128 * 2
 _BWD_THREADS = _BWD_MMA_THREADS + 128  # + one producer warpgroup (warp 0: TMA loads, warp 1: dQ adds)
 _BWD_BAR_DS = 1  # named barrier: every MMA warp has written its dS^T into SMEM
@@ -1235,11 +1237,11 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
                 # both A operands converted before any MMA reads them (S^T and dP^T die here)
                 _bwd_dlayout.pack_p_fp8(acc_S, tdVrP, False)  # e4m3 (RNE, saturating), queries permuted as dO^T
                 # this thread's max f |dS| (a tree: short dependency chains): does it overflow e4m3
-                # with this tile's c, does it use less than a quarter of its range
+                # with this tile's c, does it use less than a sixteenth of its range
                 ds_loc = _bwd_tree_max([_bwd_ptx.absmax2(acc_dP[2 * i], acc_dP[2 * i + 1])
                                         for i in range(cute.size(acc_dP) // 2)])
                 ds_redo = (ds_loc > 448.0) | (m_block == m_block_min)  # the first tile: c from its max
-                ds_small = ds_loc < 112.0
+                ds_small = ds_loc < _BWD_DS_SMALL
                 self.store_ds_fp8(acc_dP, tdKrdS, ds_base + ds_stage * ds_stage_bytes)
                 self.gemm((mma_dv, mma_dv), acc_dV, tdVrP, tVrdOt[None, None, None, state.index])
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -1247,6 +1249,7 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
                 # the small ones)
                 ds_redo = _bwd_barrier_red(_BWD_BAR_DS, _BWD_MMA_THREADS, ds_redo, "or")
                 ds_small = _bwd_barrier_red(_BWD_BAR_DS, _BWD_MMA_THREADS, ds_small, "and")
+                ds_c_next = ds_c
                 if ds_redo:
                     # c from the tile's max (over the warp: one redux; over the warps: SMEM and a
                     # barrier): the power of two covering max|dS| s_q = max(f |dS|) c; dS is
@@ -1265,10 +1268,12 @@ class Sm90Fp8TrainDs8CausalD128Sm90Bwd:
                     self.store_ds_fp8(acc_dP, tdKrdS, ds_base + ds_stage * ds_stage_bytes)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=_BWD_BAR_DS, number_of_threads=_BWD_MMA_THREADS)
+                    # handed on with headroom: the tile after a key tile's first (diagonal, half
+                    # masked) one, or after an overflow, is likely larger, and its redo is dear
+                    ds_c_next = ds_c * _BWD_DS_HEADROOM
                     ds_small = False
-                # the next tile's c: this one's, halved when every f |dS| was below 448 / 4, but
-                # not below 2^-60 (runs of all-zero tiles, e.g. masked dO rows, would take it to 0)
-                ds_c_next = ds_c
+                # else the next tile's c is this one's, halved when every f |dS| was below 448 / 16,
+                # but not below 2^-60 (runs of all-zero tiles, e.g. masked dO rows, would take it to 0)
                 if ds_small & (ds_c >= _BWD_DS_C_HALVE_MIN):
                     ds_c_next = ds_c * 0.5
                 # dQ before dK: its result is wanted first (it leaves through SMEM while dK runs)

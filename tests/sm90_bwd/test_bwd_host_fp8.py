@@ -144,7 +144,8 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
     power-of-two scale c per 64 x 128 tile, Q's block scale folded in (f = s_q / c): each CTA
     (128 keys of one query head) walks its query tiles from m_min up, c guessed from the
     previous tile (1 before the first), taken from the tile's own max (``_cover``) on the first
-    tile and when f |dS| would pass 448, halved for the next tile when it stayed below 112.
+    tile and when f |dS| would pass 448 (and then handed on times 4), halved for the next tile
+    when it stayed below 28 (448 / 16).
     dQ = (c s_k / s_q) dS8 K8 with K8 read from the K^T copy (kt8), dK = sum c dS8^T Q8 with Q8
     read from the Q^T copy (qt8), kept in units of the current c as the kernel keeps its
     accumulator. ``record``: a list that gets (c, whether c came from the tile's max, key tile,
@@ -204,11 +205,11 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
                           - dsum[:, :, None, q0:q0 + BM] * (f / 256.0)[..., None, None])
             amax = dSf.abs().amax(dim=(-2, -1))
             redo = (amax > 448.0) | (m == m_min)
-            small = (amax < 112.0) & ~redo
+            small = (amax < 28.0) & ~redo
             c_new = torch.where(redo, _cover(amax * c), c)
             dSf = dSf * (c / c_new)[..., None, None]
             c = c_new
-            c_next = torch.where(small & (c >= 2.0 ** -59), c * 0.5, c)  # the kernel's floor
+            c_next = torch.where(redo, c * 4.0, torch.where(small & (c >= 2.0 ** -59), c * 0.5, c))  # the kernel's floor
             if record is not None:
                 record.append((c.clone(), redo.clone(), n, m))
             dS8 = _e4m3(dSf)  # (keys, queries)

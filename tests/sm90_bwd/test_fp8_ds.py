@@ -4,8 +4,9 @@ rows x 128 keys, dS8 = e4m3(dS * f) with f = s_q / c (s_q: the tile's Q block sc
 dS8 / f by dQ = dS K and dK = dS^T Q; c a power of two, handed from one query tile of a key
 tile to the next (the walk starts at the key tile's first query tile with a visible key):
 the power of two covering max|dS| s_q on the first tile and when the guess would overflow
-e4m3, else the guess, halved for the next tile when the tile used less than a quarter of
-e4m3's range (docs/numerics.md, "FP8 dS on sm90a")."""
+e4m3, else the guess; a c taken from the max is handed on times 4, a guess is halved for the
+next tile when the tile used less than a sixteenth of e4m3's range (docs/numerics.md, "FP8 dS
+on sm90a")."""
 from __future__ import annotations
 
 import dataclasses
@@ -185,24 +186,25 @@ def _is_pow2(x: torch.Tensor) -> bool:
 def test_tile_scale_first_tile_covers_its_max():
     """(a) A key tile's first query tile has no guess (whatever is passed is ignored): c is the
     power of two covering a_sq = max|dS| s_q, so the tile's folded max a_sq / c lies in
-    (224, 448]; its guess for the next tile is c (no halving)."""
+    (224, 448]; its guess for the next tile is 4 c (headroom: the next tile, the first one
+    whose queries see every key of the tile, is likely larger)."""
     g = torch.Generator().manual_seed(5)
     a = torch.exp2(torch.empty(4000).uniform_(-116.9, 120, generator=g)).tolist()
     for guess in (1.0, 2.0 ** -20, 2.0 ** 30):
         c, nxt = _scale(a, guess, True)
-        assert _is_pow2(c) and torch.equal(nxt, c)
+        assert _is_pow2(c) and torch.equal(nxt, 4 * c)
         a64, c64 = torch.tensor(a, dtype=torch.float64), c.double()
         assert bool((448 * c64 >= a64).all()) and bool((a64 > 224 * c64).all())
         assert c.tolist() == [_cover_ref(x) for x in torch.tensor(a, dtype=torch.float32).tolist()]
     c, nxt = _scale([0.0, 1e-40], 0.25, True)  # an all-zero (or subnormal) tile: c = 1
-    assert c.tolist() == nxt.tolist() == [1.0, 1.0]
+    assert c.tolist() == [1.0, 1.0] and nxt.tolist() == [4.0, 4.0]
 
 
 def test_tile_scale_keeps_a_guess_that_fits():
-    """(b) 112 <= a_sq / c_guess <= 448: the guess is kept, and handed on unchanged."""
+    """(b) 28 <= a_sq / c_guess <= 448: the guess is kept, and handed on unchanged."""
     guess = 2.0 ** -9
-    ratios = [112.0, 112.5, 200.0, 224.0, 224.5, 300.0, 447.9, 448.0]
-    c, nxt = _scale([r * guess for r in ratios] + [_f32_next(112 * guess, math.inf)], guess, False)
+    ratios = [28.0, 28.5, 56.0, 111.9, 112.0, 200.0, 224.0, 224.5, 300.0, 447.9, 448.0]
+    c, nxt = _scale([r * guess for r in ratios] + [_f32_next(28 * guess, math.inf)], guess, False)
     assert c.tolist() == nxt.tolist() == [guess] * (len(ratios) + 1)
     # per element: (B, H) guesses
     gs = torch.tensor([[2.0 ** -3, 2.0 ** 5], [1.0, 2.0 ** -40]])
@@ -212,29 +214,29 @@ def test_tile_scale_keeps_a_guess_that_fits():
 
 def test_tile_scale_overflow_takes_the_tiles_max():
     """(c) a_sq / c_guess > 448 (the guess would saturate e4m3): c = the power of two covering
-    a_sq, as for a first tile, and it is handed on."""
+    a_sq, as for a first tile, and it is handed on times 4."""
     guess = 2.0 ** -9
     a = [_f32_next(448 * guess, math.inf), 449 * guess, 896 * guess, _f32_next(896 * guess, math.inf),
          1e6 * guess, 3e30]
     c, nxt = _scale(a, guess, False)
-    assert torch.equal(nxt, c) and bool((c > guess).all()) and _is_pow2(c)
+    assert torch.equal(nxt, 4 * c) and bool((c > guess).all()) and _is_pow2(c)
     assert c.tolist() == [_cover_ref(x) for x in torch.tensor(a, dtype=torch.float32).tolist()]
     assert c.tolist()[:4] == [2 * guess, 2 * guess, 2 * guess, 4 * guess]  # 896 g is covered by 2 g exactly
     a64, c64 = torch.tensor(a, dtype=torch.float32).double(), c.double()
     assert bool((448 * c64 >= a64).all()) and bool((a64 > 224 * c64).all())
 
 
-def test_tile_scale_halves_the_next_guess_below_a_quarter():
-    """(d) a_sq / c < 112 (the tile used less than a quarter of e4m3's range): the tile keeps
+def test_tile_scale_halves_the_next_guess_below_a_sixteenth():
+    """(d) a_sq / c < 28 (the tile used less than a sixteenth of e4m3's range): the tile keeps
     the guess, the next tile's guess is c / 2. One halving per tile: a run of small tiles
     walks the scale down one binade per tile."""
     guess = 2.0 ** -9
-    a = [0.0, 1e-30, guess, 100 * guess, _f32_next(112 * guess, 0.0)]
+    a = [0.0, 1e-30, guess, 20 * guess, _f32_next(28 * guess, 0.0)]
     c, nxt = _scale(a, guess, False)
     assert c.tolist() == [guess] * len(a) and nxt.tolist() == [guess / 2] * len(a)
     cs, c_g = [], torch.tensor([guess])
-    for _ in range(4):  # tiles at 50 x the first guess: 50 < 112 -> halve, 100 < 112 -> halve, 200 fits
-        c, c_g = R.fp8_ds_tile_scale(torch.tensor([50 * guess]), c_g, False)
+    for _ in range(4):  # tiles at 12 x the first guess: 12 < 28 -> halve, 24 < 28 -> halve, 48 fits
+        c, c_g = R.fp8_ds_tile_scale(torch.tensor([12 * guess]), c_g, False)
         cs.append(c.item())
     assert cs == [guess, guess / 2, guess / 4, guess / 4]
 
@@ -368,7 +370,8 @@ def _transcription(case, d, variant="kernel", causal=True):
     CTA walks the query tiles t of 64 rows in ascending order from m_min (causal: the first
     tile with a visible key, max(0, n0 - (Sk - Sq)) // 64; else 0), carrying a guess g:
     a = max|dS_t| s_q; c = the power of two covering a on the first tile or when a / g > 448,
-    else g; the next g = c / 2 if a / c < 112 (c was the guess), else c; dS8 = e4m3(dS s_q / c),
+    else g; the next g = 4 c if c came from a, else c / 2 if a / c < 28 (and c >= 2^-59),
+    else c; dS8 = e4m3(dS s_q / c),
     dK_n = sum_t c dS8^T Q8_t, dQ_t += (c s_k / s_q) dS8 K8_n.
 
     ``variant``: "kernel"; "no_sq": the wrong f = 1 / c' with c' walked on max|dS| alone (no Q
@@ -418,7 +421,7 @@ def _transcription(case, d, variant="kernel", causal=True):
             else:
                 redo = a / guess > 448
                 c = torch.where(redo, _cover64(a), guess)
-            guess = torch.where(~redo & (a / c < 112), c / 2, c)
+            guess = torch.where(redo, 4 * c, torch.where((a / c < 28) & (c >= 2.0 ** -59), c / 2, c))
             f = 1 / c if variant == "no_sq" else s_q / c
             ds8 = round_to(tile * f[..., None, None], E4M3).double()
             walk.append((c, (tile * f[..., None, None]).abs().amax((-2, -1)), redo, n0, t0))
