@@ -17,7 +17,6 @@ The PV product reads P as the A operand from registers:
 """
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Uint32
 

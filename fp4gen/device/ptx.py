@@ -6,7 +6,7 @@ LLVM/ptxas may schedule them freely (they are plain arithmetic).
 """
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 

@@ -13,7 +13,7 @@ error path can use it freely.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from fp4gen.ir.spec import SourceLoc

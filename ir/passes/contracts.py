@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..plan import KernelPlan, OperandContract
-from ..spec import Format, KernelSpec, OperandFormat, PKind, ScaleGranularity, Target
+from ..spec import KernelSpec, OperandFormat, PKind, ScaleGranularity, Target
 
 # tcgen05 block-scaled MMAs read scale factors in the "32x4x4" atom: 128 rows (32 lanes x
 # 4 warps' quadrants) x 4 consecutive scale factors along K; one atom covers K = 4 * block
@@ -81,7 +81,6 @@ def _sm100(spec: KernelSpec, plan: KernelPlan) -> tuple[OperandContract, ...]:
 
 
 def _sm90(spec: KernelSpec, plan: KernelPlan) -> tuple[OperandContract, ...]:
-    s = spec.schedule
     out = []
     for name in ("Q", "K", "P", "V"):
         f = spec.operand(name)
@@ -103,7 +102,7 @@ def _sm90(spec: KernelSpec, plan: KernelPlan) -> tuple[OperandContract, ...]:
                 layout = "unscaled"
         else:
             layout = "none"
-        storage = {"Q": "smem (TMA)", "K": f"smem (TMA ring)", "V": "smem (TMA ring)", "P": "registers (wgmma A operand)"}[name]
+        storage = {"Q": "smem (TMA)", "K": "smem (TMA ring)", "V": "smem (TMA ring)", "P": "registers (wgmma A operand)"}[name]
         if name == "V" and f.format.is_fp8:
             storage = "smem (TMA ring), stored transposed D x S"
             by = "offline/host quantizer writes V^T (fp8 wgmma B must be K-major)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..plan import CostModel, KernelPlan, PathCost, UnitCost
-from ..spec import DirectPPolicy, Format, PKind, Target
+from ..spec import Format, PKind, Target
 
 MUFU_PER_CLK = 16  # MUFU.EX2 results per clock per SM (4 per sub-partition)
 FMA_PER_CLK = 128  # fp32 FFMA/FADD/FMNMX per clock per SM (FFMA2 on sm100 could double it; not counted)
