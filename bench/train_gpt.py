@@ -207,6 +207,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int,
                     help="CPU threads for torch (default: torch's; 1 with --tiny, which is faster on a busy CPU)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--compile-mode", choices=("default", "reduce-overhead"), default="default",
+                    help="with --compile: torch.compile's mode (reduce-overhead replays the step's "
+                         "kernels as CUDA graphs, which takes the host's launch cost out of the step)")
     ap.add_argument("--timing-warmup", type=int, default=20,
                     help="steps left out of the step-time summary (default 20; at most half the steps)")
     ap.add_argument("--time-budget-s", type=float,
@@ -333,7 +336,7 @@ def run(ap, args, argv) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    run_model = torch.compile(model) if args.compile else model
+    run_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
     train = Batches(corpus.train, args.batch, args.seq, seed=args.seed)
     val_windows = [Batches(corpus.val, args.batch, args.seq, seed=args.seed + 1).next("cpu")
                    for _ in range(args.eval_batches)]

@@ -133,3 +133,18 @@ def test_train_gpt_rejects_bad_spec(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_gpt.main(["--attn", "fp4gen", "--spec", str(tmp_path / "none.attn"), "--tiny", "--steps", "1"])
     assert "cannot read spec file" in capsys.readouterr().err
+
+
+def test_train_gpt_compile_mode(capsys):
+    """--compile-mode picks torch.compile's mode (reduce-overhead: CUDA graphs), recorded in the
+    run's config; a mode it does not offer is refused by argparse, naming the choices."""
+    train_gpt = _load("train_gpt")
+    _, args = train_gpt.parse_args(["--attn", "sdpa", "--tiny", "--compile", "--compile-mode", "reduce-overhead"])
+    assert args.compile and args.compile_mode == "reduce-overhead"
+    _, args = train_gpt.parse_args(["--attn", "sdpa", "--tiny"])
+    assert args.compile_mode == "default"
+    with pytest.raises(SystemExit) as e:
+        train_gpt.parse_args(["--attn", "sdpa", "--tiny", "--compile-mode", "max-autotune"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compile-mode" in err and "reduce-overhead" in err
