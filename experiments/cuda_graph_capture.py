@@ -11,12 +11,15 @@ unusable. Cases (``fp8-ds8`` recipe, B 16, S 1024, H 6, D 128):
   attention);
 - ``ops``: the forward op, then the backward op called directly (no autograd engine);
 - ``module``: the forward op, then the generated module's ``backward(prepared=)``;
-- ``prep``: the forward op, then the FP8 backward's preprocessing alone.
+- ``prep``: the forward op, then the FP8 backward's preprocessing alone;
+- ``autograd_ffi_stream``: as ``autograd``, with the generated module's backward run inside
+  ``tvm_ffi.use_torch_stream()`` (TVM-FFI's stream set from torch's current stream on the
+  calling thread, the autograd engine's).
 
     source .dev/activate && python3 experiments/cuda_graph_capture.py
 
-On the H200 (2026-11-30) every case but ``autograd`` captured and replayed
-(docs/training.md). ``torch.compile(mode="reduce-overhead")`` captures the whole step.
+On the H200 (2026-11-30) ``forward``, ``ops``, ``module`` and ``prep`` captured and replayed
+bit-exact; ``autograd`` and ``autograd_ffi_stream`` failed (docs/training.md). ``torch.compile(mode="reduce-overhead")`` captures the whole step.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("forward", "autograd", "ops", "module", "prep")
+CASES = ("forward", "autograd", "ops", "module", "prep", "autograd_ffi_stream")
 
 
 def run_case(case: str) -> None:
@@ -48,11 +51,22 @@ def run_case(case: str) -> None:
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
 
+    if case == "autograd_ffi_stream":
+        import tvm_ffi
+
+        plain_backward = gen.backward
+
+        def backward_on_torch_stream(*args, **kwargs):
+            with tvm_ffi.use_torch_stream():
+                return plain_backward(*args, **kwargs)
+
+        gen.backward = backward_on_torch_stream
+
     def call():
         if case == "forward":
             with torch.no_grad():
                 return (torch_ops.attention(q, k, v, spec=spec, causal=True),)
-        if case == "autograd":
+        if case.startswith("autograd"):
             o = torch_ops.attention(*leaves, spec=spec, causal=True)
             return (o,) + torch.autograd.grad(o, leaves, do)
         o, lse, state = torch.ops.fp4gen.attention_fwd(q, k, v, key, None, "generated")
