@@ -304,8 +304,9 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
             f"dS scale: one e4m3 scale per {m} x {n_} tile, a power of two c with Q's 128-token block scale "
             "folded in (dS8 = e4m3(dS s_q / c)), handed from one query tile of a key tile to the next, "
             "recomputed from the tile's max (the smallest c with 448 c >= max|dS| s_q) on the key tile's "
-            "first query tile and when the guess would overflow, and halved for the next tile when the tile "
-            "uses less than a quarter of e4m3's range; dQ = (c s_k / s_q) dS8 K8 after its MMA, dK is kept in "
+            "first query tile and when the guess would overflow (and then handed on times 4), and halved for "
+            "the next tile when the tile uses less than a sixteenth of e4m3's range; dQ = (c s_k / s_q) dS8 K8 "
+            "after its MMA, dK is kept in "
             "units of the current tile's c (dK = sum_t c_t dS8_t^T Q8_t; numerics: fp8_ds_tile_scale)",
         ]
     return BackwardPlan(
