@@ -514,9 +514,10 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
         state = [q.new_empty(q.shape, dtype=torch.uint8), k.new_empty(k.shape, dtype=torch.uint8),
                  q.new_empty((b, h, -(-sq // blk)), dtype=f32), q.new_empty((b, hkv, -(-sk // blk)), dtype=f32),
                  q.new_empty((b, hkv), dtype=f32)]
-        if _keeps_v_payload(mod) or _keeps_qk_transposed(mod):
+        opts = forward_state_options(mod)  # what quantize_inputs appends: v8, then qt8 and kt8
+        if opts.get("for_backward"):
             state.append(v.new_empty(v.shape, dtype=torch.uint8))
-        if _keeps_qk_transposed(mod):
+        if opts.get("transposed_qk"):
             from fp4gen.device.quantize import transposed_shape
 
             state += [x.new_empty(transposed_shape(x.shape, op), dtype=torch.uint8) for x, op in ((q, "q"), (k, "k"))]

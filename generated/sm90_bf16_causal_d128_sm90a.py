@@ -759,7 +759,6 @@ class Sm90Bf16CausalD128Sm90Bwd:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), bn), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-
             mLSE2, mDsum, mdQacc, mdK, mdV,
             mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,

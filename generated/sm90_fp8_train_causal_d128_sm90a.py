@@ -882,7 +882,6 @@ class Sm90Fp8TrainCausalD128Sm90Bwd:
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_Q8, tma_Q8, tma_atom_K8, tma_K8, mScaleQ, mScaleK,
             tma_atom_dOt, tma_dOt, mScaleV, mScaledO,
-
             mLSE2, mDsum, mdQacc, mdK, mdV,
             mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,

@@ -482,14 +482,13 @@ def dot_tiles(xt, sqp: int):
     out = torch.zeros((B, H, D, sqp), dtype=x.dtype, device=x.device)
     n = min(s32, sqp)
     out[..., :n] = x[..., :n]
-    out = out.view(B, H, D, sqp // DQ_TILE_M, DQ_TILE_M).permute(0, 1, 3, 2, 4).contiguous()
+    out = _quantize.tile_tokens(out, DQ_TILE_M)
     return out.view(torch.float8_e4m3fn) if fp8 else out
 
 
 def dot_untiles(x):
     """Inverse of ``dot_tiles``: (B, H, T, D, 64) -> (B, H, D, 64 T)."""
-    B, H, T, D, M = x.shape
-    return x.permute(0, 1, 3, 2, 4).reshape(B, H, D, T * M)
+    return _quantize.untile_tokens(x)
 
 
 def dq_fragment_index(head_dim: int) -> list:

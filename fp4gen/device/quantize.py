@@ -473,11 +473,16 @@ def _compile(kind: str, d: int, tvm_ffi=None):
     """Compile one kernel once per process (per head dim and calling convention)."""
     _check_head_dim(d)
     tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
-    ops = {"block": lambda: _BlockQuant(d, False), "amax": lambda: _BlockQuant(d, True),
-           "vt": lambda: _VTranspose(d), "vt_nat": lambda: _VTranspose(d, natural=True)}
-    for kind_t, op in _BLOCK_T_OPERAND.items():
-        ops[kind_t] = lambda op=op: _BlockQuant(d, False, transposed=op).with_transposed
-    return compile_once(_COMPILED, (kind, d, tvm_ffi), ops[kind], lambda: _fake_args(kind, d), tvm_ffi)
+    return compile_once(_COMPILED, (kind, d, tvm_ffi), lambda: _make_op(kind, d), lambda: _fake_args(kind, d),
+                        tvm_ffi)
+
+
+def _make_op(kind: str, d: int):
+    """The kernel entry point of one compile kind (only built on a cache miss of ``_compile``)."""
+    if kind in _BLOCK_T_OPERAND:
+        return _BlockQuant(d, False, transposed=_BLOCK_T_OPERAND[kind]).with_transposed
+    return {"block": lambda: _BlockQuant(d, False), "amax": lambda: _BlockQuant(d, True),
+            "vt": lambda: _VTranspose(d), "vt_nat": lambda: _VTranspose(d, natural=True)}[kind]()
 
 
 def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
@@ -619,6 +624,19 @@ def _group_order(n: int, perm, device):
     return (torch.arange(n // 32, device=device)[:, None] * 32 + perm[None, :]).reshape(-1)
 
 
+def tile_tokens(xt, tokens: int):
+    """(B, H, D, n) -> (B, H, n / tokens, D, tokens): the token axis cut into tiles, each tile one
+    contiguous (D, tokens) block (the layout of the backward's transposed operands)."""
+    B, H, D, n = xt.shape
+    return xt.reshape(B, H, D, n // tokens, tokens).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def untile_tokens(x):
+    """Inverse of ``tile_tokens``: (B, H, tiles, D, tokens) -> (B, H, D, tiles * tokens)."""
+    B, H, T, D, M = x.shape
+    return x.permute(0, 1, 3, 2, 4).reshape(B, H, D, T * M)
+
+
 def transposed_tiles(x8, tiles: int, tokens: int, perm):
     """A natural payload (B, S, H, D) (uint8 or e4m3) -> (B, H, tiles, D, tokens), same dtype:
     tile t holds tokens t * tokens ... transposed, one contiguous (D, tokens) block, position p
@@ -634,8 +652,7 @@ def transposed_tiles(x8, tiles: int, tokens: int, perm):
         raise ValueError(f"transposed_tiles: {tiles} tiles of {tokens} tokens (a multiple of 32) must hold S = {S}")
     xt = torch.zeros((B, H, D, n), dtype=torch.uint8, device=x.device)
     xt[..., :S] = x.permute(0, 2, 3, 1)
-    xt = xt.index_select(3, _group_order(n, perm, x.device))
-    out = xt.view(B, H, D, tiles, tokens).permute(0, 1, 3, 2, 4).contiguous()
+    out = tile_tokens(xt.index_select(3, _group_order(n, perm, x.device)), tokens)
     return out.view(torch.float8_e4m3fn) if fp8 else out
 
 
@@ -645,10 +662,9 @@ def untransposed_tiles(xt8, seq_len: int, perm):
 
     fp8 = xt8.dtype == torch.float8_e4m3fn
     xt = xt8.view(torch.uint8) if fp8 else xt8
-    B, H, T, D, M = xt.shape
-    flat = xt.permute(0, 1, 3, 2, 4).reshape(B, H, D, T * M)
+    flat = untile_tokens(xt)
     nat = torch.empty_like(flat)
-    nat[..., _group_order(T * M, perm, xt.device)] = flat
+    nat[..., _group_order(flat.shape[3], perm, xt.device)] = flat
     out = nat[..., :seq_len].permute(0, 3, 1, 2).contiguous()
     return out.view(torch.float8_e4m3fn) if fp8 else out
 

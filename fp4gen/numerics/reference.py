@@ -25,6 +25,7 @@ import torch
 
 from fp4gen.ir.spec import (Format, KernelSpec, Mask, OperandFormat, PKind, ScaleGranularity,
                             GuardKind)
+from fp4gen.ir.passes import backward as _bwd_plan  # the sm90a backward's tiles and FP8 dS rule
 
 from . import directp as dp
 from .formats import E4M3, E5M2, decode, round_to
@@ -312,10 +313,8 @@ def _fake_quant_rows(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
 
 def _bwd_tile():
     """(tile_m, tile_n) of the sm90a backward (64 query rows x 128 keys): the FP8 dS recipe's
-    scale granularity. Imported lazily (the planner package is not needed for anything else)."""
-    from fp4gen.ir.passes.backward import BWD_TILE_M, BWD_TILE_N
-
-    return BWD_TILE_M, BWD_TILE_N
+    scale granularity."""
+    return _bwd_plan.BWD_TILE_M, _bwd_plan.BWD_TILE_N
 
 
 def _is_fp8_block128(op: OperandFormat) -> bool:
@@ -359,9 +358,10 @@ def fp8_ds_scale_cover(x: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.full_like(s, float("nan")), s)
 
 
-FP8_DS_SMALL = 28.0  # 448 / 16: a tile whose max f |dS| stays below uses a sixteenth of e4m3's range
-FP8_DS_HEADROOM = 4.0  # a scale taken from a tile's exact max is handed on times this
-FP8_DS_HALVE_MIN = 2.0 ** -59  # the guess is halved only from here up: it never goes below 2^-60
+# the rule's constants are the planner's (the kernel is rendered with the same values)
+FP8_DS_SMALL = _bwd_plan.FP8_DS_SMALL  # 448 / 16
+FP8_DS_HEADROOM = _bwd_plan.FP8_DS_HEADROOM
+FP8_DS_HALVE_MIN = 2.0 ** _bwd_plan.FP8_DS_HALVE_MIN_LOG2  # 2^-59: the guess never goes below 2^-60
 
 
 def fp8_ds_tile_scale(a_sq: torch.Tensor, c_guess: torch.Tensor, first: bool):
@@ -398,7 +398,7 @@ def fp8_ds_tile_scale(a_sq: torch.Tensor, c_guess: torch.Tensor, first: bool):
     a power of two when c changes). Agreeing on the tile's exact max would take the CTA's MMA
     warps one more barrier per tile (about 5 % of the kernel, measured); instead each thread
     checks the guess against its own values and the dS barrier ORs the overflows (and ANDs the
-    "below a quarter"), so only a tile that overflows pays for the exact max. A per-(batch,
+    "below a sixteenth"), so only a tile that overflows pays for the exact max. A per-(batch,
     head) scale from a bound of |dS| was too coarse: with P ~ 1/S most dS sit many binades
     below any head-wide bound and underflow in e4m3 (docs/numerics.md, "FP8 dS on sm90a").
     """

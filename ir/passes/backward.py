@@ -45,6 +45,11 @@ BWD_TILE_N = 128
 BWD_MMA_WARPGROUPS = 2
 BWD_Q_STAGES = 2  # Q/dO ring
 BWD_DS_STAGES = 2  # dS in SMEM, double-buffered so one barrier per query tile suffices
+# FP8 dS's scale rule (dS : fp8e4m3), one definition for the numerics oracle
+# (``reference.fp8_ds_tile_scale``) and the kernel (rendered into the template):
+FP8_DS_SMALL = 28.0  # 448 / 16: a tile whose max f |dS| stays below halves the next tile's scale
+FP8_DS_HEADROOM = 4.0  # a scale taken from a tile's exact max is handed on times this
+FP8_DS_HALVE_MIN_LOG2 = -59  # the guess is halved only from 2^-59 up: it never goes below 2^-60
 # Registers: the CTA starts with what the launch gave every thread (65536 / 384 threads,
 # rounded down to 8: 168) and setmaxnreg only moves them between warpgroups: an increase
 # the decreases did not pay for waits forever (a hang, seen on the H200 with a 56 + 2 x 224
@@ -221,19 +226,16 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
                             spec.loc(f"backward.{n}"))
     ds8 = ds_fmt != "bf16"
     m, n_ = BWD_TILE_M, BWD_TILE_N
-    if ds8:  # K-major operands: dS^T from registers and dS from SMEM, the Q^T / K^T FP8 copies
-        dk_mma = BwdMma("dK", "dK += dS^T Q", "registers", "K", "K", ds_fmt, "keys: 64 per warpgroup")
-        dq_mma = BwdMma("dQ", "dQ = dS K", "smem", "K", "K", ds_fmt, f"head dim: {d // 2} columns per warpgroup")
-    else:
-        dk_mma = BwdMma("dK", "dK += dS^T Q", "registers", "K", "MN", ds_fmt, "keys: 64 per warpgroup")
-        dq_mma = BwdMma("dQ", "dQ = dS K", "smem", "MN", "MN", ds_fmt, f"head dim: {d // 2} columns per warpgroup")
+    # FP8 wgmma operands are K-major: dS written transposed, and the Q^T / K^T FP8 copies;
+    # bf16 reads dS^T, Q and K as they are (MN-major)
+    ds_major = "K" if ds8 else "MN"
     mmas = (
         BwdMma("S", "S^T = K Q^T", "smem", "K", "K", s_fmt, "keys: 64 per warpgroup"),
         BwdMma("dP", "dP^T = V dO^T", "smem", "K", "K", do_fmt, "keys: 64 per warpgroup"),
         BwdMma("dV", "dV += P^T dO", "registers", "K", "K" if do_fmt != "bf16" else "MN", do_fmt,
                "keys: 64 per warpgroup"),
-        dk_mma,
-        dq_mma,
+        BwdMma("dK", "dK += dS^T Q", "registers", "K", ds_major, ds_fmt, "keys: 64 per warpgroup"),
+        BwdMma("dQ", "dQ = dS K", "smem", ds_major, ds_major, ds_fmt, f"head dim: {d // 2} columns per warpgroup"),
     )
     eb = _elt_bytes(ds_fmt)
     ob = _elt_bytes(do_fmt)

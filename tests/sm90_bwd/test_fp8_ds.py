@@ -241,6 +241,17 @@ def test_tile_scale_halves_the_next_guess_below_a_sixteenth():
     assert cs == [guess, guess / 2, guess / 4, guess / 4]
 
 
+def test_kernel_is_rendered_with_the_oracles_rule():
+    """The generated all-FP8 backward halves, hands on and floors its dS scale with the oracle's
+    constants (one definition in the planner, rendered into the template)."""
+    import importlib
+
+    mod = importlib.import_module("fp4gen.generated.sm90_fp8_train_ds8_causal_d128_sm90a")
+    assert mod._BWD_DS_SMALL == R.FP8_DS_SMALL == 448 / 16
+    assert mod._BWD_DS_HEADROOM == R.FP8_DS_HEADROOM == 4.0
+    assert mod._BWD_DS_C_HALVE_MIN == R.FP8_DS_HALVE_MIN == 2.0 ** -59
+
+
 def test_tile_scale_guess_never_halves_below_the_floor():
     """A run of all-zero tiles (e.g. dO rows masked out of the loss: dS = 0) halves the guess
     once per tile, but not below 2^-60: without the floor, ~140 such tiles take it to 0, where
