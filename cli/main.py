@@ -1,16 +1,20 @@
 """The ``fp4gen`` command.
 
     fp4gen check SPEC...                       parse + plan; diagnostics on stderr
-    fp4gen schedule SPEC [--kernel K] [--format text|json|svg|html] [-o FILE]
-    fp4gen compile SPEC -o DIR [--target T] [--kernel K] [--emit py,ptx,cubin]
-    fp4gen accuracy SPEC [--kernel K] [--seqlen N] [--heads H] [--seed S] [--json]
-    fp4gen run SPEC [--kernel K] [--target T] [--seqlen N] [--backward]   run once, compare with float64
-    fp4gen regenerate [--check]                generated/ from examples/*.attn
+    fp4gen schedule SPEC [--kernel K] [--format text|json|svg|html] [-o FILE [--parents]]
+    fp4gen compile SPEC -o DIR [--parents] [--target T] [--kernel K] [--emit py,ptx,cubin]
+    fp4gen accuracy SPEC [--kernel K] [--seqlen N] [--heads H] [--batch B] [--seed S] [--json]
+    fp4gen run SPEC [--kernel K] [--target T] [--device D] [--seqlen N] [--backward]   run once, compare with float64
+    fp4gen regenerate [--check] [--root DIR]   generated/ from examples/*.attn
     fp4gen demo                                compile + schedule + accuracy of the paper's recipe
 
 Exit status: 0 success; 1 a spec error or another user error (one-line
 message or diagnostics, never a traceback); 2 bad command-line usage;
 3 an internal error (a bug: the message says how to see the traceback).
+
+Outputs are written atomically through ``fp4gen.runtime.fileio.atomic_write``:
+only regular files are replaced (never a symlink, a device node or a FIFO), modes
+follow the umask, and a missing parent directory is an error unless ``--parents``.
 """
 from __future__ import annotations
 
@@ -38,9 +42,10 @@ def _err(msg: str) -> None:
 
 
 def _load(path: str):
-    from fp4gen.frontend import parse_file
+    import fp4gen
+    from fp4gen.runtime.fileio import read_text_file
 
-    return parse_file(path)
+    return fp4gen.parse_text(read_text_file(path), filename=str(path))
 
 
 def _one_kernel(specs, kernel: Optional[str], what: str):
@@ -53,16 +58,13 @@ def _one_kernel(specs, kernel: Optional[str], what: str):
     return chosen[0]
 
 
-def _write_output(text: str, path: Optional[str]) -> None:
+def _write_output(text: str, path: Optional[str], parents: bool) -> None:
     if path is None or path == "-":
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
-    from fp4gen.driver import UserError, atomic_write
+    from fp4gen.runtime.fileio import atomic_write
 
-    try:
-        atomic_write(Path(path), text)
-    except OSError as e:
-        raise UserError(f"cannot write '{path}': {e.strerror or e}") from None
+    atomic_write(path, text, parents=parents)
     print(f"wrote {path}")
 
 
@@ -91,6 +93,7 @@ def _render_plan(plan, fmt: str) -> str:
 
 def cmd_check(args) -> int:
     from fp4gen.frontend import SpecError
+    from fp4gen.runtime.fileio import InputFileError
 
     from fp4gen.driver import parse_target, plan_spec, retarget, verify_plan
 
@@ -108,8 +111,8 @@ def cmd_check(args) -> int:
                         errors.append(e)
         except SpecError as e:
             specs, errors = [], [e]
-        except (OSError, UnicodeDecodeError) as e:
-            _err(_read_error(path, e))
+        except InputFileError as e:
+            _err(str(e))
             bad_files += 1
             n_errors += 1
             continue
@@ -131,14 +134,6 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
-def _read_error(path: str, e: Exception) -> str:
-    if isinstance(e, UnicodeDecodeError):
-        return f"cannot read '{path}': not UTF-8 text"
-    if isinstance(e, IsADirectoryError):
-        return f"cannot read '{path}': it is a directory"
-    return f"cannot read '{path}': {getattr(e, 'strerror', None) or e}"
-
-
 def cmd_schedule(args) -> int:
     from fp4gen.driver import parse_target, plan_spec, retarget, select_specs
 
@@ -147,29 +142,33 @@ def cmd_schedule(args) -> int:
     if args.format != "text" and len(specs) > 1:
         _one_kernel(specs, None, f"--format {args.format}")
     parts = [_render_plan(plan_spec(retarget(s, target)), args.format) for s in specs]
-    _write_output("\n\n".join(p.rstrip("\n") for p in parts), args.output)
+    _write_output("\n\n".join(p.rstrip("\n") for p in parts), args.output, args.parents)
     return EXIT_OK
 
 
 def cmd_compile(args) -> int:
-    from fp4gen.driver import compile_specs, emit_artifacts, select_specs
+    from fp4gen.driver import backward_gaps, compile_specs, emit_artifacts, parse_target, select_specs
 
     emit = [e.strip() for e in args.emit.split(",") if e.strip()]
     bad = [e for e in emit if e not in ("py", "ptx", "cubin")]
     if bad or not emit:
         raise UsageError(f"--emit takes a comma-separated list of py, ptx, cubin; got '{args.emit}'")
     specs = select_specs(_load(args.spec), args.kernel)
-    paths = compile_specs(specs, args.output, target=args.target)
+    written: list[Path] = []
+    try:
+        paths = compile_specs(specs, args.output, target=args.target, parents=args.parents, written=written)
+    except BaseException:  # an error or Ctrl-C: say which modules are new and which are not
+        if len(specs) > 1:
+            names = ", ".join(p.name for p in written) or "none"
+            print(f"fp4gen: compile stopped: wrote {len(written)} of {len(specs)} modules to {args.output} "
+                  f"({names})", file=sys.stderr)
+        raise
     for p in paths:
         print(f"wrote {p}")
-    from fp4gen.driver import backward_gaps
-
     for line in backward_gaps(specs, target=args.target):  # the forward was written; say what was not
         print(f"warning: {line}", file=sys.stderr)
     extra = [e for e in emit if e != "py"]
     if extra:
-        from fp4gen.driver import parse_target
-
         for spec, p in zip(specs, paths):
             tgt = (parse_target(args.target) or spec.target).value
             dump = emit_artifacts(p, tgt, extra)
@@ -180,17 +179,9 @@ def cmd_compile(args) -> int:
 
 
 def _accuracy_report(spec, args) -> dict:
-    import inspect
+    from fp4gen.numerics.accuracy import report
 
-    try:
-        from fp4gen.numerics.accuracy import report
-    except ImportError as e:
-        raise RuntimeError(f"fp4gen.numerics.accuracy.report is not available: {e}") from e
-    wanted = {"seqlen": args.seqlen, "heads": args.heads, "seed": args.seed, "batch": args.batch}
-    params = inspect.signature(report).parameters
-    takes_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kw = {k: v for k, v in wanted.items() if v is not None and (takes_kw or k in params)}
-    return report(spec, **kw)
+    return report(spec, seqlen=args.seqlen, heads=args.heads, batch=args.batch, seed=args.seed)
 
 
 def _jsonable(x):
@@ -247,58 +238,96 @@ def cmd_accuracy(args) -> int:
     return EXIT_OK
 
 
+def _run_device(name: Optional[str], target: str):
+    """The torch device ``run`` uses: ``--device`` (default cpu for reference, cuda otherwise),
+    checked against the target and this machine before any tensor is made."""
+    import torch
+
+    from fp4gen.driver import UserError
+
+    if name is None:
+        name = "cpu" if target == "reference" else "cuda"
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists every backend it was built with; ours says what works
+        raise UsageError(f"--device: unknown device '{name}'; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: fp4gen runs on cpu or cuda[:N]")
+    if device.type == "cpu" and target != "reference":
+        raise UsageError(f"target {target} runs on a CUDA GPU, not on the CPU; use --target reference or a GPU")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            hint = "--device cpu" if target == "reference" else "--target reference"
+            raise UserError(f"target {target} on {name} needs a CUDA GPU and none is available here (try {hint})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def cmd_run(args) -> int:
     """Load (compile if needed) one kernel, run it on random inputs, compare with float64."""
     import time
 
-    from fp4gen.driver import UserError, parse_target
+    from fp4gen.driver import UserError, parse_target, plan_spec, retarget
 
     specs = _load(args.spec)
     spec = _one_kernel(specs, args.kernel, "run")
     target = (parse_target(args.target) or spec.target).value
+    plan_spec(retarget(spec, parse_target(target)))  # what the planner refuses: diagnostics, not a crash
+    device = _run_device(args.device, target)
     import torch
 
     from fp4gen.numerics.accuracy import compare, exact_attention
     from fp4gen.runtime import LoadError, load
+    from fp4gen.runtime.checks import UnsupportedDeviceError
 
-    device = args.device or ("cpu" if target == "reference" else "cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"target {target} runs on a CUDA GPU and none is available here "
-                        "(try --target reference)")
     try:
         mod = load(args.spec, kernel=spec.name, target=target)
     except LoadError as e:
         raise UserError(str(e)) from None
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.batch, args.seqlen, args.heads, spec.head_dim)
-    q, k, v, do = (torch.randn(shape, generator=gen) for _ in range(4))
-    dt = torch.bfloat16
-    qd, kd, vd, dod = (x.to(device=device, dtype=dt) for x in (q, k, v, do))
     bwd = args.backward and hasattr(mod, "backward")
     if args.backward and not bwd:
         raise UsageError(f"kernel {spec.name} has no backward block")
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (args.batch, args.seqlen, args.heads, spec.head_dim)
+
+    def draw():  # one bf16 input on the device, without keeping its float32 draw
+        return torch.randn(shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    q, k, v = draw(), draw(), draw()
+    do = draw() if bwd else None  # drawn last: q, k, v are the same with and without --backward
     t0 = time.perf_counter()
-    o, lse = mod.forward(qd, kd, vd, return_lse=True)
-    grads = mod.backward(qd, kd, vd, o, lse, dod) if bwd else None
-    if device.startswith("cuda"):
+    try:
+        o, lse = mod.forward(q, k, v, return_lse=True)
+        grads = mod.backward(q, k, v, o, lse, do) if bwd else None
+    except UnsupportedDeviceError as e:  # a GPU of another architecture
+        raise UserError(str(e)) from None
+    if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     # the float64 oracle sees the same (bf16-rounded) inputs the kernel saw
-    ref_o, _, ref_g = exact_attention(qd.cpu().float(), kd.cpu().float(), vd.cpu().float(), spec.scale,
-                                      spec.mask.value == "causal", dod.cpu().float() if bwd else None)
+    ref_o, _, ref_g = exact_attention(q.cpu(), k.cpu(), v.cpu(), spec.scale, spec.mask.value == "causal",
+                                      do.cpu() if bwd else None)
     print(f"{spec.name} ({target}, {device}): B={args.batch} S={args.seqlen} H={args.heads} D={spec.head_dim}, "
           f"{'forward+backward' if bwd else 'forward'} in {elapsed * 1e3:.1f} ms (first call, includes compilation)")
     rows = [("o", o, ref_o)] + ([(n, g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_g)] if bwd else [])
     for name, x, ref in rows:
-        c = compare(x.float().cpu(), ref)
+        c = compare(x.cpu(), ref)
         print(f"  {name}: cosine {c['cosine']:.6f}  rel_l2 {c['rel_l2']:.6f}  max_abs {c['max_abs']:.4g}")
     return EXIT_OK
 
 
 def cmd_regenerate(args) -> int:
-    from fp4gen.lowering.regenerate import regenerate, report
+    from fp4gen.lowering.regenerate import EXAMPLES_DIR, GENERATED_DIR, regenerate, report
 
-    res = regenerate(Path(args.root) if args.root else None, check=args.check)
+    from fp4gen.driver import UserError
+
+    root = Path(args.root) if args.root else None
+    if root is not None and not all((root / d).is_dir() for d in (EXAMPLES_DIR, GENERATED_DIR)):
+        # elsewhere "nothing to do" would read as "up to date"
+        raise UserError(f"--root {root}: not an fp4gen checkout (it has no {EXAMPLES_DIR}/ and "
+                        f"{GENERATED_DIR}/ directories)")
+    res = regenerate(root, check=args.check)
     text = report(res, check=args.check)
     print(text, file=sys.stdout if res.up_to_date or not args.check else sys.stderr)
     return EXIT_OK if (res.up_to_date or not args.check) else EXIT_USER
@@ -307,32 +336,78 @@ def cmd_regenerate(args) -> int:
 def cmd_demo(args) -> int:
     from fp4gen.lowering.regenerate import repo_root
 
-    from fp4gen.driver import UserError
-
     spec = Path(args.spec) if args.spec else repo_root() / "examples" / "fa4_fp4_d128.attn"
-    if not spec.is_file():
-        raise UserError(f"demo spec '{spec}' not found (pass --spec PATH)")
     out = args.output
     print(f"== fp4gen compile {spec} -o {out} --target reference")
-    rc = cmd_compile(argparse.Namespace(spec=str(spec), output=out, target="reference", kernel=None, emit="py"))
+    rc = cmd_compile(argparse.Namespace(spec=str(spec), output=out, parents=args.parents, target="reference",
+                                        kernel=None, emit="py"))
     if rc:
         return rc
     print(f"\n== fp4gen schedule {spec}")
-    cmd_schedule(argparse.Namespace(spec=str(spec), kernel=None, target=None, format="text", output=None))
+    cmd_schedule(argparse.Namespace(spec=str(spec), kernel=None, target=None, format="text", output=None,
+                                    parents=False))
     print(f"\n== fp4gen accuracy {spec} --seqlen {args.seqlen} (reference backend vs float64)")
     return cmd_accuracy(argparse.Namespace(spec=str(spec), kernel=None, target="reference", seqlen=args.seqlen,
-                                           heads=args.heads, seed=args.seed, batch=None, json=False))
+                                           heads=args.heads, seed=args.seed, batch=args.batch, json=False))
 
 
 # ---------------------------------------------------------------------------
 # argument parsing
+
+# Random inputs are (batch, seqlen, heads, head_dim): bound each size and their product,
+# so a typo gives a usage error, not an allocation that fails inside torch or the OOM killer.
+MAX_SEQLEN = 1 << 20
+MAX_HEADS = 1024
+MAX_BATCH = 1 << 16
+MAX_ROWS = 1 << 22  # batch x seqlen x heads
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64 bits
+
+
+def _int_between(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi, else a usage error that gives the range."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got '{text}'") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {v}")
+        return v
+    return parse
+
+
+def _target(text: str) -> str:
+    """An argparse type: a target name (sm_90a is sm90a), normalised."""
+    from fp4gen.driver import UserError, parse_target
+
+    try:
+        return parse_target(text).value
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_shape_options(sub, seqlen: int, heads: int) -> None:
+    sub.add_argument("--seqlen", type=_int_between(1, MAX_SEQLEN), default=seqlen,
+                     help=f"sequence length (default {seqlen}, at most {MAX_SEQLEN})")
+    sub.add_argument("--heads", type=_int_between(1, MAX_HEADS), default=heads,
+                     help=f"heads (default {heads}, at most {MAX_HEADS})")
+    sub.add_argument("--batch", type=_int_between(1, MAX_BATCH), default=1,
+                     help=f"batch (default 1; batch x seqlen x heads at most {MAX_ROWS})")
+    sub.add_argument("--seed", type=_int_between(0, MAX_SEED), default=0, help="random inputs' seed (default 0)")
+
+
+def _add_output_options(sub, metavar: str, required: bool, help: str) -> None:
+    sub.add_argument("-o", "--output", metavar=metavar, required=required, help=help)
+    sub.add_argument("--parents", action="store_true",
+                     help="create missing parent directories of the output (otherwise an error)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fp4gen", description="FP4/FP8 FlashAttention kernel compiler.",
         epilog="exit status: 0 success, 1 spec or input error, 2 bad command line, 3 internal error. "
-               "Start with: fp4gen demo")
+               "Outputs replace only regular files (never a symlink or a device), atomically, with "
+               "umask modes. Start with: fp4gen demo")
     from fp4gen import __version__
 
     p.add_argument("--version", action="version", version=f"fp4gen {__version__}")
@@ -341,22 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="parse and plan specs; report every error")
     c.add_argument("specs", nargs="+", metavar="SPEC")
-    c.add_argument("--target", help="check for this target instead of each kernel's own")
+    c.add_argument("--target", type=_target, help="check for this target instead of each kernel's own")
     c.add_argument("--parse-only", action="store_true", help="skip planning")
     c.set_defaults(func=cmd_check)
 
     s = sub.add_parser("schedule", help="print a kernel's plan (TMEM map, events, costs)")
     s.add_argument("spec", metavar="SPEC")
     s.add_argument("--kernel", help="kernel name (needed for json/svg/html when the file has several)")
-    s.add_argument("--target", help="plan for this target instead of the kernel's own")
+    s.add_argument("--target", type=_target, help="plan for this target instead of the kernel's own")
     s.add_argument("--format", choices=("text", "json", "svg", "html"), default="text")
-    s.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    _add_output_options(s, "FILE", False, "write here instead of stdout (its directory must exist)")
     s.set_defaults(func=cmd_schedule)
 
     k = sub.add_parser("compile", help="write one Python module per kernel")
     k.add_argument("spec", metavar="SPEC")
-    k.add_argument("-o", "--output", metavar="DIR", required=True)
-    k.add_argument("--target", help="sm100a, sm90a or reference (default: each kernel's own)")
+    _add_output_options(k, "DIR", True, "output directory (created if missing; its parent must exist)")
+    k.add_argument("--target", type=_target, help="sm100a, sm90a or reference (default: each kernel's own)")
     k.add_argument("--kernel", help="compile only this kernel")
     k.add_argument("--emit", default="py", help="comma-separated: py (always), ptx, cubin")
     k.set_defaults(func=cmd_compile)
@@ -364,53 +439,43 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("accuracy", help="cosine / rel-L2 of the spec's numerics vs float64")
     a.add_argument("spec", metavar="SPEC")
     a.add_argument("--kernel")
-    a.add_argument("--target", help="evaluate as this target (default: the kernel's own)")
-    a.add_argument("--seqlen", type=_positive_int, default=None)
-    a.add_argument("--heads", type=_positive_int, default=None)
-    a.add_argument("--batch", type=_positive_int, default=None)
-    a.add_argument("--seed", type=int, default=None)
+    a.add_argument("--target", type=_target, help="evaluate as this target (default: the kernel's own)")
+    _add_shape_options(a, seqlen=1024, heads=4)
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.set_defaults(func=cmd_accuracy)
 
     u = sub.add_parser("run", help="run one kernel on random inputs and compare with float64")
     u.add_argument("spec", metavar="SPEC")
     u.add_argument("--kernel")
-    u.add_argument("--target", help="default: the kernel's own (reference runs on the CPU)")
-    u.add_argument("--device", help="default: cpu for reference, cuda otherwise")
-    u.add_argument("--seqlen", type=_positive_int, default=256)
-    u.add_argument("--heads", type=_positive_int, default=2)
-    u.add_argument("--batch", type=_positive_int, default=1)
-    u.add_argument("--seed", type=int, default=0)
+    u.add_argument("--target", type=_target, help="default: the kernel's own (reference runs on the CPU)")
+    u.add_argument("--device", help="cpu or cuda[:N] (default: cpu for reference, cuda otherwise)")
+    _add_shape_options(u, seqlen=256, heads=2)
     u.add_argument("--backward", action="store_true", help="also run the backward (specs with a backward block)")
     u.set_defaults(func=cmd_run)
 
     r = sub.add_parser("regenerate", help="rebuild generated/ from examples/*.attn")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
-    r.add_argument("--root", help="repository root (default: this checkout)")
+    r.add_argument("--root", help="repository root, with examples/ and generated/ (default: this checkout)")
     r.set_defaults(func=cmd_regenerate)
 
     d = sub.add_parser("demo", help="compile, schedule and check accuracy of the paper's recipe")
     d.add_argument("--spec", help="default: examples/fa4_fp4_d128.attn")
-    d.add_argument("-o", "--output", default="fp4gen-demo", metavar="DIR")
-    d.add_argument("--seqlen", type=_positive_int, default=256)
-    d.add_argument("--heads", type=_positive_int, default=2)
-    d.add_argument("--seed", type=int, default=0)
+    _add_output_options(d, "DIR", False, "where the compiled module goes (default: fp4gen-demo)")
+    d.set_defaults(output="fp4gen-demo")
+    _add_shape_options(d, seqlen=256, heads=2)
     d.set_defaults(func=cmd_demo)
     return p
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _check_rows(args) -> None:
+    rows = getattr(args, "batch", 1) * getattr(args, "seqlen", 1) * getattr(args, "heads", 1)
+    if rows > MAX_ROWS:
+        raise UsageError(f"--batch x --seqlen x --heads is {rows} rows of random inputs; the limit is {MAX_ROWS}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from fp4gen.frontend import SpecError
+    from fp4gen.runtime.fileio import InputFileError, OutputFileError
 
     from fp4gen.driver import UserError
 
@@ -420,6 +485,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
+        _check_rows(args)
         return args.func(args)
     except SpecError as e:
         print(e.render(), file=sys.stderr)
@@ -427,14 +493,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"fp4gen {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except UserError as e:
+    except (UserError, InputFileError, OutputFileError) as e:
         _err(str(e))
         return EXIT_USER
-    except (OSError, UnicodeDecodeError) as e:
-        path = getattr(e, "filename", None) or getattr(args, "spec", None) or "?"
-        _err(_read_error(str(path), e))
+    except (OSError, UnicodeDecodeError) as e:  # a file or directory fp4gen was pointed at
+        _err(_os_error(e))
         return EXIT_USER
     except KeyboardInterrupt:
+        print("fp4gen: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug in fp4gen, not in the user's input
         print(f"fp4gen: internal error: {type(e).__name__}: {e}", file=sys.stderr)
@@ -444,6 +510,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("(this is a bug in fp4gen; set FP4GEN_TRACEBACK=1 to see the traceback and please report it)",
                   file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _os_error(e: Exception) -> str:
+    if isinstance(e, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({e.reason} at byte {e.start})"
+    where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+    return where + (getattr(e, "strerror", None) or str(e))
 
 
 if __name__ == "__main__":

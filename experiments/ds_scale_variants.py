@@ -61,10 +61,10 @@ def variant_source(text: str, name: str) -> str:
             raise SystemExit(f"{name}: expected one {old.strip()[:60]!r} in {SOURCE.name}, found "
                              f"{text.count(old)} (the template changed: update this script)")
         text = text.replace(old, new)
-    old_name = f'KERNEL_NAME = "{NAME}"'
+    old_name = f"KERNEL_NAME = {NAME!r}"
     if text.count(old_name) != 1:
         raise SystemExit(f"{SOURCE.name} does not define {old_name}")
-    return text.replace(old_name, f'KERNEL_NAME = "{NAME}_ab_{name}"')
+    return text.replace(old_name, f"KERNEL_NAME = {NAME + '_ab_' + name!r}")
 
 
 def main(argv=None) -> int:

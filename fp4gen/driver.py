@@ -109,22 +109,26 @@ def render_module(plan) -> str:
     return render(plan)
 
 
-def atomic_write(path: Path, data: "str | bytes") -> Path:
-    from fp4gen.runtime.cache import atomic_write as _atomic_write
+def compile_specs(specs: Iterable[KernelSpec], out_dir, *, target=None, parents: bool = False,
+                  written: Optional[list] = None) -> list[Path]:
+    """Plan and render every spec (for ``target`` or its own) into ``out_dir``; returns the files.
 
-    return _atomic_write(path, data)
-
-
-def compile_specs(specs: Iterable[KernelSpec], out_dir, *, target=None) -> list[Path]:
-    """Plan and render every spec (for ``target`` or its own) into ``out_dir``; returns the files."""
+    ``out_dir`` is created when missing, a missing parent of it only with ``parents``.
+    Every module is rendered and every destination checked (``fileio.check_output_path``)
+    before the first file is written, so a refused kernel or destination writes nothing.
+    Each path is appended to ``written`` (when given) as soon as it is written, so a
+    caller can say how far a write that stopped part-way (disk full, Ctrl-C) got.
+    """
     from fp4gen.lowering import LoweringError, module_name
+    from fp4gen.runtime.fileio import atomic_write, check_output_path
 
     tgt = parse_target(target) if isinstance(target, str) else target
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output path '{out}' exists and is not a directory")
+    if not out.is_dir():
+        check_output_path(out, parents=parents)  # a dangling symlink, a missing parent
     rendered = []
-    # Plan and render everything first, so a bad kernel leaves no partial output.
     for spec in specs:
         spec = retarget(spec, tgt)
         plan = plan_spec(spec)
@@ -133,11 +137,16 @@ def compile_specs(specs: Iterable[KernelSpec], out_dir, *, target=None) -> list[
         except LoweringError as e:
             raise UserError(f"kernel '{spec.name}': cannot compile for {spec.target.value}: {e}") from None
         rendered.append((out / f"{module_name(spec.name, spec.target.value)}.py", source))
+    written = [] if written is None else written
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        return [atomic_write(p, src) for p, src in rendered]
+        out.mkdir(parents=parents, exist_ok=True)
+        for p, _ in rendered:
+            check_output_path(p)
+        for p, src in rendered:
+            written.append(atomic_write(p, src))
     except OSError as e:
         raise UserError(f"cannot write to '{out}': {e.strerror or e}") from None
+    return [p for p, _ in rendered]
 
 
 _ARCH = {"sm90a": "sm_90a", "sm100a": "sm_100a"}

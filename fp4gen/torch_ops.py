@@ -59,6 +59,8 @@ from typing import Optional, Union
 import torch
 
 from fp4gen.ir.spec import KernelSpec, Mask, Target
+from fp4gen.runtime import checks
+from fp4gen.runtime.checks import AttentionInputError
 
 __all__ = [
     "attention",
@@ -76,10 +78,6 @@ BACKENDS = ("auto", "reference", "generated")
 
 # The GPU architectures generated modules target, by CUDA compute capability.
 _ARCH_BY_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a", (10, 3): "sm100a"}
-
-
-class AttentionInputError(ValueError):
-    """Bad arguments to ``attention`` (shapes, dtypes, devices, spec)."""
 
 
 # ---------------------------------------------------------------------------
@@ -153,6 +151,8 @@ def spec_for_key(key: str) -> Optional[KernelSpec]:
 
 
 def _parse_attn_file(path: Path, kernel: Optional[str]) -> KernelSpec:
+    from fp4gen.runtime.fileio import InputFileError, read_text_file
+
     try:
         st = path.stat()
     except OSError as e:
@@ -161,12 +161,12 @@ def _parse_attn_file(path: Path, kernel: Optional[str]) -> KernelSpec:
     if cache_key in _PARSED:
         return _PARSED[cache_key]
     try:
-        from fp4gen.frontend import parse_file
-    except ImportError:
-        raise AttentionInputError(
-            "this fp4gen has no spec parser (fp4gen.frontend.parse_file); pass a KernelSpec"
-        ) from None
-    spec = _pick_kernel(parse_file(str(path)), str(path), kernel)  # SpecError propagates: it is the user's
+        text = read_text_file(path)  # directories, devices, binary and huge files: named errors
+    except InputFileError as e:
+        raise AttentionInputError(str(e)) from None
+    from fp4gen.frontend import parse_text
+
+    spec = _pick_kernel(parse_text(text, filename=str(path)), str(path), kernel)  # SpecError is the user's
     _PARSED[cache_key] = spec
     return spec
 
@@ -573,30 +573,15 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------
 
 
+_WHO = "fp4gen.attention"
+
+
 def _check_inputs(q, k, v, head_dim: int) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise AttentionInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise AttentionInputError(
-                f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise AttentionInputError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise AttentionInputError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise AttentionInputError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise AttentionInputError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise AttentionInputError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise AttentionInputError(f"head dims differ: q has {q.shape[3]}, k/v have {k.shape[3]}")
-    if head_dim > 0 and q.shape[3] != head_dim:
-        raise AttentionInputError(f"the spec is for head_dim {head_dim}, the inputs have {q.shape[3]}")
-    if q.shape[2] % k.shape[2] != 0:
-        raise AttentionInputError(
-            f"q's heads ({q.shape[2]}) must be a multiple of k/v's heads ({k.shape[2]}) for GQA")
+    """The checks every generated module's ``forward`` runs (runtime/checks.py), under this
+    function's name: both refuse the same arguments with the same message. The device and TMA
+    layout are checked by the backend that runs (a generated module or the reference)."""
+    checks.check_qkv(_WHO, q, k, v, dtypes=checks.FLOAT_DTYPES, head_dim=head_dim if head_dim > 0 else None,
+                     device_type=None, tma=False)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -616,6 +601,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     if backend not in BACKENDS:
         raise AttentionInputError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    checks.check_causal(_WHO, causal)  # before they select a spec: causal="yes" is not True
+    checks.check_softmax_scale(_WHO, softmax_scale)
     key, head_dim = _resolve_for_trace(spec, causal)
     _check_inputs(q, k, v, head_dim)
     o, _, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend)

@@ -177,6 +177,35 @@ class Schedule:
     kv_stages: Optional[int] = None  # None = planner decides
 
 
+# ---- bounds of the numeric fields ----------------------------------------------------------
+# The language's limits, whatever the target: each holds every value some backend takes (each
+# target's planner narrows it further), and none lets a spec make a backend allocate or loop
+# without bound (an fp8 block of 2**31 tokens once padded a tensor to 2 TiB). The front end
+# refuses a value outside them at its spec line; fp4gen/frontend/LANGUAGE.md lists them.
+HEAD_DIM_RANGE = range(16, 257, 16)
+TILE_RANGE = range(16, 257, 16)  # tile M and N (the reference's row block and key chunk too)
+Q_STAGES_RANGE = range(1, 4)  # sm100a: 1-2 softmax warpgroups; sm90a: tile_m / 64 consumers
+KV_STAGES_RANGE = range(1, 9)
+FP8_TOKEN_BLOCKS = (16, 32, 64, 128, 256)  # fp8(block=N) with fp32 scales: one scale per N tokens
+MX_BLOCK = 32  # fp8 with e8m0 block scales is OCP MX: one scale per 32 elements
+GUARD_M_RANGE = range(1, 128)  # |max score| threshold in log2 units; E8M0 spans 2**-127..2**127
+GUARD_L_RANGE = range(1, 65)  # sampled keys per row: a loop per CTA, a table per row
+# also the bound of softmax_scale= in fp4gen.attention and generated forwards (runtime/checks.py)
+SOFTMAX_SCALE_RANGE = (1e-6, 1e6)
+
+
+def bound_text(x: float) -> str:
+    """A bound as a user would write it in a spec: 1e-06 -> '1e-6', 1000000.0 -> '1e6'."""
+    return f"{x:g}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
+
+
+# Direct-P's FP4 classifier x = a (u - m) + b (docs/numerics.md); the paper uses a in [1.5, 1.6]
+DIRECT_P_A_RANGE = (1e-3, 8.0)
+DIRECT_P_B_RANGE = (-8.0, 8.0)
+# the P formats Direct-P writes (numerics.reference, sm100a: mxfp4, sm90a: fp8e4m3)
+DIRECT_P_FORMATS = (Format.MXFP4, Format.FP8E4M3)
+
+
 BACKWARD_OPERANDS = ("dO", "dS", "dP", "dQ", "dK", "dV")
 FORWARD_OPERANDS = ("Q", "K", "P", "V", "O")
 REUSABLE_STATE = ("q", "k", "lse", "scales")

@@ -11,12 +11,18 @@ the clang-style text the CLI prints.
 from __future__ import annotations
 
 import os
+import re
 
 from fp4gen.ir.spec import KernelSpec, SourceLoc
 
 from .diagnostics import Diagnostic, Note, SpecError, did_you_mean
 
 __all__ = ["parse_file", "parse_text", "SpecError", "Diagnostic", "Note", "did_you_mean"]
+
+# Control characters other than tab, newline and carriage return. The grammar would skip them
+# in comments, and a NUL copied from a comment into a generated module's docstring makes the
+# module fail to import; they are never meant, so they are refused wherever they are.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def parse_text(text: str, filename: str = "<string>") -> list[KernelSpec]:
@@ -25,6 +31,14 @@ def parse_text(text: str, filename: str = "<string>") -> list[KernelSpec]:
     from .parser import parse_tree, split_lines
 
     lines = tuple(split_lines(text))
+    bad = _CONTROL.search(text)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        col = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+        d = Diagnostic(SourceLoc(filename, line, col), f"control character U+{ord(bad.group()):04X} in the spec",
+                       hint="remove it: a spec is text, with tabs, newlines and carriage returns only")
+        # the excerpt shows the character as U+FFFD, so that it does not reach the terminal
+        raise SpecError([d], tuple(_CONTROL.sub("\ufffd", ln) for ln in lines))
     tree, diags, bad_lines = parse_tree(text, filename)
     specs: list[KernelSpec] = []
     if tree is not None:
@@ -40,8 +54,10 @@ def parse_text(text: str, filename: str = "<string>") -> list[KernelSpec]:
 
 
 def parse_file(path: "str | os.PathLike[str]") -> list[KernelSpec]:
-    """Read and parse one spec file. ``OSError``/``UnicodeDecodeError`` propagate for bad paths."""
+    """Read and parse one spec file. A path that is not a readable UTF-8 text file (missing, a
+    directory, a device, binary, over 4 MiB) raises ``fp4gen.runtime.fileio.InputFileError``
+    (a ``ValueError`` naming the file)."""
+    from fp4gen.runtime.fileio import read_text_file
+
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    return parse_text(text, filename=path)
+    return parse_text(read_text_file(path), filename=path)

@@ -11,14 +11,16 @@ import math
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Optional
+from typing import Optional, Sequence
 
 from lark import Token, Tree
 
+from fp4gen.ir.plan import TMEM_COLUMNS
 from fp4gen.ir.spec import (
-    BACKWARD_OPERANDS, FORWARD_OPERANDS, REUSABLE_STATE, Backward, DirectPPolicy, Format, Guard,
-    GuardKind, KernelSpec, Mask, OperandFormat, PKind, PProduction, PPublish, ScaleGranularity,
-    Schedule, SourceLoc, Target, TmemRegionRequest, default_operand_format,
+    BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, FORWARD_OPERANDS, FP8_TOKEN_BLOCKS,
+    GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTMAX_SCALE_RANGE, TILE_RANGE,
+    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Mask, OperandFormat, PKind, PProduction,
+    PPublish, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest, bound_text, default_operand_format,
 )
 
 from .diagnostics import Diagnostic, Note, did_you_mean, one_of
@@ -39,6 +41,10 @@ BACKWARD_KEYWORDS = ("reuse", "deterministic")
 BLOCK_HOME = {**{k: "schedule" for k in SCHEDULE_KEYWORDS}, **{k: "backward" for k in BACKWARD_KEYWORDS}}
 
 EXAMPLE_FORMAT = {"bf16": "bf16", "fp8": "fp8e4m3(scale=tensor)"}
+
+# A number literal longer than this is refused before it is converted: no field needs more
+# digits, and int() of thousands of digits is slow (and over 4300 digits a ValueError).
+MAX_NUMBER_CHARS = 40
 
 
 class _Errors:
@@ -66,6 +72,15 @@ class _Arg:
     @property
     def is_number(self) -> bool:
         return self.value.type == "SIGNED_NUMBER"
+
+
+def _allowed_text(allowed: Sequence[int]) -> str:
+    """'a multiple of 16 from 16 to 256', 'from 1 to 8' or '16, 32 or 64'."""
+    if isinstance(allowed, range):
+        span = f"from {allowed.start} to {allowed[-1]}"
+        return f"a multiple of {allowed.step} {span}" if allowed.step > 1 else span
+    *rest, last = map(str, allowed)
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def _value_token(value_tree: Tree) -> Token:
@@ -113,21 +128,39 @@ class KernelBuilder:
         self.error(tok, f"unknown {what} '{tok}'; expected {one_of(choices)}", hint=hint)
         return None
 
-    def integer(self, tok: Token, what: str, minimum: int = 1) -> Optional[int]:
-        if not re.fullmatch(r"\+?[0-9]+", str(tok)):
+    def short(self, tok: Token, what: str) -> bool:
+        """False (and an error) for a number literal too long to be worth converting."""
+        if len(tok) <= MAX_NUMBER_CHARS:
+            return True
+        self.error(tok, f"{what} is a number of {len(tok)} characters; at most {MAX_NUMBER_CHARS} are read")
+        return False
+
+    def whole(self, tok: Token, what: str) -> Optional[int]:
+        """``tok`` as an int; an error if it is not an integer literal or is too long."""
+        if not re.fullmatch(r"[+-]?[0-9]+", str(tok)):
             self.error(tok, f"{what} must be an integer, got '{tok}'")
             return None
-        v = int(tok)
-        if v < minimum:
-            self.error(tok, f"{what} must be at least {minimum}, got {v}")
+        return int(tok) if self.short(tok, what) else None
+
+    def integer(self, tok: Token, what: str, allowed: Sequence[int]) -> Optional[int]:
+        """``tok`` as an int in ``allowed`` (a range or a tuple); otherwise an error saying which."""
+        v = self.whole(tok, what)
+        if v is not None and v not in allowed:
+            self.error(tok, f"{what} must be {_allowed_text(allowed)}, got {v}")
             return None
         return v
 
-    def real(self, tok: Token, what: str, positive: bool = False) -> Optional[float]:
+    def real(self, tok: Token, what: str, positive: bool = False,
+             bounds: Optional[tuple[float, float]] = None) -> Optional[float]:
         if tok.type != "SIGNED_NUMBER":
             self.error(tok, f"{what} must be a number, got '{tok}'")
             return None
+        if not self.short(tok, what):
+            return None
         v = float(tok)
+        if bounds is not None and not bounds[0] <= v <= bounds[1]:
+            self.error(tok, f"{what} must be from {bound_text(bounds[0])} to {bound_text(bounds[1])}, got {tok}")
+            return None
         if not math.isfinite(v) or (positive and v <= 0):
             self.error(tok, f"{what} must be a {'positive ' if positive else ''}finite number, got {tok}")
             return None
@@ -203,7 +236,7 @@ class KernelBuilder:
             elif kind == "head_dim_stmt":
                 if self.first_time("head_dim", st, "head_dim"):
                     (tok,) = st.children
-                    v = self.integer(tok, "head_dim")
+                    v = self.integer(tok, "head_dim", HEAD_DIM_RANGE)
                     if v is not None:
                         f["head_dim"] = v
                         self.locs["head_dim"] = self.err.loc(tok)
@@ -223,7 +256,7 @@ class KernelBuilder:
                             f["softmax_scale"] = None
                             self.locs["scale"] = self.err.loc(tok)
                     else:
-                        v = self.real(tok, "the softmax scale", positive=True)
+                        v = self.real(tok, "the softmax scale", bounds=SOFTMAX_SCALE_RANGE)
                         if v is not None:
                             f["softmax_scale"] = v
                             self.locs["scale"] = self.err.loc(tok)
@@ -256,9 +289,9 @@ class KernelBuilder:
         if p_via is not None and "P" in operands:
             via_tree, prod = p_via
             pfmt = operands["P"].format
-            if prod.kind is PKind.DIRECT_P and pfmt.is_high_precision:
-                self.error(via_tree, f"direct_p produces quantized codes, but P is {pfmt.value}",
-                           hint="make P fp8e4m3, nvfp4 or mxfp4, or use 'via exp'")
+            if prod.kind is PKind.DIRECT_P and pfmt not in DIRECT_P_FORMATS:
+                self.error(via_tree, f"direct_p produces mxfp4 or fp8e4m3 codes, but P is {pfmt.value}",
+                           hint="make P mxfp4 or fp8e4m3, or use 'via exp'")
             elif prod.kind is PKind.TWO_LEVEL and not pfmt.is_fp4:
                 self.error(via_tree, f"two_level quantizes P to FP4, but P is {pfmt.value}",
                            hint="make P nvfp4 or mxfp4, or use 'via exp'")
@@ -345,6 +378,11 @@ class KernelBuilder:
                     fmt = None
                 else:
                     self.locs["P.via"] = self.err.loc(via_call.children[0])
+        if fmt is not None and where == "backward" and fmt.format.is_fp4:
+            # no backend computes gradients in FP4 (the reference would silently skip the rounding)
+            self.error(call.children[0], f"gradient operand {name} cannot be {fmt.format.value}",
+                       hint="gradients are fp8e4m3, fp8e5m2, bf16, fp16 or fp32")
+            fmt = None
         if fmt is None:
             return None
         self.locs[key] = self.err.loc(call.children[0])
@@ -369,10 +407,19 @@ class KernelBuilder:
                 self.error(first.key, f"{fname} takes no block or scale: it is not scaled")
                 return None
             return OperandFormat(fmt)
-        block_n = self.integer(block.value, "block") if block is not None else None
         scale_w = self.name_arg(scale, SCALE_WORDS, "scale") if scale is not None else None
-        if (block is not None and block_n is None) or (scale is not None and scale_w is None):
+        if scale is not None and scale_w is None:
             return None
+        block_n = None
+        if block is not None:
+            if fmt.is_fp4:  # the one size each FP4 format has is checked below, with a hint
+                block_n = self.whole(block.value, "block")
+            elif scale_w == "e8m0":
+                block_n = self.integer(block.value, f"the block of {fname} with e8m0 scales (OCP MX)", (MX_BLOCK,))
+            else:
+                block_n = self.integer(block.value, f"the block of {fname}", FP8_TOKEN_BLOCKS)
+            if block_n is None:
+                return None
         if fmt.is_fp4:
             # The two FP4 formats are defined by their block size and scale type.
             std = default_operand_format(fmt)
@@ -396,7 +443,8 @@ class KernelBuilder:
         sw = scale_w or "tensor"
         if sw in ("fp32", "e8m0", "e4m3"):
             self.error(scale.value, f"scale={sw} needs a block size",
-                       hint=f"write {fname}(block=128, scale={sw}), or scale=tensor for one fp32 scale per tensor")
+                       hint=f"write {fname}(block={MX_BLOCK if sw == 'e8m0' else 128}, scale={sw}), "
+                            "or scale=tensor for one fp32 scale per tensor")
             return None
         if sw == "none":
             return OperandFormat(fmt, ScaleGranularity.NONE, None, None)
@@ -419,9 +467,9 @@ class KernelBuilder:
             if v is None:
                 return None
             kw["policy"] = DirectPPolicy(v)
-        for p, positive in (("a", True), ("b", False)):
+        for p, bounds in (("a", DIRECT_P_A_RANGE), ("b", DIRECT_P_B_RANGE)):
             if p in args:
-                v = self.real(args[p].value, f"direct_p's {p}", positive=positive)
+                v = self.real(args[p].value, f"direct_p's {p}", bounds=bounds)
                 if v is None:
                     return None
                 kw[p] = v
@@ -447,8 +495,8 @@ class KernelBuilder:
             self.error(tok, f"guard sample needs {' and '.join(missing)}",
                        hint="e.g. 'guard sample(m=110, l=16)' (the paper's Algorithm 3 constants)")
             return None
-        m = self.integer(args["m"].value, "guard m")
-        l = self.integer(args["l"].value, "guard l")
+        m = self.integer(args["m"].value, "guard m", GUARD_M_RANGE)
+        l = self.integer(args["l"].value, "guard l", GUARD_L_RANGE)
         if m is None or l is None:
             return None
         self.locs["guard"] = self.err.loc(tok)
@@ -465,8 +513,8 @@ class KernelBuilder:
             if kind == "tile_stmt":
                 if self.first_time("schedule.tile", st, "the tile"):
                     mt, _, nt = st.children
-                    m = self.integer(mt, "tile M")
-                    n = self.integer(nt, "tile N")
+                    m = self.integer(mt, "tile M", TILE_RANGE)
+                    n = self.integer(nt, "tile N", TILE_RANGE)
                     if m is not None and n is not None:
                         kw["tile_m"], kw["tile_n"] = m, n
                         self.locs["schedule.tile"] = self.err.loc(mt)
@@ -481,7 +529,7 @@ class KernelBuilder:
                         elif field == "q_stages":
                             self.error(tok, f"q_stages must be an integer, got '{tok}'")
                     else:
-                        v = self.integer(tok, field)
+                        v = self.integer(tok, field, Q_STAGES_RANGE if field == "q_stages" else KV_STAGES_RANGE)
                         if v is not None:
                             kw[field] = v
                             self.locs[f"schedule.{field}"] = self.err.loc(tok)
@@ -520,8 +568,8 @@ class KernelBuilder:
                            notes=[Note("first listed here", self.err.loc(first[name]))])
                 continue
             first[str(name)] = st
-            lo = self.integer(a, "first column", minimum=0)
-            hi = self.integer(b, "last column", minimum=0)
+            lo = self.integer(a, "first column", range(TMEM_COLUMNS))
+            hi = self.integer(b, "last column", range(TMEM_COLUMNS))
             if lo is None or hi is None:
                 continue
             if hi < lo:

@@ -110,7 +110,7 @@ def regenerate(root: Optional[Path] = None, *, check: bool = False) -> Result:
                              if p.is_file() and _generated_by_us(p.name) and p.name not in expected)
     if check:
         return res
-    from fp4gen.runtime.cache import atomic_write
+    from fp4gen.runtime.fileio import atomic_write
 
     gen.mkdir(exist_ok=True)
     for name in res.missing + res.stale:

@@ -15,7 +15,7 @@ import enum
 import json
 import math
 
-from . import LoweringError, template_env
+from . import Comment, LoweringError, template_env
 
 
 # TMEM regions the template addresses, by plan name (all must be in plan.tmem)
@@ -177,12 +177,12 @@ def context(plan) -> dict:
               "two_level_fp4": "exp2 on the MUFU (online max), then two-level NVFP4 (per-row factor "
                                "r = rowmax(p)/2688, E2M1 codes of p/r, E4M3 scales per 16 keys)"}[p_mode]
     return dict(
-        kernel_name=spec.name,
-        spec_file=spec.source_file,
+        kernel_name=Comment(spec.name),
+        spec_file=Comment(spec.source_file),
         summary=summary,
-        plan_json_literal=repr(plan_json(plan)),
+        plan_json=plan_json(plan),
         head_dim=spec.head_dim,
-        softmax_scale=repr(float(spec.scale)),
+        softmax_scale=float(spec.scale),
         tile_m=sch.tile_m,
         tile_n=sch.tile_n,
         q_stages=sch.q_stages,
@@ -196,12 +196,12 @@ def context(plan) -> dict:
         p_mode=p_mode,
         p_policy=policy,
         running_max=p_mode != "directp_fp4",
-        o_scale=repr(1.0 / 256.0 if pv_fp8 else 1.0),
-        lse_shift=repr(math.log2(6.0)) if p_mode == "directp_fp4" else "0.0",
-        direct_p_a=repr(float(spec.p_production.a)),
-        direct_p_b=repr(float(spec.p_production.b)),
+        o_scale=1.0 / 256.0 if pv_fp8 else 1.0,
+        lse_shift=math.log2(6.0) if p_mode == "directp_fp4" else 0.0,
+        direct_p_a=float(spec.p_production.a),
+        direct_p_b=float(spec.p_production.b),
         publish_halves=halves,
-        guard=repr(guard),
+        guard=guard,
         tmem_alloc_cols=int(plan.tmem.alloc_columns),
         tmem_regions=[(r.name, r.first_col, r.last_col) for r in plan.tmem.regions],
         n_warps=n_warps,
@@ -212,7 +212,7 @@ def context(plan) -> dict:
                         if p_mode == "two_level_fp4" else "MXFP4 (E2M1, 1x32 blocks, E8M0 scales)"),
         pv_kind_text=pv.kind,
         p_text=p_text,
-        gaps=gaps,
+        gaps=[Comment(gap) for gap in gaps],
     )
 
 
@@ -232,8 +232,8 @@ def render(plan) -> str:
             bp = backward_plan(plan)
         except PlanError as e:
             where = f" ({e.loc})" if e.loc else ""
-            ctx["gaps"] = [f"backward not generated: the sm100a backward planner refuses this spec's backward "
-                           f"block{where}: {e.message}"] + ctx["gaps"]
+            ctx["gaps"] = [Comment(f"backward not generated: the sm100a backward planner refuses this spec's "
+                                   f"backward block{where}: {e.message}")] + ctx["gaps"]
         else:
             bwd = render_backward(plan, bp)
     src = template_env("sm100").get_template("fwd.py.j2").render(**ctx)

@@ -14,7 +14,7 @@ jinja2 context and refuses plans the template cannot express.
 """
 from __future__ import annotations
 
-from . import LoweringError, template_env
+from . import Comment, LoweringError, template_env
 
 TEMPLATE = "bwd.py.j2"
 # TMEM regions the template addresses (all must be in the backward plan's map)
@@ -92,11 +92,12 @@ def context(plan, bp=None) -> dict:
         "the next tile's S^T with this tile's dS^T)",
     ]
     return dict(
-        kernel_name=spec.name,
-        origins={"backward": spec.origin("backward"), "reuse": spec.origin("backward.reuse"),
-                 "mask": spec.origin("mask"), "deterministic": spec.origin("backward.deterministic")},
-        plan_summary=summary,
-        gaps=gaps,
+        kernel_name=Comment(spec.name),
+        origins={k: Comment(spec.origin(path)) for k, path in (
+            ("backward", "backward"), ("reuse", "backward.reuse"), ("mask", "mask"),
+            ("deterministic", "backward.deterministic"))},
+        plan_summary=[Comment(line) for line in summary],
+        gaps=[Comment(gap) for gap in gaps],
         head_dim=bp.head_dim,
         causal=bp.causal,
         tile_m=bp.tile_m,

@@ -12,7 +12,7 @@ import json
 from types import MappingProxyType
 
 
-from . import LoweringError, template_env
+from . import Comment, LoweringError, identifier, template_env
 
 TEMPLATE = "fwd.py.j2"
 
@@ -91,13 +91,13 @@ def context(plan) -> dict:
     if sm.pingpong and not sm.intra_warpgroup_overlap:
         raise LoweringError("sm90 ping-pong is implemented together with intra-warpgroup overlap")
 
-    origins = {k: spec.origin(k) for k in ("Q", "K", "P", "V", "O", "mask", "head_dim")}
-    origins["schedule"] = spec.origin("schedule.tile")
+    origins = {k: Comment(spec.origin(k)) for k in ("Q", "K", "P", "V", "O", "mask", "head_dim")}
+    origins["schedule"] = Comment(spec.origin("schedule.tile"))
     name = spec.name
     return dict(
-        kernel_name=name,
-        class_name="".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Fwd",
-        spec_file=spec.source_file,
+        kernel_name=Comment(name),
+        class_name=identifier("".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Fwd"),
+        spec_file=Comment(spec.source_file),
         plan_json=plan_json(plan),
         origins=origins,
         head_dim=spec.head_dim,

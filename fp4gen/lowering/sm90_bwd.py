@@ -14,7 +14,7 @@ it into a jinja2 context.
 from __future__ import annotations
 
 
-from . import LoweringError, template_env
+from . import Comment, LoweringError, identifier, template_env
 
 TEMPLATE = "bwd.py.j2"
 
@@ -64,18 +64,17 @@ def context(plan) -> dict:
         "reuse: " + " ".join(bp.reuse) + "; gradients: " + ", ".join(f"{n} {f}" for n, f in bp.grad_formats),
     ]
     return dict(
-        kernel_name=name,
-        class_name="".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Bwd",
+        kernel_name=Comment(name),
+        class_name=identifier("".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Bwd"),
         s_fp8=fmts["S"] == "fp8e4m3",
         do_fp8=fmts["dP"] == "fp8e4m3",
         ds_fp8=bp.ds_fp8,  # dK += dS^T Q and dQ = dS K in FP8 (dS : fp8e4m3)
         # FP8 dS's scale rule, as the numerics oracle has it (reference.fp8_ds_tile_scale)
         ds_small=bwd_plan.FP8_DS_SMALL, ds_headroom=bwd_plan.FP8_DS_HEADROOM,
         ds_halve_min_log2=bwd_plan.FP8_DS_HALVE_MIN_LOG2,
-        origins={"backward": spec.origin("backward"), "mask": spec.origin("mask"),
-                 "reuse": spec.origin("backward.reuse"),
-                 "deterministic": spec.origin("backward.deterministic"),
-                 "ds": spec.origin("backward.dS")},
+        origins={k: Comment(spec.origin(path)) for k, path in (
+            ("backward", "backward"), ("mask", "mask"), ("reuse", "backward.reuse"),
+            ("deterministic", "backward.deterministic"), ("ds", "backward.dS"))},
         head_dim=bp.head_dim,
         causal=bp.causal,
         tile_m=bp.tile_m,
@@ -86,7 +85,7 @@ def context(plan) -> dict:
         deterministic=bp.deterministic,
         producer_regs=bp.producer_registers,
         consumer_regs=bp.consumer_registers,
-        plan_summary=summary,
+        plan_summary=[Comment(line) for line in summary],
     )
 
 

@@ -27,11 +27,19 @@ from fp4gen.ir.spec import (DirectPPolicy, Format, Guard, KernelSpec, Mask,
 from . import reference
 
 
-def exact_attention(q, k, v, scale: float, causal: bool, do=None):
-    """float64 attention (and gradients when ``do`` is given), one (b, h) at a time."""
+# The float64 oracle takes the query rows a block at a time so that its score matrix
+# (and the few temporaries of the same shape the softmax and the gradients make) stays
+# near this size whatever S is: a whole S = 8192 score matrix alone is 512 MiB.
+ORACLE_BLOCK_BYTES = 16 << 20
+
+
+def exact_attention(q, k, v, scale: float, causal: bool, do=None, *, row_block=None):
+    """float64 attention (and gradients when ``do`` is given), one (b, h) and one block of
+    ``row_block`` query rows at a time (default: ``ORACLE_BLOCK_BYTES`` of scores)."""
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv
+    rb = row_block or max(1, ORACLE_BLOCK_BYTES // (8 * max(1, Sk)))
     q, k, v = (x.to(torch.float64) for x in (q, k, v))
     o = torch.zeros(B, Sq, H, D, dtype=torch.float64)
     lse = torch.zeros(B, H, Sq, dtype=torch.float64)
@@ -39,30 +47,32 @@ def exact_attention(q, k, v, scale: float, causal: bool, do=None):
     if do is not None:
         do = do.to(torch.float64)
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    cols = torch.arange(Sk)[None, :]
     for b in range(B):
         for h in range(H):
             kh = h // g
-            s = (q[b, :, h] @ k[b, :, kh].T) * scale
-            if causal:
-                i = torch.arange(Sq)[:, None]
-                j = torch.arange(Sk)[None, :]
-                s = s.masked_fill(j > i + Sk - Sq, float("-inf"))
-            mx = s.amax(-1, keepdim=True)
-            mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
-            e = torch.exp(s - mx)
-            l = e.sum(-1, keepdim=True)
-            p = torch.where(l > 0, e / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(e))
-            o[b, :, h] = p @ v[b, :, kh]
-            lse[b, h] = torch.where(l[:, 0] > 0, (mx + torch.log(l))[:, 0],
-                                    torch.full_like(l[:, 0], float("-inf")))
-            if do is not None:
-                dob = do[b, :, h]
-                dp = dob @ v[b, :, kh].T
-                dsum = (dob * o[b, :, h]).sum(-1, keepdim=True)
-                ds = p * (dp - dsum)
-                grads[0][b, :, h] = ds @ k[b, :, kh] * scale
-                grads[1][b, :, kh] += ds.T @ q[b, :, h] * scale
-                grads[2][b, :, kh] += p.T @ dob
+            kb, vb = k[b, :, kh], v[b, :, kh]
+            for r0 in range(0, Sq, rb):
+                r = slice(r0, min(Sq, r0 + rb))
+                s = (q[b, r, h] @ kb.T) * scale
+                if causal:
+                    rows = torch.arange(r.start, r.stop)[:, None]
+                    s = s.masked_fill(cols > rows + Sk - Sq, float("-inf"))
+                mx = s.amax(-1, keepdim=True)
+                mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
+                e = torch.exp(s - mx)
+                l = e.sum(-1, keepdim=True)
+                p = torch.where(l > 0, e / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(e))
+                o[b, r, h] = p @ vb
+                lse[b, h, r] = torch.where(l[:, 0] > 0, (mx + torch.log(l))[:, 0],
+                                           torch.full_like(l[:, 0], float("-inf")))
+                if do is not None:
+                    dob = do[b, r, h]
+                    dsum = (dob * o[b, r, h]).sum(-1, keepdim=True)
+                    ds = p * (dob @ vb.T - dsum)
+                    grads[0][b, r, h] = ds @ kb * scale
+                    grads[1][b, :, kh] += ds.T @ q[b, r, h] * scale
+                    grads[2][b, :, kh] += p.T @ dob
     return o, lse, grads
 
 

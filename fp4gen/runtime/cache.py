@@ -2,19 +2,28 @@
 
 Location: ``$FP4GEN_CACHE_DIR`` if set, else ``~/.cache/fp4gen``. Layout::
 
-    <root>/modules/<key[:2]>/<kernel>_<target>_<key[:16]>.py   generated module source
-    <root>/kernels/<key[:2]>/<name>_<key[:16]>/kernel.{o,h}    a compiled kernel (CuTe AOT export)
+    <root>/modules/<key[:2]>/<kernel>_<target>_<key[:16]>.py        generated module source
+    <root>/kernels/<key[:2]>/<name>_<key[:16]>/kernel.{o,h,sha256}  a compiled kernel (CuTe AOT export)
 
 Keys are sha256 digests of everything that changes the output: for a module,
 (spec text hash, kernel name, target, CuTe DSL version, fp4gen version); for a
 compiled kernel, the module's key plus the variant (the compile-time
 specialisation: dtypes, causal, head dim, tile, arch...).
 
+Integrity: every entry carries one header line, ``# fp4gen cache entry
+v<format> key=<key> sha256=<digest of the content>``: a module file starts
+with it (a comment, so the file is still plain Python), a kernel directory
+holds it as ``kernel.sha256`` beside the object file. Readers check it before
+anything in the entry is imported or loaded; an entry that fails (truncated,
+bit-flipped, edited, copied from another key) raises ``CacheEntryError`` and
+the caller discards and rebuilds it.
+
 Concurrency: every entry is written to a temporary name in its final
 directory and published with one ``os.replace`` (files) or ``os.rename``
-(the directory holding a kernel's ``.o``/``.h`` pair). Readers therefore see
-either nothing or a whole entry; two processes compiling the same kernel
-both succeed and one of their identical results stays.
+(the directory holding a kernel's files). Readers therefore see either
+nothing or a whole entry; two processes compiling the same kernel both
+succeed and one of their identical results stays. Files and directories are
+created with the process's umask.
 
 Compiled kernels: CuTe DSL 4.8.1 can persist a ``cute.compile`` result with
 ``JitCompiledFunction.export_to_c(dir, name)`` (an object file with the host
@@ -28,18 +37,35 @@ This module imports only the standard library at import time.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
-import tempfile
+import secrets
+import stat
 import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+# The one atomic writer; driver.py, lowering/regenerate.py and cli/main.py import it from here.
+from .fileio import atomic_write
+
 ENV_VAR = "FP4GEN_CACHE_DIR"
-# Bump when the layout or the meaning of a key changes.
-CACHE_FORMAT = 1
+# Bump when the layout, the entry header or the meaning of a key changes.
+CACHE_FORMAT = 2
+
+
+class CacheWarning(RuntimeWarning):
+    """The cache skipped or rebuilt something (a bad entry, an unwritable root); loads still work."""
+
+
+class CacheEntryError(Exception):
+    """A cache entry that must not be used; the caller discards and rebuilds it."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
 
 
 def cache_dir() -> Path:
@@ -197,32 +223,69 @@ def _safe(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# atomic writes
+# entry headers: what binds an entry's content to its key
+
+_HEADER = "# fp4gen cache entry v{fmt} key={key} sha256={digest}\n"
+_HEADER_RE = re.compile(rb"# fp4gen cache entry v%d key=([0-9a-f]{64}) sha256=([0-9a-f]{64})\n" % CACHE_FORMAT)
+# Far above any real entry (modules ~100 KB, kernel objects a few MB): a reader never
+# pulls a huge planted file into memory.
+MAX_ENTRY_BYTES = 256 * 1024 * 1024
 
 
-def atomic_write(path: Union[str, Path], data: Union[str, bytes]) -> Path:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+def entry_header(key: str, content: bytes) -> str:
+    return _HEADER.format(fmt=CACHE_FORMAT, key=key, digest=hashlib.sha256(content).hexdigest())
 
-    The temporary file lives in the destination directory (``os.replace`` is
-    atomic only within one file system) and is fsynced before the rename.
+
+def _check_header(path: Path, header: bytes, key: str, content: bytes) -> None:
+    m = _HEADER_RE.fullmatch(header)
+    if m is None:
+        raise CacheEntryError(path, "no fp4gen entry header (truncated, overwritten or another cache format)")
+    if m[1].decode() != key:
+        raise CacheEntryError(path, f"stored under key {m[1][:16].decode()}..., not {key[:16]}... "
+                                    f"(another entry copied in its place)")
+    if hashlib.sha256(content).hexdigest() != m[2].decode():
+        raise CacheEntryError(path, "content does not match its sha256 (truncated, bit-flipped or edited)")
+
+
+def _read_entry(path: Path) -> Optional[bytes]:
+    """The bytes of one cache file, or None when there is none.
+
+    Something other than a regular file in its place is a bad entry; O_NONBLOCK
+    keeps a planted FIFO from blocking the open. Other ``OSError`` (the root is a
+    file, no permission) propagates: the cache as a whole cannot be read.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CacheEntryError(path, "is a symbolic link") from None
         raise
-    return path
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CacheEntryError(path, "is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_ENTRY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_ENTRY_BYTES:
+        raise CacheEntryError(path, f"larger than {MAX_ENTRY_BYTES} bytes, more than fp4gen ever writes")
+    return data
+
+
+def discard_entry(entry: Path) -> None:
+    """Remove a published entry (file or directory): renamed out of the way first, so
+    that readers see it whole or not at all; a no-op if it is already gone."""
+    trash = entry.with_name(f".trash-{entry.name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(entry, trash)
+    except OSError:
+        return  # already gone, or the cache is read-only
+    if trash.is_dir() and not trash.is_symlink():
+        _rmtree(trash)
+    else:
+        trash.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------
@@ -234,14 +297,41 @@ def module_path(key: str, kernel: str, target: str, root: Optional[Path] = None)
     return root / "modules" / key[:2] / f"{_safe(kernel)}_{_safe(target)}_{key[:16]}.py"
 
 
-def lookup_module(key: str, kernel: str, target: str, root: Optional[Path] = None) -> Optional[Path]:
-    p = module_path(key, kernel, target, root)
-    return p if p.is_file() else None
+def module_text(key: str, source: str) -> str:
+    """A module entry as stored: the header line, then the generated source."""
+    return entry_header(key, source.encode()) + source
+
+
+def read_module(key: str, kernel: str, target: str, root: Optional[Path] = None) -> Optional[str]:
+    """The text of a module entry whose header checks out, or None when there is none.
+
+    Raises ``CacheEntryError`` for a bad entry and ``OSError`` when the cache
+    cannot be read. Only the header is checked here; what the module must define
+    is the loader's business.
+    """
+    path = module_path(key, kernel, target, root)
+    data = _read_entry(path)
+    if data is None:
+        return None
+    end = data.find(b"\n") + 1
+    _check_header(path, data[:end], key, data[end:])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:  # only a file forged with a matching hash gets here
+        raise CacheEntryError(path, "not UTF-8 text") from None
 
 
 def store_module(key: str, kernel: str, target: str, source: str, root: Optional[Path] = None) -> Path:
-    """Store a generated module's source; returns its path. Idempotent and race-safe."""
-    return atomic_write(module_path(key, kernel, target, root), source)
+    """Store a generated module's source under its header; returns its path. Idempotent and race-safe.
+
+    Raises ``OSError``/``fileio.OutputFileError`` when the cache cannot be written.
+    """
+    path = module_path(key, kernel, target, root)
+    try:
+        return atomic_write(path, module_text(key, source), parents=True)
+    except FileNotFoundError:
+        # a concurrent clear of the cache removed the directory between mkdir and rename
+        return atomic_write(path, module_text(key, source), parents=True)
 
 
 # ---------------------------------------------------------------------------
@@ -266,14 +356,17 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> Path:
     return final_dir
 
 
-def _discard(entry: Path) -> None:
-    """Remove a published entry: first rename it out of the way (atomic), then delete."""
-    trash = entry.with_name(f".trash-{entry.name}-{os.getpid()}")
-    try:
-        os.rename(entry, trash)
-    except OSError:
-        return  # already gone, or another process replaced it
-    _rmtree(trash)
+def _temp_dir(parent: Path, prefix: str) -> Path:
+    """A new empty directory in ``parent``. ``os.mkdir`` applies the umask
+    (``tempfile.mkdtemp`` would force 0o700 on the published entry)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = parent / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def _rmtree(p: Path) -> None:
@@ -285,6 +378,7 @@ def _rmtree(p: Path) -> None:
 _memo: dict = {}
 _memo_lock = threading.Lock()
 _warned: set = set()
+KERNEL_MANIFEST = "kernel.sha256"  # the entry header of kernel.o
 
 
 def _symbol(name: str, key: str) -> str:
@@ -309,7 +403,8 @@ def compiled_kernel(
     head dim, static shapes, arch): two calls with equal (name, variant,
     module_source) must be interchangeable. On a miss the result is exported
     with ``export_to_c`` and published atomically; on a hit the object file is
-    loaded with ``cute.runtime.load_module``, with no tracing or compilation.
+    checked against its ``kernel.sha256`` and loaded with
+    ``cute.runtime.load_module``, with no tracing or compilation.
 
     Loaded kernels take the same arguments as the ``cute.compile`` result
     (CuTe tensors / ``cute.runtime.from_dlpack`` views and a stream).
@@ -319,22 +414,15 @@ def compiled_kernel(
         fn = _memo.get(key)
     if fn is not None:
         return fn
-    fn = None
     kdir = kernel_dir(key, name, root)
     sym = _symbol(name, key)
-    if persist and (kdir / "kernel.o").is_file():
-        try:
-            fn = _load_exported(kdir / "kernel.o", sym, enable_tvm_ffi)
-        except Exception as e:  # stale or foreign file: discard it and rebuild below
-            _warn_once(("load", name), f"fp4gen cache: could not load {kdir / 'kernel.o'} ({e}); recompiling")
-            _discard(kdir)
-            fn = None
+    fn = _load_entry(kdir, key, name, sym, enable_tvm_ffi) if persist else None
     if fn is None:
         compiled = build()
         fn = compiled
         if persist:
             try:
-                _export(compiled, kdir, sym, enable_tvm_ffi)
+                _export(compiled, kdir, key, sym, enable_tvm_ffi)
             except Exception as e:
                 _warn_once(("export", name),
                            f"fp4gen cache: cannot persist compiled kernel {name!r} ({type(e).__name__}: {e}); "
@@ -344,9 +432,30 @@ def compiled_kernel(
     return fn
 
 
-def _export(compiled, final_dir: Path, sym: str, enable_tvm_ffi: bool = False) -> None:
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
+def _load_entry(kdir: Path, key: str, name: str, sym: str, enable_tvm_ffi: bool):
+    """The kernel of a cache entry, or None: absent, unreadable, or bad (then discarded)."""
+    obj = kdir / "kernel.o"
+    try:
+        data = _read_entry(obj)
+        if data is None:
+            return None
+        _check_header(obj, _read_entry(kdir / KERNEL_MANIFEST) or b"", key, data)
+    except CacheEntryError as e:
+        _warn_once(("load", name), f"fp4gen cache: discarding {e}; recompiling")
+        discard_entry(kdir)
+        return None
+    except OSError:
+        return None  # the cache cannot be read: compile, and exporting will say why it cannot persist
+    try:
+        return _load_exported(obj, sym, enable_tvm_ffi)
+    except Exception as e:  # an object this DSL version cannot load: discard it and rebuild
+        _warn_once(("load", name), f"fp4gen cache: could not load {obj} ({e}); recompiling")
+        discard_entry(kdir)
+        return None
+
+
+def _export(compiled, final_dir: Path, key: str, sym: str, enable_tvm_ffi: bool = False) -> None:
+    tmp = _temp_dir(final_dir.parent, f".{final_dir.name}.")
     try:
         if enable_tvm_ffi:
             # TVM-FFI functions export one object file exposing __tvm_ffi_<sym>
@@ -356,6 +465,7 @@ def _export(compiled, final_dir: Path, sym: str, enable_tvm_ffi: bool = False) -
             compiled.export_to_c(str(tmp), "kernel", sym)
         if not (tmp / "kernel.o").is_file():
             raise RuntimeError("export_to_c wrote no kernel.o")
+        (tmp / KERNEL_MANIFEST).write_text(entry_header(key, (tmp / "kernel.o").read_bytes()))
         publish_dir(tmp, final_dir)
     finally:
         if tmp.exists():
@@ -376,7 +486,7 @@ def _warn_once(tag, msg: str) -> None:
     if tag in _warned:
         return
     _warned.add(tag)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warnings.warn(msg, CacheWarning, stacklevel=3)
 
 
 def clear_memory_cache() -> None:

@@ -10,11 +10,16 @@ expected and what was given, e.g.::
     (B, S, H, 128); got torch.float32 (2, 77, 8, 64) on cpu
 
 Conventions: ``TypeError`` when an argument has the wrong kind (not a tensor,
-wrong dtype), ``ValueError`` when its value is wrong (shape, device,
-layout, alignment), ``UnsupportedDeviceError`` (a ``RuntimeError``) when the
-machine cannot run the kernel at all. The functions are pure (they only read
-their arguments and the CUDA device properties) and return nothing useful
-except ``check_qkv``/``check_backward``, which return the problem sizes.
+wrong dtype, a str for a bool), ``AttentionInputError`` (a ``ValueError``) when
+its value is wrong (shape, device, layout, alignment, range),
+``UnsupportedDeviceError`` (a ``RuntimeError``) when the machine cannot run the
+kernel at all. The functions are pure (they only read their arguments and the
+CUDA device properties) and return nothing useful except
+``check_qkv``/``check_backward``, which return the problem sizes.
+
+``fp4gen.attention`` runs the same checks as the generated modules (with
+``kernel="fp4gen.attention"``), so both refuse the same arguments with the same
+error and message.
 """
 from __future__ import annotations
 
@@ -24,11 +29,21 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from fp4gen.ir.spec import SOFTMAX_SCALE_RANGE, bound_text
+
 # TMA (cp.async.bulk.tensor) needs a 16-byte aligned global base address and
 # every non-unit global stride a multiple of 16 bytes.
 TMA_ALIGN_BYTES = 16
 
 QKV_DIMS = ("B", "S", "H", "D")
+
+
+# What the reference backend computes with (and fp4gen.attention accepts): the float dtypes.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class AttentionInputError(ValueError):
+    """A bad argument value to ``fp4gen.attention`` or a generated kernel (shape, device, layout, range)."""
 
 
 class UnsupportedDeviceError(RuntimeError):
@@ -64,7 +79,7 @@ def describe(t) -> str:
     return f"an object of type {type(t).__name__}"
 
 
-def _fail(kernel: str, name: str, expected: str, t, extra: str = "", exc=ValueError):
+def _fail(kernel: str, name: str, expected: str, t, extra: str = "", exc=AttentionInputError):
     msg = f"{kernel}: {name} must be {expected}; got {describe(t)}"
     if extra:
         msg += f" ({extra})"
@@ -96,6 +111,8 @@ def check_tensor(
     expected = f"{where} of {_dtypes_phrase(dtypes)} with shape {_shape_phrase(dims, head_dim)}"
     if not isinstance(t, torch.Tensor):
         _fail(kernel, name, expected, t, exc=TypeError)
+    if t.device.type == "meta":
+        _fail(kernel, name, expected, t, "a meta tensor has a shape but no data to compute with")
     if device_type is not None and t.device.type != device_type:
         _fail(kernel, name, expected, t, f"wrong device: expected {device_type}")
     if t.dtype not in dtypes:
@@ -106,11 +123,13 @@ def check_tensor(
         _fail(kernel, name, expected, t, f"head dim {t.shape[-1]} != {head_dim}")
 
 
-def check_nonempty(kernel: str, name: str, t) -> None:
+def check_nonempty(kernel: str, name: str, t, dims: Sequence = QKV_DIMS) -> None:
+    """No dimension of size 0: the kernels have no empty-input path (an empty softmax row has
+    no defined output), so an empty batch, sequence or head count is refused, not zero-filled."""
     if t.numel() == 0:
-        zeros = [i for i, s in enumerate(t.shape) if s == 0]
-        raise ValueError(
-            f"{kernel}: {name} must be non-empty; got {describe(t)} (dimension {zeros[0]} is 0)"
+        i = list(t.shape).index(0)
+        raise AttentionInputError(
+            f"{kernel}: {name} must be non-empty; got {describe(t)} (dimension {i}, {dims[i]}, is 0)"
         )
 
 
@@ -124,20 +143,20 @@ def check_tma_layout(kernel: str, name: str, t, *, align: int = TMA_ALIGN_BYTES)
     """
     itemsize = t.element_size()
     if t.dim() and t.stride(-1) != 1 and t.shape[-1] != 1:
-        raise ValueError(
+        raise AttentionInputError(
             f"{kernel}: {name} must have a contiguous last dimension (stride 1); got strides "
             f"{tuple(t.stride())} for {describe(t)}; call .contiguous() first"
         )
     ptr = t.data_ptr()
     if ptr % align:
-        raise ValueError(
+        raise AttentionInputError(
             f"{kernel}: {name} must start at a {align}-byte aligned address (TMA); got address "
             f"0x{ptr:x} ({ptr % align} bytes past alignment) for {describe(t)}; a view with a "
             f"storage offset usually causes this: call .contiguous() or .clone() first"
         )
     for i, (size, stride) in enumerate(zip(t.shape[:-1], t.stride()[:-1])):
         if size != 1 and (stride * itemsize) % align:
-            raise ValueError(
+            raise AttentionInputError(
                 f"{kernel}: {name} stride of dimension {i} must be a multiple of {align} bytes (TMA); "
                 f"got {stride} elements x {itemsize} bytes = {stride * itemsize} bytes for "
                 f"{describe(t)} with strides {tuple(t.stride())}; call .contiguous() first"
@@ -152,22 +171,35 @@ def check_same_device(kernel: str, **tensors) -> None:
     first_name, first = items[0]
     for n, t in items[1:]:
         if t.device != first.device:
-            raise ValueError(
+            raise AttentionInputError(
                 f"{kernel}: all tensors must be on the same device; {first_name} is on "
                 f"{first.device} but {n} is on {t.device}"
             )
 
 
 def check_softmax_scale(kernel: str, softmax_scale) -> None:
+    """None, or a real number within the bounds of the spec's ``scale`` (``SOFTMAX_SCALE_RANGE``):
+    outside them, scores overflow (or vanish) in fp32 and the output is all NaN (or uniform)."""
     if softmax_scale is None:
         return
+    lo, hi = SOFTMAX_SCALE_RANGE
+    expected = f"softmax_scale must be a positive finite number from {bound_text(lo)} to {bound_text(hi)}, or None"
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(
-            f"{kernel}: softmax_scale must be a positive float or None; got "
-            f"{type(softmax_scale).__name__} {softmax_scale!r}"
-        )
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"{kernel}: softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+        raise TypeError(f"{kernel}: {expected}; got {type(softmax_scale).__name__} {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and lo <= softmax_scale <= hi):
+        raise AttentionInputError(f"{kernel}: {expected}; got {softmax_scale!r}")
+
+
+def check_causal(kernel: str, causal) -> None:
+    """None (the spec's mask), True or False; not a truthy str or int, which would silently mean True."""
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"{kernel}: causal must be True, False or None; got {type(causal).__name__} {causal!r}")
+
+
+def check_name_arg(kernel: str, name: str, value) -> None:
+    """An optional name (a kernel or target name): a str or None."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{kernel}: {name} must be a str or None; got {type(value).__name__} {value!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -203,37 +235,40 @@ def check_qkv(
 ) -> AttentionSizes:
     """Validate ``q: (B, Sq, H, D)``, ``k, v: (B, Sk, Hkv, D)``; return the sizes.
 
-    Checks, in order: tensor-ness, device type, dtype, rank and head dim of
-    each; one device for all; matching B and D; Sk and Hkv equal for k and v;
-    H % Hkv == 0; no empty tensor; and (``tma=True``) the layout TMA loads need.
+    Checks, in order: tensor-ness, not meta, device type, dtype, rank and head
+    dim of each; one dtype and one device for all; matching B and D; Sk and Hkv
+    equal for k and v; no empty tensor (no zero head count either); H % Hkv == 0;
+    and (``tma=True``) the layout TMA loads need.
     """
     dtypes = tuple(dtypes)
-    for name, t, dims in (("q", q, ("B", "Sq", "H", "D")), ("k", k, ("B", "Sk", "Hkv", "D")),
-                          ("v", v, ("B", "Sk", "Hkv", "D"))):
+    named = (("q", q, ("B", "Sq", "H", "D")), ("k", k, ("B", "Sk", "Hkv", "D")), ("v", v, ("B", "Sk", "Hkv", "D")))
+    for name, t, dims in named:
         check_tensor(kernel, name, t, dtypes=dtypes, dims=dims, head_dim=head_dim, device_type=device_type)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{kernel}: q, k and v must have one dtype; got {q.dtype}, {k.dtype} and {v.dtype}")
     check_same_device(kernel, q=q, k=k, v=v)
     B, Sq, H, D = q.shape
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != B:
-            raise ValueError(f"{kernel}: {name} must have the batch size of q ({B}); got {describe(t)}")
+            raise AttentionInputError(f"{kernel}: {name} must have the batch size of q ({B}); got {describe(t)}")
         if t.shape[3] != D:
-            raise ValueError(f"{kernel}: {name} must have the head dim of q ({D}); got {describe(t)}")
+            raise AttentionInputError(f"{kernel}: {name} must have the head dim of q ({D}); got {describe(t)}")
     if k.shape[1] != v.shape[1]:
-        raise ValueError(
+        raise AttentionInputError(
             f"{kernel}: k and v must have the same sequence length; got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
     if k.shape[2] != v.shape[2]:
-        raise ValueError(
+        raise AttentionInputError(
             f"{kernel}: k and v must have the same number of heads; got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
+    for name, t, dims in named:
+        check_nonempty(kernel, name, t, dims)
     Sk, Hkv = k.shape[1], k.shape[2]
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(
+    if H % Hkv:
+        raise AttentionInputError(
             f"{kernel}: the number of query heads must be a multiple of the number of key/value heads; "
             f"got H={H} (q {tuple(q.shape)}) and Hkv={Hkv} (k {tuple(k.shape)})"
         )
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_nonempty(kernel, name, t)
     if tma:
         for name, t in (("q", q), ("k", k), ("v", v)):
             check_tma_layout(kernel, name, t)
@@ -261,13 +296,13 @@ def check_backward(
         check_tensor(kernel, name, t, dtypes=(q.dtype,), dims=("B", "Sq", "H", "D"), head_dim=sizes.head_dim,
                      device_type=device_type)
         if tuple(t.shape) != tuple(q.shape):
-            raise ValueError(f"{kernel}: {name} must have the shape of q {tuple(q.shape)}; got {describe(t)}")
+            raise AttentionInputError(f"{kernel}: {name} must have the shape of q {tuple(q.shape)}; got {describe(t)}")
         if tma:
             check_tma_layout(kernel, name, t)
     check_tensor(kernel, "lse", lse, dtypes=(torch.float32,), dims=("B", "H", "Sq"), device_type=device_type)
     want = (sizes.batch, sizes.heads, sizes.seqlen_q)
     if tuple(lse.shape) != want:
-        raise ValueError(f"{kernel}: lse must have shape (B, H, Sq) = {want}; got {describe(lse)}")
+        raise AttentionInputError(f"{kernel}: lse must have shape (B, H, Sq) = {want}; got {describe(lse)}")
     check_same_device(kernel, q=q, o=o, lse=lse, do=do)
     return sizes
 

@@ -3,21 +3,33 @@
 The compiler (front end, planner, lowering) is imported inside ``load`` and
 only for ``.attn`` inputs, so that importing ``fp4gen.runtime`` (which every
 generated kernel does) never pulls in lark or jinja2.
+
+A cached module is used only after its header (``fp4gen.runtime.cache``) and
+the module contract (``fp4gen.lowering``) check out, read without running it;
+a bad entry is rebuilt with one ``cache.CacheWarning``, and a cache that cannot
+be written leaves the module in memory. Every module is executed from the text
+that was read and checked, never by re-reading its file.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
+import json
+import linecache
 import os
 import pkgutil
 import sys
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Optional, Union
 
 from . import cache as _cache
+from . import fileio
 
 GENERATED_PACKAGE = "fp4gen.generated"
 # Modules imported from files (cache entries, loose .py files) live under this
@@ -62,18 +74,24 @@ def load(spec_or_module: Union[str, os.PathLike, ModuleType], *, kernel: Optiona
         )
     text = os.fspath(spec_or_module)
     path = Path(text).expanduser()
-    if path.suffix == ".attn":
-        if not path.is_file():
-            raise LoadError(f"fp4gen.load: spec file {text!r} does not exist")
-        return _load_spec(path, kernel, target)
-    if path.suffix == ".py":
-        if not path.is_file():
-            raise LoadError(f"fp4gen.load: module file {text!r} does not exist")
-        mod = _import_file(path)
-        return _checked(mod, kernel, target, origin=str(path))
-    if path.is_file():
-        raise LoadError(f"fp4gen.load: {text!r} is neither a .attn spec nor a .py module")
-    return _checked(_import_generated(text), kernel, target, origin=text)
+    kind = {".attn": "spec", ".py": "module"}.get(path.suffix)
+    if kind is None and not path.exists():
+        return _checked(_import_generated(text), kernel, target, origin=text)
+    if not path.exists():
+        raise LoadError(f"fp4gen.load: {kind} file {text!r} does not exist")
+    source = _read_input(path, kind or "spec")  # refuses directories, devices, binary and huge files
+    if kind == "spec":
+        return _load_spec(path, source, kernel, target)
+    if kind == "module":
+        return _checked(_import_file(path, source), kernel, target, origin=str(path))
+    raise LoadError(f"fp4gen.load: {text!r} is neither a .attn spec nor a .py module")
+
+
+def _read_input(path: Path, what: str) -> str:
+    try:
+        return fileio.read_text_file(path, what=what)
+    except fileio.InputFileError as e:
+        raise LoadError(f"fp4gen.load: {e}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -120,27 +138,37 @@ def _import_generated(name: str) -> ModuleType:
         ) from None
 
 
-def _import_file(path: Path, module_name: Optional[str] = None) -> ModuleType:
-    """Import a Python file under a name derived from its path and content."""
+def _import_file(path: Path, source: str) -> ModuleType:
+    """Import a loose Python file under a name derived from its path and content."""
     path = path.resolve()
-    data = path.read_bytes()
-    if module_name is None:
-        digest = hashlib.sha256(str(path).encode() + b"\0" + data).hexdigest()[:16]
-        stem = "".join(c if c.isalnum() or c == "_" else "_" for c in path.stem)
-        module_name = f"{LOADED_PREFIX}.{stem}_{digest}"
+    digest = hashlib.sha256(str(path).encode() + b"\0" + source.encode()).hexdigest()[:16]
+    stem = "".join(c if c.isalnum() or c == "_" else "_" for c in path.stem)
+    return _exec_module(f"{LOADED_PREFIX}.{stem}_{digest}", str(path), source)
+
+
+def _exec_module(module_name: str, filename: str, source: str) -> ModuleType:
+    """Run ``source`` as module ``module_name`` whose file is ``filename``.
+
+    The text run is the one the caller read and checked: the file is not read
+    again, so a file swapped or deleted meanwhile changes nothing. linecache gets
+    the same text, so that ``inspect.getsource`` (CuTe DSL traces kernels through
+    it) works for in-memory modules and after the cache is cleared.
+    """
     with _lock:
         if module_name in sys.modules:
             return sys.modules[module_name]
         _ensure_prefix_package()
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise LoadError(f"fp4gen.load: cannot import {path}")
+        spec = importlib.util.spec_from_file_location(module_name, filename)
+        if spec is None:  # "<fp4gen: ..., not cached>": no file, so no file loader; the text is in linecache
+            spec = importlib.machinery.ModuleSpec(module_name, None, origin=filename)
         mod = importlib.util.module_from_spec(spec)
+        mod.__file__ = filename  # inspect.getsource (CuTe DSL tracing) finds the text through it
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         # registered before executing: dataclasses, pickling and CuTe DSL's
         # source inspection look the module up by name
         sys.modules[module_name] = mod
         try:
-            spec.loader.exec_module(mod)
+            exec(compile(source, filename, "exec", dont_inherit=True), mod.__dict__)
         except BaseException:
             sys.modules.pop(module_name, None)
             raise
@@ -169,15 +197,14 @@ def _specs_from_parse(result) -> list:
     return [result]
 
 
-def _load_spec(path: Path, kernel: Optional[str], target: Optional[str]) -> ModuleType:
+def _load_spec(path: Path, spec_text: str, kernel: Optional[str], target: Optional[str]) -> ModuleType:
     # The compiler is imported here, not at module level (see module docstring).
-    from fp4gen.frontend import parse_file
-    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.frontend import parse_text
     from fp4gen.ir.spec import Target
-    from fp4gen.lowering import module_name, render
+    from fp4gen.lowering import module_name
 
-    spec_text = path.read_text()
-    specs = _specs_from_parse(parse_file(str(path)))
+    # parse the very text the cache key hashes (reading the file twice could pair two versions)
+    specs = _specs_from_parse(parse_text(spec_text, filename=str(path)))
     if not specs:
         raise LoadError(f"fp4gen.load: {path} defines no attention kernel")
     if kernel is None:
@@ -201,9 +228,79 @@ def _load_spec(path: Path, kernel: Optional[str], target: Optional[str]) -> Modu
     tname = spec.target.value
 
     key = _cache.module_key(spec_text, spec.name, tname)
-    cached = _cache.lookup_module(key, spec.name, tname)
-    if cached is None:
-        source = render(plan_kernel(spec))
-        cached = _cache.store_module(key, spec.name, tname, source)
-    mod = _import_file(cached, module_name=f"{LOADED_PREFIX}.{module_name(spec.name, tname)}_{key[:16]}")
+    name = f"{LOADED_PREFIX}.{module_name(spec.name, tname)}_{key[:16]}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        mod = _exec_module(name, *_module_source(spec, tname, key))
     return _checked(mod, None, None, origin=f"{path} ({spec.name}, {tname})")
+
+
+def _module_source(spec, tname: str, key: str) -> tuple[str, str]:
+    """(file name, text) of the generated module: the cache entry if it passes every
+    check, else a fresh render, stored when the cache can be written."""
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.lowering import render
+
+    path = _cache.module_path(key, spec.name, tname)
+    try:
+        text = _cache.read_module(key, spec.name, tname)
+        if text is not None:
+            _check_contract(path, text, spec, tname)
+            return str(path), text
+    except _cache.CacheEntryError as e:
+        _warn(f"fp4gen cache: discarding {e}; rebuilding it")
+        _cache.discard_entry(path)
+    except OSError:
+        pass  # the cache cannot be read: rebuild; storing below says why it cannot be used
+    source = render(plan_kernel(spec))
+    try:
+        filename = str(_cache.store_module(key, spec.name, tname, source))
+    except (OSError, fileio.OutputFileError) as e:
+        _warn(f"fp4gen cache: cannot write {path} ({e}); using the module from memory, uncached")
+        filename = f"<fp4gen: {path.name}, not cached>"
+    return filename, _cache.module_text(key, source)
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, _cache.CacheWarning, stacklevel=5)  # at the caller of load()
+
+
+# What every generated module defines (the contract in fp4gen.lowering's docstring).
+_CONTRACT_NAMES = ("KERNEL_NAME", "TARGET", "SPEC_FILE", "PLAN_JSON")
+# sm100a renders no backward for a backward block its backward planner refuses
+# (the module's docstring lists that gap), so there the name is optional.
+_BACKWARD_OPTIONAL = ("sm100a",)
+
+
+def _check_contract(path: Path, text: str, spec, tname: str) -> None:
+    """Raise ``CacheEntryError`` unless ``text`` is a module for ``spec`` on ``tname``.
+
+    Read with ``ast``, so nothing in the file runs before it passes: the header
+    only proves the file is what was stored; this catches a forged header and
+    what a naive cache would import silently (another kernel, an edited spec).
+    """
+    from .specjson import computed_fields, spec_to_dict
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError) as e:  # ValueError: NUL bytes
+        raise _cache.CacheEntryError(path, f"not valid Python ({e})") from None
+    consts: dict = {}
+    funcs = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            consts.update((t.id, node.value.value) for t in node.targets if isinstance(t, ast.Name))
+    wanted = ["forward"] + (["backward"] if spec.backward is not None and tname not in _BACKWARD_OPTIONAL else [])
+    missing = [n for n in _CONTRACT_NAMES if not isinstance(consts.get(n), str)] + [f for f in wanted if f not in funcs]
+    if missing:
+        raise _cache.CacheEntryError(path, f"the module lacks {', '.join(missing)}")
+    if (consts["KERNEL_NAME"], consts["TARGET"]) != (spec.name, tname):
+        raise _cache.CacheEntryError(path, f"holds kernel {consts['KERNEL_NAME']!r} for {consts['TARGET']!r}, "
+                                           f"not {spec.name!r} for {tname!r}")
+    if "SPEC_JSON" in consts:  # the reference backend computes from its embedded spec
+        try:
+            embedded = computed_fields(json.loads(consts["SPEC_JSON"]))
+        except (TypeError, ValueError, AttributeError):
+            embedded = None
+        if embedded != computed_fields(spec_to_dict(spec)):
+            raise _cache.CacheEntryError(path, "its embedded spec (SPEC_JSON) differs from the spec being loaded")

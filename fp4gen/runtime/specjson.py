@@ -94,6 +94,16 @@ def spec_from_dict(d: dict[str, Any]) -> KernelSpec:
     )
 
 
+# Where a spec was written, not what it computes: one spec text read through two
+# paths gives two values here and one kernel.
+SOURCE_FIELDS = ("source_file", "locs", "source_lines")
+
+
+def computed_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A ``spec_to_dict`` result without ``SOURCE_FIELDS``: what the kernel computes."""
+    return {k: v for k, v in d.items() if k not in SOURCE_FIELDS}
+
+
 def spec_to_json(spec: KernelSpec, *, with_source: bool = True, indent: Optional[int] = None) -> str:
     return json.dumps(spec_to_dict(spec, with_source=with_source), sort_keys=True, indent=indent)
 

@@ -19,8 +19,8 @@ from typing import Optional
 
 from ..plan import KernelPlan, MmaChoice, PlanError
 from ..spec import (
-    BACKWARD_OPERANDS, Format, GuardKind, KernelSpec, OperandFormat, PKind, ScaleGranularity,
-    Target,
+    BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, HEAD_DIM_RANGE, Format, GuardKind, KernelSpec, OperandFormat, PKind,
+    ScaleGranularity, Target,
 )
 
 # Dense tensor-core throughput per SM per clock (FLOP = 2 per multiply-add).
@@ -114,6 +114,10 @@ def _check_formats(spec: KernelSpec) -> None:
     if spec.o.format not in OUTPUT_FORMATS:
         raise PlanError(f"O : {spec.o.format.value} is not an output format",
                         spec.loc("O"), ["O is written by the epilogue as bf16, fp16 or fp32"])
+
+
+def _check_backward_formats(spec: KernelSpec) -> None:
+    """Every target, the reference too: no backend rounds a gradient to FP4."""
     if spec.backward is not None:
         for g in BACKWARD_OPERANDS:
             f = spec.backward.format_of(g)
@@ -157,18 +161,19 @@ def _check_p_production(spec: KernelSpec) -> None:
         if t is Target.SM100A and p.format is not Format.MXFP4:
             raise PlanError(f"direct_p on sm100a produces mxfp4 codes, but P is {p}", loc,
                             ["Direct-P writes E2M1 codes with one E8M0 exponent per 32 keys: write P : mxfp4 via direct_p"])
-        if t is Target.SM90A and not p.format.is_fp8:
-            raise PlanError(f"direct_p on sm90a produces fp8 codes, but P is {p}", loc,
+        if t is Target.SM90A and p.format is not Format.FP8E4M3:
+            raise PlanError(f"direct_p on sm90a produces fp8e4m3 codes, but P is {p}", loc,
                             ["write P : fp8e4m3 via direct_p"])
-        if t is Target.REFERENCE and not (p.format is Format.MXFP4 or p.format.is_fp8):
-            raise PlanError(f"direct_p produces mxfp4 or fp8 codes, but P is {p}", loc)
+        if t is Target.REFERENCE and p.format not in DIRECT_P_FORMATS:
+            raise PlanError(f"direct_p produces mxfp4 or fp8e4m3 codes, but P is {p}", loc)
         given = [k for k in ("P.via.a", "P.via.b", "P.via.policy") if spec.loc(k) is not None]
         if p.format.is_fp8 and given:
             raise PlanError(f"direct_p into {p.format.value} takes no classifier parameters "
                             f"({', '.join(g.rsplit('.', 1)[1] for g in given)} given)", spec.loc(given[0]),
                             ["FP8 Direct-P is the exact piecewise-linear 2^x of docs/numerics.md; policy, a and b "
                              "tune the FP4 (E2M1) classifier only: write P : fp8e4m3 via direct_p"])
-        if not (0.0 < pp.a <= 8.0) or not (-8.0 <= pp.b <= 8.0):
+        (alo, ahi), (blo, bhi) = DIRECT_P_A_RANGE, DIRECT_P_B_RANGE  # the front end's bounds, for specs built in Python
+        if not (alo <= pp.a <= ahi) or not (blo <= pp.b <= bhi):
             raise PlanError(f"direct_p classifier a={pp.a}, b={pp.b} is outside the usable range",
                             _loc(spec, "P.via.a", "P.via"), ["the paper uses a in [1.5, 1.6], b in [0.95, 1.2]"])
     if pp.kind is PKind.TWO_LEVEL and p.format is not Format.NVFP4:
@@ -185,8 +190,10 @@ def _check_p_production(spec: KernelSpec) -> None:
 
 def _check_shape(spec: KernelSpec) -> None:
     t, s = spec.target, spec.schedule
-    if spec.head_dim <= 0 or spec.head_dim % 16:
-        raise PlanError(f"head_dim {spec.head_dim} must be a positive multiple of 16", spec.loc("head_dim"))
+    if spec.head_dim not in HEAD_DIM_RANGE:
+        r = HEAD_DIM_RANGE
+        raise PlanError(f"head_dim {spec.head_dim} must be a multiple of {r.step} from {r.start} to {r[-1]}",
+                        spec.loc("head_dim"))
     if t is Target.REFERENCE:
         return
     if spec.head_dim not in HEAD_DIMS[t]:
@@ -243,6 +250,7 @@ def legalize(spec: KernelSpec) -> KernelPlan:
     else:
         if spec.o.format not in OUTPUT_FORMATS:
             raise PlanError(f"O : {spec.o.format.value} is not an output format", spec.loc("O"))
+    _check_backward_formats(spec)
     _check_p_production(spec)
     _check_shape(spec)
     choices = []

@@ -20,7 +20,7 @@ def test_every_variant_applies_and_is_renamed(tmp_path):
     text = script.SOURCE.read_text()
     sources = {name: script.variant_source(text, name) for name in script.VARIANTS}
     for name, src in sources.items():
-        assert f'KERNEL_NAME = "{script.NAME}_ab_{name}"' in src
+        assert f"KERNEL_NAME = '{script.NAME}_ab_{name}'\n" in src  # rendered with repr, as the generated module
         assert src.count("KERNEL_NAME = ") == 1
     base = sources["base"].replace(f"{script.NAME}_ab_base", script.NAME)
     assert base == text  # the baseline is the generated module itself

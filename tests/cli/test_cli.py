@@ -70,8 +70,9 @@ def test_check_target_override(cli):
     assert cli("check", EXAMPLES / "sm90_bf16_d128.attn", "--target", "reference").rc == 0
     r = cli("check", FA4, "--target", "sm90a")  # FP4 operands cannot run on Hopper
     assert r.rc == 1 and f"{FA4}:15:7: error:" in r.err
-    r = cli("check", FA4, "--target", "sm80")
-    assert r.rc == 1 and r.err.strip() == "fp4gen: error: unknown target 'sm80'; known targets: sm100a, sm90a, reference"
+    r = cli("check", FA4, "--target", "sm80")  # a bad option value is a command-line error
+    assert r.rc == 2 and r.err.splitlines()[-1] == (
+        "fp4gen check: error: argument --target: unknown target 'sm80'; known targets: sm100a, sm90a, reference")
 
 
 def test_check_keeps_going_across_files(cli, tmp_path):
@@ -80,14 +81,14 @@ def test_check_keeps_going_across_files(cli, tmp_path):
     assert r.rc == 1
     assert f"ok: {FA4}: 1 kernel" in r.out
     assert f"{bad}:1:22: error: unknown target 'x'" in r.err
-    assert f"fp4gen: error: cannot read '{tmp_path / 'missing.attn'}': No such file or directory" in r.err
+    assert f"fp4gen: error: {tmp_path / 'missing.attn'}: no such spec file" in r.err
     assert r.err.splitlines()[-1] == "fp4gen: 2 errors in 2 of 3 files"
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda d: d / "nope.attn", "No such file or directory"),
-    (lambda d: d, "it is a directory"),
-    (lambda d: (d / "bin.attn").write_bytes(b"\xff\xfe\x00bad") and d / "bin.attn", "not UTF-8 text"),
+    (lambda d: d / "nope.attn", "nope.attn: no such spec file"),
+    (lambda d: d, ": is a directory, not a spec file"),
+    (lambda d: (d / "bin.attn").write_bytes(b"\xff\xfe\x00bad") and d / "bin.attn", "bin.attn: not UTF-8 text"),
 ])
 def test_bad_paths_are_one_line_errors(cli, tmp_path, make, message):
     path = make(tmp_path)
@@ -95,7 +96,7 @@ def test_bad_paths_are_one_line_errors(cli, tmp_path, make, message):
                  ("accuracy", path)):
         r = cli(*argv)
         assert r.rc == 1, (argv, r)
-        assert r.err.startswith("fp4gen: error: cannot read") and message in r.err, r.err
+        assert r.err.startswith(f"fp4gen: error: {tmp_path}") and message in r.err, r.err
         assert "Traceback" not in r.err
 
 

@@ -35,14 +35,18 @@ CASES = [
      "use mxfp4"),
     ("mxfp4-scale", kernel(BASE + "  V : mxfp4(scale=e4m3)"), 4, 19, "mxfp4 block scales are e8m0, not e4m3", None),
     ("fp8-scale-needs-block", kernel(BASE + "  V : fp8e4m3(scale=e8m0)"), 4, 21, "scale=e8m0 needs a block size",
-     "fp8e4m3(block=128, scale=e8m0)"),
+     "write fp8e4m3(block=32, scale=e8m0)"),  # e8m0 scales are OCP MX: blocks of 32 (MX_BLOCK)
+    ("fp8-fp32-scale-needs-block", kernel(BASE + "  V : fp8e4m3(scale=fp32)"), 4, 21, "scale=fp32 needs a block size",
+     "write fp8e4m3(block=128, scale=fp32)"),
     ("fp8-block-tensor", kernel(BASE + "  V : fp8e4m3(block=128, scale=tensor)"), 4, 32,
      "a per-block scale of fp8e4m3 is fp32 or e8m0, not tensor", "drop block="),
     ("scale-word", kernel(BASE + "  V : fp8e4m3(scale=tensr)"), 4, 21, "unknown scale 'tensr'",
      "did you mean 'tensor'?"),
     ("bf16-args", kernel(BASE + "  O : bf16(block=16)"), 4, 12, "bf16 takes no block or scale", None),
-    ("block-zero", kernel(BASE + "  K : fp8e4m3(block=0)"), 4, 21, "block must be at least 1, got 0", None),
-    ("block-float", kernel(BASE + "  K : fp8e4m3(block=1.5)"), 4, 21, "block must be an integer, got '1.5'", None),
+    ("block-zero", kernel(BASE + "  K : fp8e4m3(block=0)"), 4, 21,
+     "the block of fp8e4m3 must be 16, 32, 64, 128 or 256, got 0", None),
+    ("block-float", kernel(BASE + "  K : fp8e4m3(block=1.5)"), 4, 21,
+     "the block of fp8e4m3 must be an integer, got '1.5'", None),
     ("too-many-args", kernel(BASE + "  Q : nvfp4(16, e4m3, 7)"), 4, 23, "nvfp4 takes at most 2 arguments", None),
     ("unknown-arg", kernel(BASE + "  Q : nvfp4(blok=16)"), 4, 13, "nvfp4 has no parameter 'blok'",
      "did you mean 'block'?"),
@@ -53,16 +57,17 @@ CASES = [
     ("policy", kernel(BASE + "  P : mxfp4 via direct_p(policy=fats)"), 4, 33, "unknown policy 'fats'",
      "did you mean 'fast'?"),
     ("direct_p-param", kernel(BASE + "  P : mxfp4 via direct_p(c=1)"), 4, 26, "direct_p has no parameter 'c'", None),
-    ("direct_p-a", kernel(BASE + "  P : mxfp4 via direct_p(a=0)"), 4, 28, "direct_p's a must be a positive", None),
+    ("direct_p-a", kernel(BASE + "  P : mxfp4 via direct_p(a=0)"), 4, 28, "direct_p's a must be from 0.001 to 8, got 0", None),
+    ("direct_p-a-huge", kernel(BASE + "  P : mxfp4 via direct_p(a=1e308)"), 4, 28, "direct_p's a must be from 0.001 to 8, got 1e308", None),
     ("via-kind", kernel(BASE + "  P : mxfp4 via exps"), 4, 17, "unknown way to produce P 'exps'",
      "did you mean 'exp'?"),
     ("exp-args", kernel(BASE + "  P : mxfp4 via exp(1)"), 4, 21, "exp takes no arguments", None),
     ("via-not-P", kernel(BASE + "  Q : bf16 via exp"), 4, 12, "only P takes 'via'", None),
-    ("direct_p-bf16", kernel(BASE + "  P : bf16 via direct_p"), 4, 12, "direct_p produces quantized codes, but P is bf16",
-     "via exp"),
+    ("direct_p-bf16", kernel(BASE + "  P : bf16 via direct_p"), 4, 12,
+     "direct_p produces mxfp4 or fp8e4m3 codes, but P is bf16", "make P mxfp4 or fp8e4m3, or use 'via exp'"),
     ("two_level-fp8", kernel(BASE + "  P : fp8e4m3 via two_level"), 4, 15, "two_level quantizes P to FP4", None),
     ("mask", kernel(BASE + "  mask causl"), 4, 8, "unknown mask 'causl'", "did you mean 'causal'?"),
-    ("scale-zero", kernel(BASE + "  scale 0"), 4, 9, "softmax scale must be a positive finite number", None),
+    ("scale-zero", kernel(BASE + "  scale 0"), 4, 9, "the softmax scale must be from 1e-6 to 1e6, got 0", None),
     ("scale-word", kernel(BASE + "  scale automatic"), 4, 9, "unknown softmax scale 'automatic'",
      "did you mean 'auto'?"),
     ("scale-dot", kernel(BASE + "  scale .5"), 4, 9, "a number needs a digit before the decimal point", "0.5"),
@@ -95,7 +100,7 @@ CASES = [
      7, 7, "tmem region 'S0' is listed twice", None),
     ("tmem-col", kernel(BASE + "  schedule { tmem { S0 col 0..127 } }"), 4, 24, "unexpected name 'col'; expected 'cols'",
      "did you mean 'cols'?"),
-    ("q_stages-zero", kernel(BASE + "  schedule { q_stages 0 }"), 4, 23, "q_stages must be at least 1, got 0", None),
+    ("q_stages-zero", kernel(BASE + "  schedule { q_stages 0 }"), 4, 23, "q_stages must be from 1 to 3, got 0", None),
     ("q_stages-word", kernel(BASE + "  schedule { q_stages two }"), 4, 23, "unexpected name 'two'; expected an integer",
      None),
     ("tile-by", kernel(BASE + "  schedule { tile 128 by 128 }"), 4, 23, "unexpected name 'by'; expected 'x'", None),
@@ -195,9 +200,9 @@ def test_value_errors_of_separate_kernels_are_all_reported():
     assert got == [
         (2, 10, "unknown target 'sm100'"),
         (4, 7, "unknown format 'nvfp5'"),
-        (8, 12, "head_dim must be at least 1, got 0"),
+        (8, 12, "head_dim must be a multiple of 16 from 16 to 256, got 0"),
         (9, 8, "unknown mask 'causl'"),
-        (10, 12, "direct_p produces quantized codes, but P is bf16"),
+        (10, 12, "direct_p produces mxfp4 or fp8e4m3 codes, but P is bf16"),
     ]
 
 
@@ -225,5 +230,5 @@ def test_spec_error_render_lists_all_and_counts():
         parse_text(kernel("  target sm100\n  head_dim 0"), "bad.attn")
     text = exc.value.render()
     assert text.startswith("bad.attn:2:10: error: unknown target 'sm100'")
-    assert "bad.attn:3:12: error: head_dim must be at least 1, got 0" in text
+    assert "bad.attn:3:12: error: head_dim must be a multiple of 16 from 16 to 256, got 0\n" in text
     assert text.endswith("2 errors")

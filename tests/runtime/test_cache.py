@@ -1,4 +1,5 @@
 """fp4gen.runtime.cache: keys, location, atomic and race-safe writes, compiled-kernel persistence."""
+import hashlib
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -52,12 +53,16 @@ def test_source_fingerprint_changes_with_content(tmp_path):
     assert fp1 != fp2
 
 
-def test_store_and_lookup_module(tmp_path):
+def test_store_and_read_module(tmp_path):
     key = cache.module_key("spec", "k", "reference", dsl_version="v", fp4gen_ver="v")
-    assert cache.lookup_module(key, "k", "reference", root=tmp_path) is None
+    assert cache.read_module(key, "k", "reference", root=tmp_path) is None
     p = cache.store_module(key, "k", "reference", "X = 1\n", root=tmp_path)
-    assert p.read_text() == "X = 1\n"
-    assert cache.lookup_module(key, "k", "reference", root=tmp_path) == p
+    assert p == cache.module_path(key, "k", "reference", root=tmp_path)
+    # the entry is the header line binding it to its key and content, then the source
+    digest = hashlib.sha256("X = 1\n".encode()).hexdigest()
+    header = f"# fp4gen cache entry v{cache.CACHE_FORMAT} key={key} sha256={digest}\n"
+    assert p.read_text() == header + "X = 1\n" == cache.module_text(key, "X = 1\n")
+    assert cache.read_module(key, "k", "reference", root=tmp_path) == header + "X = 1\n"
     assert p.parent.parent == tmp_path / "modules" and p.name.startswith("k_reference_")
     # no temporary files left behind
     assert [f.name for f in p.parent.iterdir()] == [p.name]
@@ -111,7 +116,10 @@ def test_concurrent_writers_leave_one_intact_file(tmp_path):
     files = [f for f in (tmp_path / "modules").rglob("*") if f.is_file()]
     assert len(files) == 1, files  # one entry, no stray temporaries
     text = files[0].read_text()
-    assert text == "".join(f"LINE_{i} = {i}  # generated\n" for i in range(PAYLOAD_LINES))
+    key = cache.module_key("spec-text", "racer", "sm90a", dsl_version="4.8.1", fp4gen_ver="t")
+    src = "".join(f"LINE_{i} = {i}  # generated\n" for i in range(PAYLOAD_LINES))
+    assert text == cache.module_text(key, src)
+    assert cache.read_module(key, "racer", "sm90a", root=tmp_path) == text  # its header checks out
 
 
 # --- compiled kernels: export/publish protocol with a stand-in for cute.compile ----
@@ -145,7 +153,13 @@ def test_compiled_kernel_exports_memoizes_and_reloads(tmp_path, monkeypatch):
     fn = cache.compiled_kernel("fwd", "bf16,causal,d128", build, module_source="src", root=tmp_path)
     assert fn(1) == 2 and len(builds) == 1
     entries = list((tmp_path / "kernels").glob("*/*"))
-    assert len(entries) == 1 and sorted(p.name for p in entries[0].iterdir()) == ["kernel.h", "kernel.o"]
+    assert len(entries) == 1 and sorted(p.name for p in entries[0].iterdir()) == ["kernel.h", "kernel.o",
+                                                                                   "kernel.sha256"]
+    # kernel.sha256 is the entry header of kernel.o: its key and its content's digest
+    kkey = cache.kernel_key(cache.text_hash("src"), "fwd", "bf16,causal,d128")
+    assert (entries[0] / "kernel.sha256").read_text() == (
+        f"# fp4gen cache entry v{cache.CACHE_FORMAT} key={kkey} "
+        f"sha256={hashlib.sha256(FakeCompiled().payload).hexdigest()}\n")
     sym_in_header = (entries[0] / "kernel.h").read_text()
     assert "fp4gen_fwd_" in sym_in_header
     # same process: served from memory, no rebuild

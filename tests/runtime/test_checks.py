@@ -78,7 +78,9 @@ def test_gqa_divisibility():
 
 
 def test_empty_refused():
-    with pytest.raises(ValueError, match=r"q must be non-empty.*dimension 1 is 0"):
+    with pytest.raises(checks.AttentionInputError,
+                       match=r"^k1: q must be non-empty; got torch.bfloat16 \(2, 0, 8, 64\) on cpu "
+                             r"\(dimension 1, Sq, is 0\)$"):
         cpu_check(*qkv(S=0, Sk=5))
 
 

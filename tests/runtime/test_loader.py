@@ -2,6 +2,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -92,6 +93,36 @@ def test_missing_files():
         load("/nonexistent/x.py")
 
 
+@pytest.mark.parametrize("name", ["dir.attn", "dir.py", "plain_dir"])
+def test_a_directory_is_named_in_the_error(tmp_path, name):
+    d = tmp_path / name
+    d.mkdir()
+    with pytest.raises(LoadError) as e:
+        load(d)
+    what = "module" if name.endswith(".py") else "spec"
+    assert str(e.value) == f"fp4gen.load: {d}: is a directory, not a {what} file"
+
+
+@pytest.mark.parametrize("name", ["bin.attn", "bin.py"])
+def test_a_binary_file_is_named_in_the_error(tmp_path, name):
+    p = tmp_path / name
+    p.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(LoadError) as e:
+        load(p)
+    assert str(e.value) == f"fp4gen.load: {p}: not UTF-8 text (byte 0: b'\\xff'); is this a binary file?"
+
+
+def test_a_device_is_refused_without_reading_it(tmp_path):
+    dev = Path("/dev/zero")
+    if not dev.exists():
+        pytest.skip("no /dev/zero")
+    link = tmp_path / "zero.attn"  # a .attn name for it: still refused before anything is read
+    link.symlink_to(dev)
+    with pytest.raises(LoadError) as e:
+        load(link)
+    assert str(e.value) == f"fp4gen.load: {link}: is not a regular file (device, FIFO or socket); give a spec file"
+
+
 def test_wrong_argument_type():
     with pytest.raises(TypeError, match="got int"):
         load(42)
@@ -143,6 +174,10 @@ def test_generated_module_with_missing_dependency_says_which(fake_generated):
 @pytest.fixture
 def spec_file(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4GEN_CACHE_DIR", str(tmp_path / "cache"))
+    # load() serves a module this process already imported for the same key from memory, without
+    # touching the cache: forget the toy modules earlier tests loaded, so each test sees its cache
+    for name in [n for n in sys.modules if n.startswith(loader.LOADED_PREFIX + ".toy_")]:
+        del sys.modules[name]
     p = tmp_path / "toy.attn"
     p.write_text(SPEC)
     return p
@@ -193,8 +228,10 @@ def test_spec_change_invalidates_cache(spec_file, tmp_path):
     assert changed != SPEC
     spec_file.write_text(changed)
     m2 = load(spec_file, kernel="toy_b")
-    assert m1.__file__ != m2.__file__
-    assert len(list((tmp_path / "cache" / "modules").rglob("*.py"))) == 2
+    assert m1.__file__ != m2.__file__ and (m1.SPEC.head_dim, m2.SPEC.head_dim) == (64, 128)
+    assert sorted(str(p) for p in (tmp_path / "cache" / "modules").rglob("*.py")) == sorted([m1.__file__, m2.__file__])
+    spec_file.write_text(SPEC)
+    assert load(spec_file, kernel="toy_b") is m1  # the first text again: the module already imported
 
 
 def test_spec_syntax_error_is_the_front_ends_error(spec_file):

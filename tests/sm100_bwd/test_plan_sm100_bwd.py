@@ -135,7 +135,7 @@ def test_example_module_has_the_backward_contract():
                  "def compile_only(", "def forward("):
         assert name in src
     # the plan's TMEM map is the only source of column numbers
-    assert '"dV": (256, 383)' in src and '"dQ": (128, 255)' in src
+    assert "    'dV': (256, 383),\n" in src and "    'dQ': (128, 255),\n" in src  # BWD_TMEM, keys in repr
     assert "reuse lse" in src  # the spec line the backward's reuse decision came from
     compile(src, "module.py", "exec")
 

@@ -52,7 +52,7 @@ def test_variants_render_only_their_code():
     assert "mSQ" not in bf16 and "quantize_inputs" not in bf16 and "store_p_bf16" in bf16
     assert "pack_p_fp8(acc_S, tOrP, False)" in exp and "pack_p_fp8(acc_S, tOrP, True)" not in exp
     assert "pack_p_fp8(acc_S, tOrP, True)" in dp
-    assert 'P_MODE = "fp8_directp"' in dp
+    assert "P_MODE = 'fp8_directp'\n" in dp  # rendered with | pyrepr
     nopp = render(make_plan("bf16", pingpong=False))
     assert "barrier_arrive" not in nopp and "barrier_arrive" in bf16
     plain = render(make_plan("bf16", overlap=False))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 
@@ -208,25 +209,43 @@ def test_unregistered_key_is_a_clear_error():
 # bad input
 
 
-@pytest.mark.parametrize("shapes,match", [
-    (((2, 8, 4), (2, 8, 4, 16), (2, 8, 4, 16)), "4-D"),
-    (((2, 8, 4, 16), (2, 8, 4, 16), (2, 9, 4, 16)), "one shape"),
-    (((2, 8, 4, 16), (3, 8, 4, 16), (3, 8, 4, 16)), "batch"),
-    (((2, 8, 3, 16), (2, 8, 2, 16), (2, 8, 2, 16)), "multiple"),
-    (((2, 8, 4, 32), (2, 8, 4, 32), (2, 8, 4, 32)), "head_dim 16"),
-    (((2, 8, 4, 16), (2, 8, 4, 8), (2, 8, 4, 8)), "head dims differ"),
+_FLOAT = "dtype torch.bfloat16, torch.float16, torch.float32 or torch.float64"
+
+
+# attention runs the checks of the generated forwards (fp4gen.runtime.checks), under its own name
+@pytest.mark.parametrize("shapes,message", [
+    (((2, 8, 4), (2, 8, 4, 16), (2, 8, 4, 16)),
+     f"q must be a tensor of {_FLOAT} with shape (B, Sq, H, 16); got torch.float32 (2, 8, 4) on cpu "
+     "(expected 4 dimensions, got 3)"),
+    (((2, 8, 4, 16), (2, 8, 4, 16), (2, 9, 4, 16)),
+     "k and v must have the same sequence length; got k (2, 8, 4, 16) and v (2, 9, 4, 16)"),
+    (((2, 8, 4, 16), (3, 8, 4, 16), (3, 8, 4, 16)),
+     "k must have the batch size of q (2); got torch.float32 (3, 8, 4, 16) on cpu"),
+    (((2, 8, 3, 16), (2, 8, 2, 16), (2, 8, 2, 16)),
+     "the number of query heads must be a multiple of the number of key/value heads; "
+     "got H=3 (q (2, 8, 3, 16)) and Hkv=2 (k (2, 8, 2, 16))"),
+    (((2, 8, 4, 32), (2, 8, 4, 32), (2, 8, 4, 32)),
+     f"q must be a tensor of {_FLOAT} with shape (B, Sq, H, 16); got torch.float32 (2, 8, 4, 32) on cpu "
+     "(head dim 32 != 16)"),
+    (((2, 8, 4, 16), (2, 8, 4, 8), (2, 8, 4, 8)),
+     f"k must be a tensor of {_FLOAT} with shape (B, Sk, Hkv, 16); got torch.float32 (2, 8, 4, 8) on cpu "
+     "(head dim 8 != 16)"),
 ])
-def test_bad_shapes(standin_backend, shapes, match):
+def test_bad_shapes(standin_backend, shapes, message):
     q, k, v = (torch.randn(s) for s in shapes)
-    with pytest.raises(AttentionInputError, match=match):
+    with pytest.raises(AttentionInputError, match=f"^{re.escape('fp4gen.attention: ' + message)}$"):
         attention(q, k, v, spec=fp32_spec())
 
 
 def test_bad_dtype_and_spec():
     q, k, v = _qkv()
-    with pytest.raises(AttentionInputError, match="share a dtype"):
+    # a wrong kind of argument is a TypeError, as in the generated forwards (runtime/checks.py conventions)
+    with pytest.raises(TypeError, match=re.escape(
+            "fp4gen.attention: q, k and v must have one dtype; got torch.float32, torch.float64 and torch.float32")):
         attention(q, k.double(), v, spec=fp32_spec())
-    with pytest.raises(AttentionInputError, match="floating"):
+    with pytest.raises(TypeError, match=re.escape(
+            f"fp4gen.attention: q must be a tensor of {_FLOAT} with shape (B, Sq, H, 16); "
+            "got torch.int32 (2, 12, 4, 16) on cpu (wrong dtype)")):
         attention(q.int(), k.int(), v.int(), spec=fp32_spec())
     with pytest.raises(AttentionInputError, match="KernelSpec"):
         attention(q, k, v, spec=42)
@@ -234,6 +253,80 @@ def test_bad_dtype_and_spec():
         attention(q, k, v, spec="/nonexistent/x.attn")
     with pytest.raises(AttentionInputError, match="backend"):
         attention(q, k, v, spec=fp32_spec(), backend="triton")
+
+
+# issue 15: fp4gen.attention refuses what a generated module's forward refuses, the same way
+
+
+@pytest.fixture
+def parity_module(tmp_path, monkeypatch):
+    """(spec path, the module fp4gen.load renders from it) for a reference kernel of head dim 16."""
+    import fp4gen
+
+    monkeypatch.setenv("FP4GEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "par.attn"
+    path.write_text("attention par { target reference; head_dim 16 }\n")
+    return path, fp4gen.load(path)
+
+
+def _meta(q, k, v):
+    return tuple(torch.empty(t.shape, device="meta") for t in (q, k, v))
+
+
+_SCALE = "softmax_scale must be a positive finite number from 1e-6 to 1e6, or None; got "
+PARITY = [
+    # (id, _qkv arguments, tensor transform, keyword arguments, exception, message after "<kernel>: ")
+    ("zero-kv-heads", dict(hkv=0), None, {}, AttentionInputError,
+     "k must be non-empty; got torch.float32 (2, 12, 0, 16) on cpu (dimension 2, Hkv, is 0)"),
+    ("zero-heads", dict(h=0), None, {}, AttentionInputError,
+     "q must be non-empty; got torch.float32 (2, 12, 0, 16) on cpu (dimension 2, H, is 0)"),
+    ("zero-keys", dict(sk=0), None, {}, AttentionInputError,
+     "k must be non-empty; got torch.float32 (2, 0, 4, 16) on cpu (dimension 1, Sk, is 0)"),
+    ("scale-nan", {}, None, dict(softmax_scale=float("nan")), AttentionInputError, _SCALE + "nan"),
+    ("scale-inf", {}, None, dict(softmax_scale=float("inf")), AttentionInputError, _SCALE + "inf"),
+    ("scale-1e300", {}, None, dict(softmax_scale=1e300), AttentionInputError, _SCALE + "1e+300"),
+    ("scale-zero", {}, None, dict(softmax_scale=0.0), AttentionInputError, _SCALE + "0.0"),
+    ("scale-true", {}, None, dict(softmax_scale=True), TypeError, _SCALE + "bool True"),
+    ("scale-str", {}, None, dict(softmax_scale="0.1"), TypeError, _SCALE + "str '0.1'"),
+    ("meta", {}, _meta, {}, AttentionInputError,
+     f"q must be a tensor of {_FLOAT} with shape (B, Sq, H, 16); got torch.float32 (2, 12, 4, 16) on meta "
+     "(a meta tensor has a shape but no data to compute with)"),
+]
+
+
+@pytest.mark.parametrize("sizes, transform, kwargs, exc, message", [c[1:] for c in PARITY],
+                         ids=[c[0] for c in PARITY])
+def test_attention_and_module_forward_refuse_alike(parity_module, sizes, transform, kwargs, exc, message):
+    path, mod = parity_module
+    q, k, v = _qkv(**sizes)
+    if transform is not None:
+        q, k, v = transform(q, k, v)
+    for who, call in (("fp4gen.attention", lambda: attention(q, k, v, spec=str(path), **kwargs)),
+                      ("par", lambda: mod.forward(q, k, v, **kwargs))):
+        with pytest.raises(exc) as e:
+            call()
+        assert type(e.value) is exc and str(e.value) == f"{who}: {message}", who
+
+
+@pytest.mark.parametrize("causal", ["yes", "True", "", 1, 0, 1.0])
+def test_causal_must_be_a_bool(standin_backend, causal):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=re.escape(
+            f"fp4gen.attention: causal must be True, False or None; got {type(causal).__name__} {causal!r}")):
+        attention(q, k, v, spec=fp32_spec(), causal=causal)
+
+
+def test_a_directory_or_binary_file_as_spec_is_named(standin_backend, tmp_path):
+    q, k, v = _qkv()
+    folder = tmp_path / "dir.attn"
+    folder.mkdir()
+    binary = tmp_path / "bin.attn"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    for spec, message in ((folder, f"{folder}: is a directory, not a spec file"),
+                          (binary, f"{binary}: not UTF-8 text (byte 0: b'\\xff'); is this a binary file?")):
+        with pytest.raises(AttentionInputError) as e:
+            attention(q, k, v, spec=str(spec))
+        assert str(e.value) == message
 
 
 # ---------------------------------------------------------------------------
