@@ -244,6 +244,10 @@ class PipelinePlan:
     registers_limit: int
     mma_order: str  # the MMA issue order of one KV iteration, in words
     notes: tuple[str, ...] = ()
+    # Spill stores + loads (bytes, ptxas -v) the register gate allows, and why they are not zero
+    # (fp4gen/lowering/ptxas.py checks the compiled kernel against it).
+    spill_budget_bytes: int = 0
+    spill_reason: str = ""
 
     def role(self, name: str) -> WarpRole:
         for r in self.roles:

@@ -97,9 +97,12 @@ def compile_artifacts(source: str, workdir: Optional[str] = None, timeout: int =
     if r.returncode != 0:
         raise RuntimeError(f"sm_100a compilation failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     info = json.loads(r.stdout.strip().splitlines()[-1])
-    mlirs = sorted(dump.glob("*.mlir"))
+    # a module with a backward compiles the forward and the backward in compile_only: keep the
+    # IR of the kernel asked for (their class names tell them apart)
+    wanted = "AttentionBwdSm100" if backward else "AttentionFwdSm100"
+    mlirs = sorted(p for p in dump.glob("*.mlir") if wanted in p.name)
     if not mlirs:
-        raise RuntimeError(f"CuTe DSL kept no MLIR in {dump} (CUTE_DSL_KEEP=ir not honoured?)")
+        raise RuntimeError(f"CuTe DSL kept no MLIR of {wanted} in {dump} (CUTE_DSL_KEEP=ir not honoured?)")
     return Artifacts(ptx=ptx_path.read_text(), mlir=mlirs[-1].read_text(),
                      compile_seconds=float(info["seconds"]), names=tuple(info["names"]))
 

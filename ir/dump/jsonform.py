@@ -127,6 +127,7 @@ def to_json(plan: KernelPlan) -> dict[str, Any]:
             "smem": {"items": [{"name": i.name, "bytes": i.bytes, "detail": i.detail} for i in pp.smem],
                      "total_bytes": pp.smem_bytes, "limit_bytes": pp.smem_limit},
             "registers": {"total": pp.registers_total, "limit": pp.registers_limit},
+            "spills": {"budget_bytes": pp.spill_budget_bytes, "reason": pp.spill_reason},
             "mma_order": pp.mma_order, "notes": list(pp.notes)},
         "sm90": None if plan.sm90 is None else {k: getattr(plan.sm90, k) for k in plan.sm90.__dataclass_fields__},
         "events": _events(plan),

@@ -91,6 +91,8 @@ def to_text(plan: KernelPlan) -> str:
         for r in pp.roles:
             L.append(f"  {r.name:11} {r.warps} warp(s) x {r.registers:3d} regs  {r.does}")
         L.append(f"  registers: {pp.registers_total} of {pp.registers_limit} per SM")
+        if pp.spill_budget_bytes:
+            L.append(f"  spills allowed: {pp.spill_budget_bytes} bytes ({pp.spill_reason})")
         L.append(f"Shared memory: {pp.smem_bytes} of {pp.smem_limit} bytes")
         for i in pp.smem:
             L.append(f"  {i.name:9} {i.bytes:7d}  {i.detail}")

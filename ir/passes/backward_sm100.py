@@ -125,6 +125,7 @@ class BackwardPlanSm100:
     mbarriers: int  # mbarrier.init count of the kernel (conformance)
     origins: tuple[tuple[str, str], ...] = ()  # decision -> spec path it came from
     notes: tuple[str, ...] = ()
+    spill_budget_bytes: int = 0  # the register gate's allowance (fp4gen/lowering/ptxas.py); none spill
 
     # the shared plan dump (ir/dump/text.py) prints these for every backward plan
     @property

@@ -242,6 +242,12 @@ def test_other_variants_conform(name, tmp_path):
     art = C.compile_artifacts(sm100.render(plan), str(tmp_path))
     print(f"{name} compiled for sm_100a in {art.compile_seconds:.1f} s")
     assert C.check_conformance(plan, art) == []
+    # the register gate on the same PTX: setmaxnreg honoured, spills within the plan's budget
+    from fp4gen.lowering import ptxas
+
+    assert ptxas.check_registers(art.ptx, ptxas.assemble(art.ptx),
+                                 budgets={r.name: r.registers for r in plan.pipeline.roles},
+                                 spill_budget_bytes=plan.pipeline.spill_budget_bytes) == []
     if name == "fa4_nvfp8_d128":
         assert "kind::f8f6f4" in art.ptx and "block_scale.block32" not in art.ptx
         assert not re.search(r"bar\.sync\s+3, 128", art.ptx)  # no guard in this spec

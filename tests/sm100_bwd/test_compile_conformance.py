@@ -42,6 +42,19 @@ def test_example_backward_conforms(example):
 
 
 @pytest.mark.slow
+def test_example_backward_passes_the_register_gate(example):
+    """Every role's setmaxnreg honoured (no C7508) and no spill at all (the plan allows none)."""
+    from fp4gen.lowering import ptxas
+
+    _, bp, art = example
+    reports = ptxas.assemble(art.ptx)
+    assert bp.spill_budget_bytes == 0
+    assert ptxas.check_registers(art.ptx, reports, budgets={r.name: r.registers for r in bp.roles},
+                                 spill_budget_bytes=0) == []
+    assert reports[0].spills == 0
+
+
+@pytest.mark.slow
 def test_wrong_plans_are_caught_on_correct_artifacts(example):
     """The check is not vacuous: the same artifacts against plans that differ in one decision."""
     _, bp, art = example

@@ -1,0 +1,98 @@
+"""``fp4gen verify``: every static proof fp4gen has for a compiled kernel, in one table.
+
+Per kernel of a spec (sm100a: the forward and, when the spec has one the planner accepts, the
+backward), each compiled for sm_100a on the CPU:
+
+* ``conformance``: the compiled kernel's TMEM columns, MMA kinds, barriers and P stores are
+  the plan's (``conformance.py``);
+* ``registers``: ptxas honours the plan's setmaxnreg budgets and spills within the plan's
+  budget (``ptxas.py``).
+
+Only hardware can prove the rest (the block-scaled MMA with A from TMEM, P's nibble order
+in TMEM, timing): docs/sm100.md lists what is proven and what is not. sm90a kernels run on
+the H200 and are checked there (tests/sm90*); reference kernels have nothing to compile.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Check:
+    kernel: str
+    part: str  # forward | backward
+    check: str  # conformance | registers
+    ok: bool
+    detail: str  # one line: what was found, or every mismatch
+    seconds: float = 0.0
+
+
+def _registers(ptx: str, roles, spill_budget: int) -> tuple[bool, str]:
+    from . import ptxas
+
+    reports = ptxas.assemble(ptx)
+    bad = ptxas.check_registers(ptx, reports, budgets={r.name: r.registers for r in roles},
+                                spill_budget_bytes=spill_budget)
+    r = reports[0]
+    found = (f"{r.registers} regs at entry, setmaxnreg {sorted(ptxas.setmaxnreg_budgets(ptx)['inc'])} up / "
+             f"{sorted(ptxas.setmaxnreg_budgets(ptx)['dec'])} down, spills {r.spill_store_bytes} B st + "
+             f"{r.spill_load_bytes} B ld (budget {spill_budget})")
+    return not bad, found if not bad else "; ".join(map(str, bad))
+
+
+def verify_spec(spec) -> list[Check]:
+    """The checks of one kernel spec (already parsed), in order. Raises PlanError for a spec the
+    planner refuses (a user error) and RuntimeError when compilation itself fails."""
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.ir.plan import PlanError
+    from fp4gen.ir.spec import Target
+
+    from . import conformance as C
+    from . import render
+
+    if spec.target is not Target.SM100A:
+        why = ("sm90a kernels are checked by running them on the H200 (tests/sm90*)"
+               if spec.target is Target.SM90A else "the reference backend compiles nothing")
+        return [Check(spec.name, "forward", "skipped", True, why)]
+    plan = plan_kernel(spec)
+    source = render(plan)
+    out = []
+    t = time.perf_counter()
+    art = C.compile_artifacts(source)
+    dt = time.perf_counter() - t
+    bad = C.check_conformance(plan, art)
+    out.append(Check(spec.name, "forward", "conformance", not bad,
+                     "TMEM map, MMA kinds, barriers and P stores as planned" if not bad else C.report(bad), dt))
+    ok, detail = _registers(art.ptx, plan.pipeline.roles, plan.pipeline.spill_budget_bytes)
+    out.append(Check(spec.name, "forward", "registers", ok, detail))
+    if spec.backward is None:
+        return out
+    from .sm100_bwd import backward_plan
+
+    try:
+        bp = backward_plan(plan)
+    except PlanError as e:
+        out.append(Check(spec.name, "backward", "skipped", True, f"not generated: {e.message}"))
+        return out
+    t = time.perf_counter()
+    art = C.compile_artifacts(source, backward=True)
+    dt = time.perf_counter() - t
+    bad = C.check_backward_conformance(bp, art)
+    out.append(Check(spec.name, "backward", "conformance", not bad,
+                     "TMEM map, MMA kinds, barriers and stores as planned" if not bad else C.report(bad), dt))
+    ok, detail = _registers(art.ptx, bp.roles, bp.spill_budget_bytes)
+    out.append(Check(spec.name, "backward", "registers", ok, detail))
+    return out
+
+
+def as_json(checks: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]
+
+
+def table(checks: list[Check]) -> str:
+    rows = [("kernel", "part", "check", "result", "detail")]
+    for c in checks:
+        rows.append((c.kernel, c.part, c.check, "ok" if c.ok else "FAIL", c.detail.replace("\n", " | ")))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(r[i].ljust(w[i]) for i in range(4)) + "  " + r[4] for r in rows)
