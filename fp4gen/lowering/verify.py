@@ -5,6 +5,9 @@ backward), each compiled for sm_100a on the CPU:
 
 * ``conformance``: the compiled kernel's TMEM columns, MMA kinds, barriers and P stores are
   the plan's (``conformance.py``);
+* ``descriptors``: every tcgen05.mma instruction descriptor (M, N, K, formats, majors, scale
+  type, sf ids per K step), the TMEM columns its operands read per K step and its SMEM matrix
+  descriptors are the plan's (``descriptors.py``, fields from the PTX ISA's tables);
 * ``registers``: ptxas honours the plan's setmaxnreg budgets and spills within the plan's
   budget (``ptxas.py``).
 
@@ -41,6 +44,15 @@ def _registers(ptx: str, roles, spill_budget: int) -> tuple[bool, str]:
     return not bad, found if not bad else "; ".join(map(str, bad))
 
 
+def _descriptors(kernel: str, part: str, bad: list, ptx: str) -> Check:
+    from . import descriptors as D
+
+    n = len(D.mma_instructions(ptx))
+    return Check(kernel, part, "descriptors", not bad,
+                 f"{n} tcgen05.mma: descriptors, operand columns and sf ids as planned" if not bad
+                 else "; ".join(map(str, bad)))
+
+
 def verify_spec(spec) -> list[Check]:
     """The checks of one kernel spec (already parsed), in order. Raises PlanError for a spec the
     planner refuses (a user error) and RuntimeError when compilation itself fails."""
@@ -49,6 +61,7 @@ def verify_spec(spec) -> list[Check]:
     from fp4gen.ir.spec import Target
 
     from . import conformance as C
+    from . import descriptors as D
     from . import render
 
     if spec.target is not Target.SM100A:
@@ -64,6 +77,7 @@ def verify_spec(spec) -> list[Check]:
     bad = C.check_conformance(plan, art)
     out.append(Check(spec.name, "forward", "conformance", not bad,
                      "TMEM map, MMA kinds, barriers and P stores as planned" if not bad else C.report(bad), dt))
+    out.append(_descriptors(spec.name, "forward", D.check_descriptors(plan, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, plan.pipeline.roles, plan.pipeline.spill_budget_bytes)
     out.append(Check(spec.name, "forward", "registers", ok, detail))
     if spec.backward is None:
@@ -81,6 +95,7 @@ def verify_spec(spec) -> list[Check]:
     bad = C.check_backward_conformance(bp, art)
     out.append(Check(spec.name, "backward", "conformance", not bad,
                      "TMEM map, MMA kinds, barriers and stores as planned" if not bad else C.report(bad), dt))
+    out.append(_descriptors(spec.name, "backward", D.check_backward_descriptors(bp, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, bp.roles, bp.spill_budget_bytes)
     out.append(Check(spec.name, "backward", "registers", ok, detail))
     return out
