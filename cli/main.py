@@ -279,7 +279,7 @@ def cmd_run(args) -> int:
     import torch
 
     from fp4gen.numerics.accuracy import compare, exact_attention
-    from fp4gen.runtime import LoadError, load
+    from fp4gen.api import LoadError, load
     from fp4gen.runtime.checks import UnsupportedDeviceError
 
     try:

@@ -62,8 +62,9 @@ def compile_spec(spec, out_dir, *, target=None, kernel=None):
 
 
 def load(spec_or_module, **kwargs):
-    """Import a generated kernel module (see ``fp4gen.runtime.load``)."""
-    from fp4gen.runtime import load as _load
+    """A kernel module from a ``.attn`` spec (compiled and cached) or a generated module (see
+    ``fp4gen.api.load``)."""
+    from fp4gen.api import load as _load
 
     return _load(spec_or_module, **kwargs)
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from fp4gen.frontend import Diagnostic, Note, SpecError
-from fp4gen.ir.spec import KernelSpec, SourceLoc, Target
+from fp4gen.frontend.diagnostics import plan_error_to_spec_error  # re-exported: callers import it from here
+from fp4gen.ir.spec import KernelSpec, Target
 
 
 class UserError(Exception):
@@ -42,39 +42,6 @@ def select_specs(specs: Sequence[KernelSpec], kernel: Optional[str]) -> list[Ker
         hint = did_you_mean(kernel, [s.name for s in specs])
         raise UserError(f"no kernel '{kernel}' in the spec (it defines: {names})" + (f"; {hint}" if hint else ""))
     return found
-
-
-def _note(n) -> "Note | str":
-    """Planner notes may be strings, (message, loc) pairs or objects with .message/.loc."""
-    if isinstance(n, (Note, str)):
-        return n
-    if isinstance(n, tuple) and len(n) == 2:
-        a, b = n
-        if isinstance(a, SourceLoc):
-            a, b = b, a
-        return Note(str(a), b if isinstance(b, SourceLoc) else None)
-    msg = getattr(n, "message", None)
-    if msg is not None:
-        loc = getattr(n, "loc", None)
-        return Note(str(msg), loc if isinstance(loc, SourceLoc) else None)
-    return str(n)
-
-
-def plan_error_to_spec_error(err, spec: KernelSpec) -> SpecError:
-    """A planner ``PlanError`` rendered like a spec diagnostic (file:line:col + caret)."""
-    loc = getattr(err, "loc", None)
-    message = getattr(err, "message", None) or str(err)
-    notes = tuple(_note(n) for n in (getattr(err, "notes", None) or ()))
-    hint = getattr(err, "hint", None)
-    span = 1
-    if isinstance(loc, SourceLoc) and 0 < loc.line <= len(spec.source_lines):
-        # underline the word the planner points at
-        rest = spec.source_lines[loc.line - 1][loc.col - 1:]
-        word = rest.split()[0] if rest.split() else ""
-        span = max(1, len(word.split("(")[0]))
-    prefix = f"kernel '{spec.name}' ({spec.target.value}): "
-    return SpecError([Diagnostic(loc if isinstance(loc, SourceLoc) else None, prefix + message, notes, hint, span)],
-                     spec.source_lines)
 
 
 def plan_spec(spec: KernelSpec):

@@ -361,12 +361,12 @@ def _find_generated(entry: _Entry, arch: str):
 def _lookup_generated(spec: KernelSpec, arch: str):
     """Find the generated module for ``spec`` on ``arch``: the committed one in
     ``fp4gen.generated``, else one rendered from the spec's own .attn file by
-    ``fp4gen.runtime.load`` (cached on disk). Only a module generated from an
+    ``fp4gen.load`` (cached on disk). Only a module generated from an
     identical spec is used."""
     if spec.target.value != arch:
         return None, f"spec target is {spec.target.value}, this GPU is {arch}"
     from fp4gen.lowering import module_name
-    from fp4gen.runtime import LoadError, load
+    from fp4gen.api import LoadError, load
     stem = module_name(spec.name, arch)
     tried = []
     candidates = [stem]

@@ -109,3 +109,39 @@ def one_of(choices: Iterable[str]) -> str:
     if len(items) <= 1:
         return "".join(items)
     return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+# ---------------------------------------------------------------------------- planner errors
+# The planner reports PlanError(message, loc, notes); shown to users as spec diagnostics.
+
+def _note(n) -> "Note | str":
+    """Planner notes may be strings, (message, loc) pairs or objects with .message/.loc."""
+    if isinstance(n, (Note, str)):
+        return n
+    if isinstance(n, tuple) and len(n) == 2:
+        a, b = n
+        if isinstance(a, SourceLoc):
+            a, b = b, a
+        return Note(str(a), b if isinstance(b, SourceLoc) else None)
+    msg = getattr(n, "message", None)
+    if msg is not None:
+        loc = getattr(n, "loc", None)
+        return Note(str(msg), loc if isinstance(loc, SourceLoc) else None)
+    return str(n)
+
+
+def plan_error_to_spec_error(err, spec) -> SpecError:
+    """A planner ``PlanError`` rendered like a spec diagnostic (file:line:col + caret)."""
+    loc = getattr(err, "loc", None)
+    message = getattr(err, "message", None) or str(err)
+    notes = tuple(_note(n) for n in (getattr(err, "notes", None) or ()))
+    hint = getattr(err, "hint", None)
+    span = 1
+    if isinstance(loc, SourceLoc) and 0 < loc.line <= len(spec.source_lines):
+        # underline the word the planner points at
+        rest = spec.source_lines[loc.line - 1][loc.col - 1:]
+        word = rest.split()[0] if rest.split() else ""
+        span = max(1, len(word.split("(")[0]))
+    prefix = f"kernel '{spec.name}' ({spec.target.value}): "
+    return SpecError([Diagnostic(loc if isinstance(loc, SourceLoc) else None, prefix + message, notes, hint, span)],
+                     spec.source_lines)

@@ -74,7 +74,7 @@ def expected_sources(root: Path):
             try:
                 plan = plan_kernel(spec)
             except PlanError as e:
-                from fp4gen.driver import plan_error_to_spec_error
+                from fp4gen.frontend.diagnostics import plan_error_to_spec_error
 
                 raise plan_error_to_spec_error(e, spec) from None
             name = f"{module_name(spec.name, target)}.py"

@@ -30,7 +30,7 @@ def backward_plan(plan):
 
 
 def context(plan) -> dict:
-    from fp4gen.ir.passes import backward as bwd_plan
+    from fp4gen.numerics import backward_rules as rules  # FP8 dS's scale rule, the oracle's too
     from fp4gen.ir.spec import Target
 
     spec = plan.spec
@@ -70,8 +70,8 @@ def context(plan) -> dict:
         do_fp8=fmts["dP"] == "fp8e4m3",
         ds_fp8=bp.ds_fp8,  # dK += dS^T Q and dQ = dS K in FP8 (dS : fp8e4m3)
         # FP8 dS's scale rule, as the numerics oracle has it (reference.fp8_ds_tile_scale)
-        ds_small=bwd_plan.FP8_DS_SMALL, ds_headroom=bwd_plan.FP8_DS_HEADROOM,
-        ds_halve_min_log2=bwd_plan.FP8_DS_HALVE_MIN_LOG2,
+        ds_small=rules.FP8_DS_SMALL, ds_headroom=rules.FP8_DS_HEADROOM,
+        ds_halve_min_log2=rules.FP8_DS_HALVE_MIN_LOG2,
         origins={k: Comment(spec.origin(path)) for k, path in (
             ("backward", "backward"), ("mask", "mask"), ("reuse", "backward.reuse"),
             ("deterministic", "backward.deterministic"), ("ds", "backward.dS"))},

@@ -25,7 +25,7 @@ import torch
 
 from fp4gen.ir.spec import (Format, KernelSpec, Mask, OperandFormat, PKind, ScaleGranularity,
                             GuardKind)
-from fp4gen.ir.passes import backward as _bwd_plan  # the sm90a backward's tiles and FP8 dS rule
+from . import backward_rules as _bwd_rules  # the sm90a backward's tile and FP8 dS rule
 
 from . import directp as dp
 from .formats import E4M3, E5M2, decode, round_to
@@ -314,7 +314,7 @@ def _fake_quant_rows(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
 def _bwd_tile():
     """(tile_m, tile_n) of the sm90a backward (64 query rows x 128 keys): the FP8 dS recipe's
     scale granularity."""
-    return _bwd_plan.BWD_TILE_M, _bwd_plan.BWD_TILE_N
+    return _bwd_rules.BWD_TILE_M, _bwd_rules.BWD_TILE_N
 
 
 def _is_fp8_block128(op: OperandFormat) -> bool:
@@ -358,10 +358,10 @@ def fp8_ds_scale_cover(x: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.full_like(s, float("nan")), s)
 
 
-# the rule's constants are the planner's (the kernel is rendered with the same values)
-FP8_DS_SMALL = _bwd_plan.FP8_DS_SMALL  # 448 / 16
-FP8_DS_HEADROOM = _bwd_plan.FP8_DS_HEADROOM
-FP8_DS_HALVE_MIN = 2.0 ** _bwd_plan.FP8_DS_HALVE_MIN_LOG2  # 2^-59: the guess never goes below 2^-60
+# the rule's constants (the planner takes the same and the kernel is rendered with them)
+FP8_DS_SMALL = _bwd_rules.FP8_DS_SMALL  # 448 / 16
+FP8_DS_HEADROOM = _bwd_rules.FP8_DS_HEADROOM
+FP8_DS_HALVE_MIN = 2.0 ** _bwd_rules.FP8_DS_HALVE_MIN_LOG2  # 2^-59: the guess never goes below 2^-60
 
 
 def fp8_ds_tile_scale(a_sq: torch.Tensor, c_guess: torch.Tensor, first: bool):

@@ -1,8 +1,8 @@
-"""``fp4gen.runtime.load``: a spec, a generated file or a generated module name -> the module.
+"""``fp4gen.runtime.load``: a generated file or a generated module name -> the module.
 
-The compiler (front end, planner, lowering) is imported inside ``load`` and
-only for ``.attn`` inputs, so that importing ``fp4gen.runtime`` (which every
-generated kernel does) never pulls in lark or jinja2.
+The runtime imports no compiler stage (generated kernels import it, where only
+torch and CuTe DSL are installed): a ``.attn`` spec is compiled and loaded by
+``fp4gen.load`` (``fp4gen/api.py``), which uses the cache checks here.
 
 A cached module is used only after its header (``fp4gen.runtime.cache``) and
 the module contract (``fp4gen.lowering``) check out, read without running it;
@@ -50,17 +50,12 @@ def load(spec_or_module: Union[str, os.PathLike, ModuleType], *, kernel: Optiona
 
     ``spec_or_module`` is one of:
 
-    - a path to a ``.attn`` spec: parsed, planned and rendered, the module
-      source cached on disk (see ``fp4gen.runtime.cache``) and imported.
-      ``kernel`` picks one ``attention`` block when the file has several;
-      ``target`` (``"sm90a"``, ``"sm100a"``, ``"reference"``) overrides the
-      spec's own target;
-    - a path to a generated ``.py`` module;
+    - a path to a generated ``.py`` module (a ``.attn`` spec: ``fp4gen.load``);
     - a module name under ``fp4gen.generated`` (``"fa4_fp8_sm90a"`` or
       ``"fp4gen.generated.fa4_fp8_sm90a"``);
     - an already imported module (checked and returned).
 
-    For the last three, ``kernel``/``target`` if given must match the
+    ``kernel``/``target``, if given, must match the
     module's ``KERNEL_NAME``/``TARGET``. The module exposes ``forward`` and,
     when its spec has a backward block, ``backward`` (contract in
     ``fp4gen.lowering``).
@@ -79,9 +74,10 @@ def load(spec_or_module: Union[str, os.PathLike, ModuleType], *, kernel: Optiona
         return _checked(_import_generated(text), kernel, target, origin=text)
     if not path.exists():
         raise LoadError(f"fp4gen.load: {kind} file {text!r} does not exist")
-    source = _read_input(path, kind or "spec")  # refuses directories, devices, binary and huge files
     if kind == "spec":
-        return _load_spec(path, source, kernel, target)
+        raise LoadError(f"fp4gen.runtime.load imports generated modules; {text!r} is a spec: compile and load "
+                        f"it with fp4gen.load({text!r})")
+    source = _read_input(path, kind or "spec")  # refuses directories, devices, binary and huge files
     if kind == "module":
         return _checked(_import_file(path, source), kernel, target, origin=str(path))
     raise LoadError(f"fp4gen.load: {text!r} is neither a .attn spec nor a .py module")
@@ -180,85 +176,6 @@ def _ensure_prefix_package() -> None:
         pkg = ModuleType(LOADED_PREFIX)
         pkg.__path__ = []  # a namespace-like parent with no files of its own
         sys.modules[LOADED_PREFIX] = pkg
-
-
-# ---------------------------------------------------------------------------
-# .attn specs
-
-
-def _specs_from_parse(result) -> list:
-    """The front end may return one KernelSpec, a sequence, or an object holding them."""
-    if isinstance(result, (list, tuple)):
-        return list(result)
-    for attr in ("kernels", "specs"):
-        if hasattr(result, attr):
-            val = getattr(result, attr)
-            return list(val.values()) if isinstance(val, dict) else list(val)
-    return [result]
-
-
-def _load_spec(path: Path, spec_text: str, kernel: Optional[str], target: Optional[str]) -> ModuleType:
-    # The compiler is imported here, not at module level (see module docstring).
-    from fp4gen.frontend import parse_text
-    from fp4gen.ir.spec import Target
-    from fp4gen.lowering import module_name
-
-    # parse the very text the cache key hashes (reading the file twice could pair two versions)
-    specs = _specs_from_parse(parse_text(spec_text, filename=str(path)))
-    if not specs:
-        raise LoadError(f"fp4gen.load: {path} defines no attention kernel")
-    if kernel is None:
-        if len(specs) > 1:
-            names = ", ".join(s.name for s in specs)
-            raise LoadError(f"fp4gen.load: {path} defines several kernels ({names}); pass kernel=NAME")
-        spec = specs[0]
-    else:
-        found = [s for s in specs if s.name == kernel]
-        if not found:
-            names = ", ".join(s.name for s in specs)
-            raise LoadError(f"fp4gen.load: {path} has no kernel {kernel!r}; it defines: {names}")
-        spec = found[0]
-    if target is not None:
-        try:
-            tgt = Target(_norm_target(target))
-        except ValueError:
-            known = ", ".join(t.value for t in Target)
-            raise LoadError(f"fp4gen.load: unknown target {target!r}; known targets: {known}") from None
-        spec = spec.with_target(tgt)
-    tname = spec.target.value
-
-    key = _cache.module_key(spec_text, spec.name, tname)
-    name = f"{LOADED_PREFIX}.{module_name(spec.name, tname)}_{key[:16]}"
-    mod = sys.modules.get(name)
-    if mod is None:
-        mod = _exec_module(name, *_module_source(spec, tname, key))
-    return _checked(mod, None, None, origin=f"{path} ({spec.name}, {tname})")
-
-
-def _module_source(spec, tname: str, key: str) -> tuple[str, str]:
-    """(file name, text) of the generated module: the cache entry if it passes every
-    check, else a fresh render, stored when the cache can be written."""
-    from fp4gen.ir.passes import plan_kernel
-    from fp4gen.lowering import render
-
-    path = _cache.module_path(key, spec.name, tname)
-    try:
-        text = _cache.read_module(key, spec.name, tname)
-        if text is not None:
-            _check_contract(path, text, spec, tname)
-            return str(path), text
-    except _cache.CacheEntryError as e:
-        _warn(f"fp4gen cache: discarding {e}; rebuilding it")
-        _cache.discard_entry(path)
-    except OSError:
-        pass  # the cache cannot be read: rebuild; storing below says why it cannot be used
-    source = render(plan_kernel(spec))
-    try:
-        filename = str(_cache.store_module(key, spec.name, tname, source))
-    except (OSError, fileio.OutputFileError) as e:
-        _warn(f"fp4gen cache: cannot write {path} ({e}); using the module from memory, uncached")
-        filename = f"<fp4gen: {path.name}, not cached>"
-    return filename, _cache.module_text(key, source)
 
 
 def _warn(msg: str) -> None:

@@ -24,7 +24,8 @@ from ..spec import KernelSpec
 from .contracts import plan_contracts
 from .cost import cost_model
 from .events import SimulationError, Simulation, plan_events, simulate
-from .backward import attach_backward, plan_backward
+from .attach_backward import attach_backward
+from .backward import plan_backward
 from .legalize import legalize
 from .pipeline import plan_pipeline
 from .publish import plan_publish

@@ -32,24 +32,16 @@ run with ``PlanError`` at the spec line at fault.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from fp4gen.numerics.backward_rules import BWD_TILE_M, BWD_TILE_N  # the oracle's too (its FP8 dS tile)
 
 from ..plan import REGISTERS_PER_SM, SMEM_LIMIT_BYTES, KernelPlan, PlanError, SmemItem
 from ..spec import Format, Mask, ScaleGranularity, Target
 
-# query rows per inner step; a wgmma M-mode is 64 rows per warpgroup, and with the
-# keys as the M side of S^T, 64 queries keep S^T and dP^T at 32 registers each
-BWD_TILE_M = 64
-# keys per CTA: two MMA warpgroups x 64 keys
-BWD_TILE_N = 128
 BWD_MMA_WARPGROUPS = 2
 BWD_Q_STAGES = 2  # Q/dO ring
 BWD_DS_STAGES = 2  # dS in SMEM, double-buffered so one barrier per query tile suffices
-# FP8 dS's scale rule (dS : fp8e4m3), one definition for the numerics oracle
-# (``reference.fp8_ds_tile_scale``) and the kernel (rendered into the template):
-FP8_DS_SMALL = 28.0  # 448 / 16: a tile whose max f |dS| stays below halves the next tile's scale
-FP8_DS_HEADROOM = 4.0  # a scale taken from a tile's exact max is handed on times this
-FP8_DS_HALVE_MIN_LOG2 = -59  # the guess is halved only from 2^-59 up: it never goes below 2^-60
 # Registers: the CTA starts with what the launch gave every thread (65536 / 384 threads,
 # rounded down to 8: 168) and setmaxnreg only moves them between warpgroups: an increase
 # the decreases did not pay for waits forever (a hang, seen on the H200 with a 56 + 2 x 224
@@ -338,23 +330,3 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
         registers_total=regs,
         notes=tuple(notes),
     )
-
-
-def attach_backward(plan: KernelPlan) -> KernelPlan:
-    """Record the backward plan on plans whose spec has a backward block.
-
-    sm90a: ``plan_backward`` (refusals raise). sm100a: ``backward_sm100.plan_backward_sm100``
-    when it accepts the block; a block it refuses (e.g. FP8 gradients, NVFP4 Q/K reuse) leaves
-    ``backward=None`` so the forward still plans, and ``lowering.sm100`` lists the refusal among
-    the generated module's known gaps.
-    """
-    if plan.spec.backward is None:
-        return plan
-    if plan.spec.target is Target.SM100A:
-        from .backward_sm100 import backward_plan_sm100_or_none
-
-        bp = backward_plan_sm100_or_none(plan)
-        return plan if bp is None else replace(plan, backward=bp)
-    if plan.spec.target is not Target.SM90A:
-        return plan
-    return replace(plan, backward=plan_backward(plan))

@@ -1,4 +1,4 @@
-"""fp4gen.runtime.load: specs, generated files, generated module names; and import lightness."""
+"""fp4gen.load / fp4gen.runtime.load: specs, generated files, generated module names; and import lightness."""
 import subprocess
 import sys
 import textwrap
@@ -7,7 +7,8 @@ from types import ModuleType
 
 import pytest
 
-from fp4gen.runtime import LoadError, load, loader
+from fp4gen.api import load  # specs and everything fp4gen.runtime.load takes
+from fp4gen.runtime import LoadError, loader
 
 FAKE_MODULE = '''
 KERNEL_NAME = "toy"
@@ -42,7 +43,8 @@ SPEC = textwrap.dedent("""\
 
 
 def test_import_runtime_pulls_in_no_compiler():
-    code = ("import sys, fp4gen.runtime, fp4gen.runtime.cache, fp4gen.runtime.loader, fp4gen.runtime.checks; "
+    code = ("import sys, fp4gen.runtime, fp4gen.runtime.cache, fp4gen.runtime.loader, fp4gen.runtime.checks, "
+            "fp4gen.runtime.sm100_host; "
             "bad = [m for m in ('lark', 'jinja2', 'fp4gen.frontend', 'fp4gen.ir.passes', 'fp4gen.lowering') "
             "if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -241,3 +243,13 @@ def test_spec_syntax_error_is_the_front_ends_error(spec_file):
     spec_file.write_text("attention broken {\n  head_dim\n}\n")
     with pytest.raises(SpecError):
         load(spec_file)
+
+
+def test_the_runtime_loads_no_spec(tmp_path):
+    """A spec needs the compiler, which the runtime never imports: fp4gen.load compiles it."""
+    from fp4gen.runtime import load as runtime_load
+
+    p = tmp_path / "k.attn"
+    p.write_text("attention k {\n  target reference\n  head_dim 64\n}\n")
+    with pytest.raises(LoadError, match=r"is a spec: compile and load it with fp4gen.load\("):
+        runtime_load(p)
