@@ -45,13 +45,11 @@ Where it runs (decided per call, from the tensors' device):
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import os
 import threading
 from collections import Counter
-from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Optional, Union
@@ -102,30 +100,11 @@ _COUNTS: Counter = Counter()
 # parsed .attn files: (realpath, mtime_ns, size) -> KernelSpec
 _PARSED: dict[tuple, KernelSpec] = {}
 
-# Fields that say where a spec was written, not what it computes.
-_PROVENANCE_FIELDS = ("locs", "source_lines", "source_file")
-
-
-def _plain(x):
-    """A JSON-able, order-independent picture of a spec value (for hashing)."""
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
-                if f.name not in _PROVENANCE_FIELDS}
-    if isinstance(x, enum.Enum):
-        return x.value
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(x, (set, frozenset)):
-        return sorted(_plain(v) for v in x)
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return repr(x)
-
-
 def _fingerprint(spec: KernelSpec) -> str:
-    text = json.dumps(_plain(spec), sort_keys=True, separators=(",", ":"))
+    """A hash of what ``spec`` computes (``computed_fields``: not where it was written)."""
+    from fp4gen.ir.serialize import computed_fields, spec_to_dict
+
+    text = json.dumps(computed_fields(spec_to_dict(spec)), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -196,39 +175,28 @@ def _load_module_file(path: Path) -> ModuleType:
 
 
 def _spec_of_module(mod: ModuleType) -> Optional[KernelSpec]:
-    """Recover the KernelSpec a generated module was rendered from, if it says."""
+    """The KernelSpec a generated module was rendered from: its ``SPEC`` when it holds one
+    (the reference backend), else the ``kernel_spec`` of its ``PLAN_JSON``
+    (``fp4gen.ir.serialize.spec_from_plan_json``; without ``locs``/``source_lines``). None
+    only for a module without ``PLAN_JSON``; an ``AttentionInputError`` saying why for a
+    ``PLAN_JSON`` that holds no spec this version reads (not JSON, another schema, written
+    before plans recorded their spec: regenerate the module)."""
     s = getattr(mod, "SPEC", None)
     if isinstance(s, KernelSpec):
         return s
-    spec_json = getattr(mod, "SPEC_JSON", None)
-    if spec_json:
-        try:
-            from fp4gen.runtime.specjson import spec_from_json
-            return spec_from_json(spec_json)
-        except Exception:  # unreadable: try the plan and the source file below
-            pass
     plan_json = getattr(mod, "PLAN_JSON", None)
-    if plan_json:
-        try:
-            from fp4gen.runtime.specjson import spec_from_dict
-            d = json.loads(plan_json)
-            if isinstance(d, Mapping) and "spec" in d:
-                return spec_from_dict(d["spec"])
-        except Exception:  # an older plan format or no specjson: try the source file
-            pass
-    spec_file = getattr(mod, "SPEC_FILE", None)
-    if spec_file and Path(spec_file).is_file():
-        try:
-            from fp4gen.frontend import parse_file
-            parsed = parse_file(spec_file)
-            specs = list(parsed.values()) if isinstance(parsed, Mapping) else (
-                [parsed] if isinstance(parsed, KernelSpec) else list(parsed))
-            for s in specs:
-                if s.name == getattr(mod, "KERNEL_NAME", None):
-                    return s
-        except Exception:
-            pass
-    return None
+    if plan_json is None:
+        return None
+    from fp4gen.ir.serialize import PlanJsonError, spec_from_plan_json
+
+    try:
+        return spec_from_plan_json(plan_json)
+    except PlanJsonError as e:
+        name = getattr(mod, "KERNEL_NAME", mod.__name__)
+        raise AttentionInputError(
+            f"generated module {name} ({getattr(mod, '__file__', None) or mod.__name__}): its PLAN_JSON "
+            f"holds no spec fp4gen can read: {e}; regenerate it (fp4gen compile / fp4gen regenerate)"
+        ) from None
 
 
 def _is_generated_module(obj) -> bool:
@@ -381,7 +349,11 @@ def _lookup_generated(spec: KernelSpec, arch: str):
         except Exception as e:  # a broken generated file must not stop training on the reference
             tried.append(f"{cand}: {type(e).__name__}: {e}")
             continue
-        mspec = _spec_of_module(mod)
+        try:
+            mspec = _spec_of_module(mod)
+        except AttentionInputError as e:  # its PLAN_JSON holds no readable spec: say so, use the reference
+            tried.append(str(e))
+            continue
         if mspec is None:
             tried.append(f"{mod.__name__} does not say which spec it was generated from")
         elif _fingerprint(mspec.with_target(Target(arch))) != _fingerprint(spec):

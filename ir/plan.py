@@ -9,7 +9,8 @@ sm90a. The reference target has neither (and no pipeline, events or cost).
 
 All values are frozen dataclasses holding tuples, so a plan can be hashed,
 compared and shared between passes without copying. ``docs/plan.md`` documents
-every field and the JSON form (``fp4gen.ir.dump.to_json``).
+every field and the JSON form (``fp4gen.ir.serialize.plan_to_dict``, which
+``fp4gen.ir.dump.to_json`` completes with the simulation).
 """
 from __future__ import annotations
 

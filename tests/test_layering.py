@@ -17,7 +17,7 @@ FOLDERS = {"fp4gen": "fp4gen", "ir": "fp4gen.ir", "cli": "fp4gen.cli"}  # pyproj
 
 # lowest first; a module may import its own layer and any layer before it
 LAYERS = [
-    ("ir data", ("fp4gen.ir.spec", "fp4gen.ir.plan", "fp4gen.ir")),
+    ("ir data", ("fp4gen.ir.spec", "fp4gen.ir.plan", "fp4gen.ir.serialize", "fp4gen.ir")),
     ("numerics (the oracle)", ("fp4gen.numerics",)),
     ("runtime (what generated kernels import)", ("fp4gen.runtime",)),
     ("device (CuTe DSL helpers)", ("fp4gen.device",)),

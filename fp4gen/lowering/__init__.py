@@ -12,7 +12,9 @@ plan did not record; it only turns plan fields into a jinja2 context.
 The contract every generated module keeps (tests and ``fp4gen.load`` rely on it):
 
 - ``KERNEL_NAME: str``, ``TARGET: str`` (``"sm90a"``, ``"sm100a"``, ``"reference"``),
-  ``SPEC_FILE: str``, ``PLAN_JSON: str`` (the plan it was rendered from).
+  ``SPEC_FILE: str``, ``PLAN_JSON: str`` (the plan it was rendered from, ``plan_json``: the
+  ``fp4gen.plan/1`` schema on several lines; ``fp4gen.ir.serialize.spec_from_plan_json`` reads
+  the spec back from it).
 - ``forward(q, k, v, *, softmax_scale=None, return_lse=False)`` with torch tensors
   ``q: (B, Sq, H, D)``, ``k, v: (B, Sk, Hkv, D)`` (``H % Hkv == 0``); returns ``o``
   ``(B, Sq, H, D)`` or ``(o, lse)`` with ``lse: (B, H, Sq)`` float32 (natural log).
@@ -28,7 +30,8 @@ Spec text never becomes code. Every ``{{ }}`` goes through one ``finalize``
 (``template_env``): numbers and bools as their repr, ``Code`` (fragments the lowering
 built) as is, ``Comment`` (spec lines, paths, names, planner prose) escaped onto one
 line that can close neither a comment nor a docstring, ``| pyrepr`` for Python
-literals, and a plain ``str`` only when it is a quote-free one-line token. ``render``
+literals (``| pyrepr_lines`` for a long text: the same literal, one line of source per
+line of text), and a plain ``str`` only when it is a quote-free one-line token. ``render``
 then parses the module and checks that its shape does not depend on the spec's free
 text (``check_shape``).
 """
@@ -96,6 +99,29 @@ def pyrepr(value) -> Code:
     return Code(repr(_literal(value)))
 
 
+def pyrepr_lines(value) -> Code:
+    """The literal of a str, written as one ``pyrepr`` literal per line of the text inside
+    parentheses (``PLAN_JSON = {{ plan_json | pyrepr_lines }}``). Python joins adjacent
+    literals when it parses, so the value, and the AST that ``check_shape`` compares, are
+    those of ``| pyrepr``; a text of at most one line is rendered as ``| pyrepr``."""
+    text = _literal(value)
+    if not isinstance(text, str):
+        raise LoweringError(f"pyrepr_lines takes a str, not {type(value).__name__}")
+    pieces = re.findall(r"[^\n]*\n|[^\n]+", text)
+    if len(pieces) <= 1:
+        return pyrepr(text)
+    return Code("(\n" + "".join(f"    {p!r}\n" for p in pieces) + ")")
+
+
+def plan_json(plan) -> str:
+    """A generated module's ``PLAN_JSON``: ``fp4gen.ir.dump.to_json(plan)`` (the
+    ``fp4gen.plan/1`` schema) as ``fp4gen.ir.serialize.json_text``, for ``| pyrepr_lines``."""
+    from fp4gen.ir.dump import to_json
+    from fp4gen.ir.serialize import json_text
+
+    return json_text(to_json(plan))
+
+
 def finalize(value):
     """How every ``{{ }}`` renders (see the module docstring); anything else is an error, so
     a spec-derived value can reach a template only through ``Comment`` or ``| pyrepr``."""
@@ -135,7 +161,7 @@ def template_env(subdir: str):
     """The jinja2 environment every backend renders with: templates/<subdir>/, ``finalize``
     and ``pyrepr`` above, strict undefined names (a context key the template needs but the
     plan lacks is an error, never an empty string), block tags that leave no blank lines
-    behind. Cached: compiling the large templates costs more than rendering them."""
+    behind, ``pyrepr_lines`` for long literals. Cached: compiling the large templates costs more than rendering them."""
     import jinja2
 
     env = jinja2.Environment(
@@ -147,6 +173,7 @@ def template_env(subdir: str):
         finalize=finalize,
     )
     env.filters["pyrepr"] = pyrepr
+    env.filters["pyrepr_lines"] = pyrepr_lines
     return env
 
 

@@ -1,31 +1,20 @@
 """The reference backend: a module that runs the spec through ``fp4gen.numerics.reference``.
 
 The generated module embeds its ``KernelSpec`` as JSON and rebuilds it with
-``fp4gen.runtime.specjson`` (no lark, no jinja2). Its ``forward``/``backward``
+``fp4gen.runtime.specjson`` (no lark, no jinja2), and its plan as ``PLAN_JSON`` like every
+backend (``fp4gen.lowering.plan_json``). Its ``forward``/``backward``
 take any device and the floating dtypes torch has, and compute exactly the
 numerics the spec asks for (quantized Q/K/V, P's production, guard), so it is
 the oracle for the CuTe DSL kernels and lets anyone run a spec on a CPU.
 """
 from __future__ import annotations
 
-import json
-
+from fp4gen.ir.serialize import spec_to_json
 from fp4gen.ir.spec import Target
-from fp4gen.runtime.specjson import spec_to_json
 
-from . import Comment, LoweringError, template_env
+from . import Comment, LoweringError, plan_json, template_env
 
 TEMPLATE = "reference.py.j2"  # in templates/common/
-
-
-def plan_json(plan) -> str:
-    """The plan as a stable JSON string (the planner's dump when it is available)."""
-    try:
-        from fp4gen.ir.dump import to_json
-    except ImportError:  # planner's dump not written yet: record the spec it planned
-        return json.dumps({"kernel": plan.spec.name, "target": plan.spec.target.value,
-                           "spec": json.loads(spec_to_json(plan.spec, with_source=False))}, sort_keys=True)
-    return json.dumps(to_json(plan), sort_keys=True)
 
 
 def _spec_excerpt(spec) -> list[str]:

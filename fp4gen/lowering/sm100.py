@@ -10,12 +10,9 @@ module's docstring under "Known gaps".
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
-import json
 import math
 
-from . import Comment, LoweringError, template_env
+from . import Comment, LoweringError, plan_json, template_env
 
 
 # TMEM regions the template addresses, by plan name (all must be in plan.tmem)
@@ -24,31 +21,6 @@ SCALED_QK_REGIONS = ("SFQ0", "SFK0", "SFQ1", "SFK1")
 SCALED_PV_REGIONS = ("SFP0", "SFV0", "SFP1", "SFV1")
 # warp roles in the order the template numbers warps (first warp of each role)
 ROLE_ORDER = ("softmax0", "softmax1", "correction", "mma", "load", "epilogue", "spare")
-
-
-def _jsonable(x):
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x) if f.name not in ("locs", "source_lines")}
-    if isinstance(x, enum.Enum):
-        return x.value
-    if isinstance(x, (list, tuple, frozenset, set)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, dict) or hasattr(x, "items"):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
-
-
-def plan_json(plan) -> str:
-    """A stable JSON dump of the plan (the generated module's PLAN_JSON)."""
-    try:
-        from fp4gen.ir.dump import to_json  # the planner's dump, when present
-
-        out = to_json(plan)
-        return out if isinstance(out, str) else json.dumps(out, sort_keys=True)
-    except Exception:  # noqa: BLE001 -- fall back to a plain dataclass walk
-        return json.dumps(_jsonable(plan), sort_keys=True)
 
 
 def tmem_columns(plan) -> dict[str, tuple[int, int]]:

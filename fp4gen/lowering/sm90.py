@@ -6,36 +6,9 @@ template cannot express (those should have been refused by the planner).
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
-import json
-from types import MappingProxyType
-
-
-from . import Comment, LoweringError, identifier, template_env
+from . import Comment, LoweringError, identifier, plan_json, template_env
 
 TEMPLATE = "fwd.py.j2"
-
-
-def _plain(x):
-    """JSON-ready view of IR values (dataclasses, enums, mappings, tuples)."""
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
-                if f.name not in ("source_lines",)}
-    if isinstance(x, enum.Enum):
-        return x.value
-    if isinstance(x, (dict, MappingProxyType)):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple, frozenset, set)):
-        items = [_plain(v) for v in x]
-        return sorted(items, key=str) if isinstance(x, (set, frozenset)) else items
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return str(x)
-
-
-def plan_json(plan) -> str:
-    return json.dumps(_plain(plan), sort_keys=True)
 
 
 def context(plan) -> dict:

@@ -196,7 +196,7 @@ def _check_contract(path: Path, text: str, spec, tname: str) -> None:
     only proves the file is what was stored; this catches a forged header and
     what a naive cache would import silently (another kernel, an edited spec).
     """
-    from .specjson import computed_fields, spec_to_dict
+    from fp4gen.ir.serialize import computed_fields, spec_to_dict
 
     try:
         tree = ast.parse(text)

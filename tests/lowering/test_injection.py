@@ -254,3 +254,19 @@ def test_plain_strings_are_tokens_only():
     for bad in ['"', "'", "#", "\\", "a\nb", "a\rb", "\u2028", float("nan"), float("inf"), None, b"x", 1j]:
         with pytest.raises(LoweringError):
             tpl.render(v=bad)
+
+
+@pytest.mark.parametrize("text", ["", "one line", "a\nb", "{\n \"k\": \"'\\\"\\\\\"\n}\n", "x\r\ny\u2028z\n\n"]
+                         + [f"a{b}b\nc{q}" for b in BREAKS for q in QUOTES])
+def test_pyrepr_lines_is_the_literal(text):
+    """``| pyrepr_lines`` (PLAN_JSON) gives the same literal, and the same AST, as ``| pyrepr``."""
+    import ast
+
+    from fp4gen.lowering import pyrepr, pyrepr_lines
+
+    src = f"X = {pyrepr_lines(text)}\n"
+    (node,) = ast.parse(src).body
+    assert isinstance(node.value, ast.Constant) and node.value.value == text
+    assert module_shape(src) == module_shape(f"X = {pyrepr(text)}\n")
+    pieces = text.count("\n") + (not text.endswith("\n"))  # one source line each, inside ( )
+    assert src.count("\n") == (pieces + 2 if pieces > 1 else 1)
