@@ -96,7 +96,7 @@ def cmd_check(args) -> int:
     from fp4gen.frontend import SpecError
     from fp4gen.runtime.fileio import InputFileError
 
-    from fp4gen.driver import parse_target, plan_spec, retarget, verify_plan
+    from fp4gen.driver import check_lowering, parse_target, plan_spec, retarget, verify_plan
 
     target = parse_target(args.target)
     bad_files, n_errors, n_kernels = 0, 0, 0
@@ -107,7 +107,9 @@ def cmd_check(args) -> int:
             if not args.parse_only:
                 for spec in specs:
                     try:
-                        verify_plan(plan_spec(retarget(spec, target)))
+                        plan = plan_spec(retarget(spec, target))
+                        verify_plan(plan)
+                        check_lowering(plan)  # what compile would refuse, refused here
                     except SpecError as e:  # keep checking the other kernels
                         errors.append(e)
         except SpecError as e:
@@ -324,11 +326,11 @@ def cmd_verify(args) -> int:
     from fp4gen.lowering.ptxas import PtxasUnavailable
     from fp4gen.lowering.verify import as_json, table, verify_spec
 
-    from fp4gen.driver import UserError, plan_spec, select_specs
+    from fp4gen.driver import UserError, check_lowering, plan_spec, select_specs
 
     specs = [s for path in args.specs for s in select_specs(_load(path), args.kernel)]
     for spec in specs:
-        plan_spec(spec)  # a spec the planner refuses: its diagnostics, before any compile
+        check_lowering(plan_spec(spec))  # what the planner or the backend refuses: diagnostics, before any compile
     checks = []
     for spec in specs:
         if not args.json:

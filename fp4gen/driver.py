@@ -70,6 +70,25 @@ def retarget(spec: KernelSpec, target: Optional[Target]) -> KernelSpec:
     return spec if target is None or target is spec.target else spec.with_target(target)
 
 
+def lowering_error_to_spec_error(err, spec: KernelSpec):
+    """A backend's refusal as a spec diagnostic, at the field it names (``LoweringError.path``)."""
+    from types import SimpleNamespace
+
+    loc = spec.loc(err.path) if getattr(err, "path", None) else None
+    return plan_error_to_spec_error(
+        SimpleNamespace(message=f"cannot compile for {spec.target.value}: {err}", loc=loc, notes=(), hint=None),
+        spec)
+
+
+def check_lowering(plan) -> None:
+    """Raise a SpecError for what the backend would refuse (``fp4gen check`` == ``compile``)."""
+    from fp4gen.lowering import refusal
+
+    err = refusal(plan)
+    if err is not None:
+        raise lowering_error_to_spec_error(err, plan.spec)
+
+
 def render_module(plan) -> str:
     from fp4gen.lowering import render
 
@@ -102,7 +121,7 @@ def compile_specs(specs: Iterable[KernelSpec], out_dir, *, target=None, parents:
         try:
             source = render_module(plan)
         except LoweringError as e:
-            raise UserError(f"kernel '{spec.name}': cannot compile for {spec.target.value}: {e}") from None
+            raise lowering_error_to_spec_error(e, spec) from None
         rendered.append((out / f"{module_name(spec.name, spec.target.value)}.py", source))
     written = [] if written is None else written
     try:

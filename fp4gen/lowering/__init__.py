@@ -44,13 +44,38 @@ import functools
 import importlib
 import math
 import re
+from typing import Optional
 from types import MappingProxyType
 
 BACKENDS = {"reference": "reference", "sm90a": "sm90", "sm100a": "sm100"}
 
 
 class LoweringError(Exception):
-    """A plan that this backend cannot render (should have been refused by the planner)."""
+    """A plan that this backend cannot render. ``path`` names the spec field behind a refusal
+    of what the user wrote (``"head_dim"``, ``"V"``, ...), so that ``fp4gen check`` and
+    ``compile`` report it at that line; None for a plan the planner should not have made."""
+
+    def __init__(self, message: str, path: Optional[str] = None):
+        super().__init__(message)
+        self.path = path
+
+
+def refusal(plan) -> "Optional[LoweringError]":
+    """What the backend of ``plan.spec.target`` would refuse, without rendering: its template
+    contexts (forward, and backward when the plan has one). ``fp4gen check`` runs this so that
+    check accepts exactly what compile accepts."""
+    backend = BACKENDS.get(plan.spec.target.value)
+    if backend is None or backend == "reference":
+        return None
+    mod = importlib.import_module(f"{__name__}.{backend}")
+    bwd = importlib.import_module(f"{__name__}.{backend}_bwd")
+    try:
+        mod.context(plan)
+        if getattr(plan, "backward", None) is not None:
+            bwd.context(plan)
+    except LoweringError as e:
+        return e
+    return None
 
 
 class Code(str):

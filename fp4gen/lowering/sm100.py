@@ -44,14 +44,14 @@ def context(plan) -> dict:
         raise LoweringError(f"the sm100a backend got a plan for {spec.target.value}")
     if spec.head_dim != 128:
         # D64 fits the TMEM plan but has not been compiled and checked yet (docs/sm100.md)
-        raise LoweringError(f"sm100a lowering implements head_dim 128 only (not yet {spec.head_dim})")
+        raise LoweringError(f"sm100a lowering implements head_dim 128 only (not yet {spec.head_dim})", "head_dim")
     sch = spec.schedule
     if sch.q_stages != 2 or sch.tile_m != 128 or sch.tile_n != 128:
         raise LoweringError("sm100a lowering implements q_stages 2 with a 128 x 128 tile only "
-                            f"(plan: q_stages {sch.q_stages}, tile {sch.tile_m} x {sch.tile_n})")
+                            f"(plan: q_stages {sch.q_stages}, tile {sch.tile_m} x {sch.tile_n})", "schedule.tile")
     qk, pv = mma(plan, "QK"), mma(plan, "PV")
     if qk.kind != "kind::mxf4nvf4.block_scale.block16":
-        raise LoweringError(f"sm100a lowering needs NVFP4 Q/K (kind::mxf4nvf4.block_scale.block16), plan has {qk.kind}")
+        raise LoweringError(f"sm100a lowering needs NVFP4 Q/K (kind::mxf4nvf4.block_scale.block16), plan has {qk.kind}", "Q")
     pk = spec.p_production.kind.value
     pf = spec.p.format.value
     if pv.kind == "kind::mxf4nvf4.block_scale.block32" and pk == "direct_p" and pf == "mxfp4":
@@ -64,25 +64,25 @@ def context(plan) -> dict:
         raise LoweringError(
             f"sm100a lowering implements P : mxfp4 via direct_p (PV kind::mxf4nvf4.block_scale.block32), "
             f"P : nvfp4 via two_level (PV kind::mxf4nvf4.block_scale.block16) and "
-            f"P : fp8e4m3 via exp (PV kind::f8f6f4); this plan has P : {pf} via {pk}, PV {pv.kind}")
+            f"P : fp8e4m3 via exp (PV kind::f8f6f4); this plan has P : {pf} via {pk}, PV {pv.kind}", "P")
     if pv.a_source != "tmem":
         raise LoweringError(f"PV's A operand (P) must come from TMEM, plan says {pv.a_source}")
 
     # the operand formats the kernel and its host side (prepare_operands) implement
     if spec.q.block not in (None, 16) or spec.k.block not in (None, 16):
-        raise LoweringError(f"sm100a lowering implements NVFP4 Q/K with blocks of 16 (plan: {spec.q}, {spec.k})")
+        raise LoweringError(f"sm100a lowering implements NVFP4 Q/K with blocks of 16 (plan: {spec.q}, {spec.k})", "Q")
     vf = spec.v.format.value
     if pv_fp8:
         if vf != "fp8e4m3" or spec.v.granularity.value not in ("tensor", "none"):
             raise LoweringError("sm100a lowering implements FP8 V as fp8e4m3 with one scale per (batch, head) "
-                                f"(scale=tensor); plan has V : {spec.v}")
+                                f"(scale=tensor); plan has V : {spec.v}", "V")
     elif p_mode == "two_level_fp4":
         # block16 PV: P and V share the kind, so V is NVFP4 (E4M3 scales per 16 keys, no tensor scale)
         if vf != "nvfp4" or spec.v.block not in (None, 16) or spec.v.granularity.value not in ("block", "none"):
             raise LoweringError("sm100a lowering implements NVFP4 V with blocks of 16 keys (E4M3 block scales, "
-                                f"no tensor scale) for two-level P; plan has V : {spec.v}")
+                                f"no tensor scale) for two-level P; plan has V : {spec.v}", "V")
     elif vf != "mxfp4" or spec.v.block not in (None, 32):
-        raise LoweringError(f"sm100a lowering implements MXFP4 V with blocks of 32 keys; plan has V : {spec.v}")
+        raise LoweringError(f"sm100a lowering implements MXFP4 V with blocks of 32 keys; plan has V : {spec.v}", "V")
 
     cols = tmem_columns(plan)
     need = list(REQUIRED_REGIONS) + list(SCALED_QK_REGIONS) + (list(SCALED_PV_REGIONS) if pv.block_scaled else [])
@@ -116,7 +116,7 @@ def context(plan) -> dict:
     guard = None
     if spec.guard.kind.value == "sample":
         if p_mode != "directp_fp4":
-            raise LoweringError("the sampling guard applies to Direct-P into MXFP4 only")
+            raise LoweringError("the sampling guard applies to Direct-P into MXFP4 only", "guard")
         guard = (spec.guard.m, spec.guard.l)
         gaps.append(f"the guard sample(m={spec.guard.m}, l={spec.guard.l}) uses software dot products against the "
                     "sampled keys read from global memory (scalar byte loads, once per CTA): correct by "

@@ -269,3 +269,25 @@ def test_regenerate_root_that_is_not_a_checkout(cli, tmp_path):
         one_line_error(r, 1, f"fp4gen: error: --root {tmp_path}: not an fp4gen checkout "
                              "(it has no examples/ and generated/ directories)")
     assert list(tmp_path.iterdir()) == []  # wrote nothing there
+
+
+# ---------------------------------------------------------------- check accepts what compile accepts
+
+BACKEND_REFUSALS = [
+    # (spec lines after target/head_dim, head_dim, first line of stderr after "spec.attn:")
+    ((), 64, "3:12: error: kernel 'k' (sm100a): cannot compile for sm100a: "
+             "sm100a lowering implements head_dim 128 only (not yet 64)"),
+    (("  V : mxfp4(block=16, scale=e4m3)",), 128, None),  # refused by the planner already, at V
+]
+
+
+@pytest.mark.parametrize("lines, d, first", BACKEND_REFUSALS)
+def test_check_refuses_what_compile_refuses_at_the_same_line(cli, tmp_path, monkeypatch, lines, d, first):
+    monkeypatch.chdir(tmp_path)
+    Path("spec.attn").write_text("\n".join(["attention k {", "  target sm100a", f"  head_dim {d}", *lines, "}"]) + "\n")
+    checked, compiled = cli("check", "spec.attn"), cli("compile", "spec.attn", "-o", "out")
+    assert checked.rc == compiled.rc == 1, (checked, compiled)
+    assert checked.err.splitlines()[0] == compiled.err.splitlines()[0]
+    if first is not None:
+        assert checked.err.splitlines()[0] == "spec.attn:" + first
+    assert not Path("out").exists()
