@@ -329,14 +329,15 @@ def cmd_verify(args) -> int:
     from fp4gen.driver import UserError, check_lowering, plan_spec, select_specs
 
     specs = [s for path in args.specs for s in select_specs(_load(path), args.kernel)]
-    for spec in specs:
-        check_lowering(plan_spec(spec))  # what the planner or the backend refuses: diagnostics, before any compile
+    plans = [plan_spec(spec) for spec in specs]
+    for plan in plans:
+        check_lowering(plan)  # what the planner or the backend refuses: diagnostics, before any compile
     checks = []
-    for spec in specs:
+    for spec, plan in zip(specs, plans):
         if not args.json:
             print(f"verifying {spec.name} ({spec.target.value}) ...", file=sys.stderr, flush=True)
         try:
-            checks += verify_spec(spec)
+            checks += verify_spec(spec, plan)
         except PtxasUnavailable as e:
             raise UserError(str(e)) from None
         except LoweringError as e:  # as `compile` reports it (the planner should refuse these: issue 19)

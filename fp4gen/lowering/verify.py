@@ -37,9 +37,9 @@ def _registers(ptx: str, roles, spill_budget: int) -> tuple[bool, str]:
     reports = ptxas.assemble(ptx)
     bad = ptxas.check_registers(ptx, reports, budgets={r.name: r.registers for r in roles},
                                 spill_budget_bytes=spill_budget)
-    r = reports[0]
-    found = (f"{r.registers} regs at entry, setmaxnreg {sorted(ptxas.setmaxnreg_budgets(ptx)['inc'])} up / "
-             f"{sorted(ptxas.setmaxnreg_budgets(ptx)['dec'])} down, spills {r.spill_store_bytes} B st + "
+    r, counts = reports[0], ptxas.setmaxnreg_budgets(ptx)
+    found = (f"{r.registers} regs at entry, setmaxnreg {sorted(counts['inc'])} up / "
+             f"{sorted(counts['dec'])} down, spills {r.spill_store_bytes} B st + "
              f"{r.spill_load_bytes} B ld (budget {spill_budget})")
     return not bad, found if not bad else "; ".join(map(str, bad))
 
@@ -53,9 +53,10 @@ def _descriptors(kernel: str, part: str, bad: list, ptx: str) -> Check:
                  else "; ".join(map(str, bad)))
 
 
-def verify_spec(spec) -> list[Check]:
-    """The checks of one kernel spec (already parsed), in order. Raises PlanError for a spec the
-    planner refuses (a user error) and RuntimeError when compilation itself fails."""
+def verify_spec(spec, plan=None) -> list[Check]:
+    """The checks of one kernel spec (already parsed; ``plan``, if the caller has it), in order.
+    Raises PlanError for a spec the planner refuses (a user error) and RuntimeError when
+    compilation itself fails."""
     from fp4gen.ir.passes import plan_kernel
     from fp4gen.ir.plan import PlanError
     from fp4gen.ir.spec import Target
@@ -68,7 +69,7 @@ def verify_spec(spec) -> list[Check]:
         why = ("sm90a kernels are checked by running them on the H200 (tests/sm90*)"
                if spec.target is Target.SM90A else "the reference backend compiles nothing")
         return [Check(spec.name, "forward", "skipped", True, why)]
-    plan = plan_kernel(spec)
+    plan = plan if plan is not None else plan_kernel(spec)
     source = render(plan)
     out = []
     t = time.perf_counter()
