@@ -5,7 +5,7 @@ Anchors: flash-attn-4's CuTe BF16 kernels (``flash_attn.cute.flash_attn_func``,
 the baseline every ratio is taken against), torch SDPA with the cuDNN back end
 (BF16) and SageAttention 1.0.6 (``sageattention.sageattn``). fp4gen kernels are
 given on the command line as generated module names, ``.py`` files or
-``.attn`` specs (loaded with ``fp4gen.runtime.load``); one that fails to load
+``.attn`` specs (loaded with ``fp4gen.load``); one that fails to load
 is skipped with the reason printed.
 
 Shapes: S in --seqlens with B = --tokens // S (32k tokens by default), H=16,
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--no-forward", action="store_true", help="with --backward: skip the forward rows")
     p.add_argument("--anchors", default="fa4,sdpa,sage", help="comma-separated subset of fa4,sdpa,sage "
                    "('' for none; ratios need fa4)")
-    p.add_argument("--target", default=None, help="target passed to fp4gen.runtime.load for .attn specs")
+    p.add_argument("--target", default=None, help="target passed to fp4gen.load for .attn specs")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time, ms")
     p.add_argument("--check-heads", type=int, default=2, help="heads of batch 0 checked against fp32 SDPA "
@@ -214,7 +214,7 @@ def make_fp4gen(items, target, log):
     if not items:
         return []
     ensure_fp4gen_importable()
-    from fp4gen.runtime import load
+    from fp4gen.api import load  # .attn specs too (fp4gen.runtime.load takes generated modules only)
 
     out = []
     for item in items:

@@ -161,7 +161,7 @@ def ensure_fp4gen_importable():
 
 def load_module(item: str):
     ensure_fp4gen_importable()
-    from fp4gen.runtime import load
+    from fp4gen.api import load  # .attn specs too (fp4gen.runtime.load takes generated modules only)
 
     path, kernel = item, None
     if "::" in item:
