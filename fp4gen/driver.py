@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from fp4gen.frontend.diagnostics import plan_error_to_spec_error  # re-exported: callers import it from here
+from fp4gen.frontend.diagnostics import kernel_error, plan_error_to_spec_error  # the latter re-exported
 from fp4gen.ir.spec import KernelSpec, Target
 
 
@@ -72,12 +72,8 @@ def retarget(spec: KernelSpec, target: Optional[Target]) -> KernelSpec:
 
 def lowering_error_to_spec_error(err, spec: KernelSpec):
     """A backend's refusal as a spec diagnostic, at the field it names (``LoweringError.path``)."""
-    from types import SimpleNamespace
-
     loc = spec.loc(err.path) if getattr(err, "path", None) else None
-    return plan_error_to_spec_error(
-        SimpleNamespace(message=f"cannot compile for {spec.target.value}: {err}", loc=loc, notes=(), hint=None),
-        spec)
+    return kernel_error(spec, f"cannot compile for {spec.target.value}: {err}", loc)
 
 
 def check_lowering(plan) -> None:

@@ -132,10 +132,13 @@ def _note(n) -> "Note | str":
 
 def plan_error_to_spec_error(err, spec) -> SpecError:
     """A planner ``PlanError`` rendered like a spec diagnostic (file:line:col + caret)."""
-    loc = getattr(err, "loc", None)
-    message = getattr(err, "message", None) or str(err)
     notes = tuple(_note(n) for n in (getattr(err, "notes", None) or ()))
-    hint = getattr(err, "hint", None)
+    return kernel_error(spec, getattr(err, "message", None) or str(err), getattr(err, "loc", None),
+                        notes, getattr(err, "hint", None))
+
+
+def kernel_error(spec, message: str, loc=None, notes=(), hint=None) -> SpecError:
+    """An error about one kernel of a spec (the planner's or a backend's), at ``loc`` if given."""
     span = 1
     if isinstance(loc, SourceLoc) and 0 < loc.line <= len(spec.source_lines):
         # underline the word the planner points at
