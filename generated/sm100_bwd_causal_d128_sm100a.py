@@ -1833,63 +1833,26 @@ def _bwd_build():
 
 
 # ---------------------------------------------------------------- backward host side
-import math as _bwd_math  # noqa: E402
-import os as _bwd_os  # noqa: E402
+# Compile memo, preprocessing, launch and GQA sums are one hand-written module for every
+# sm100a backward, fp4gen/runtime/sm100_bwd_host.py (docs/design/host-code.md): it gets the
+# constants above and _bwd_build, nothing by name.
+from fp4gen.runtime import sm100_bwd_host as _sm100_bwd_host  # noqa: E402
 
-_BWD_COMPILED = {}
-LAST_COMPILED_BACKWARD = None
-
-
-def _bwd_fake_args(cutlass, cute, dkv_fp32):
-    """Compile-time arguments: compact (B, S, H, D) tensors with symbolic sizes (no GPU)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor as fake
-
-    Float32, Int32, BF16 = cutlass.Float32, cutlass.Int32, cutlass.BFloat16
-    sym = cute.sym_int
-    b, sq, sk, h, hkv, sqp, nqb = sym(), sym(), sym(), sym(), sym(), sym(), sym()
-    d = BWD_HEAD_DIM
-    q = fake(BF16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    k = fake(BF16, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    v = fake(BF16, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    do = fake(BF16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    lse2 = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)
-    dsum = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)
-    dq = fake(Float32, (b, h, sqp, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    turn = fake(Int32, (b, h, nqb), stride_order=(2, 1, 0), assumed_align=4)  # read only when deterministic
-    dkv = Float32 if dkv_fp32 else BF16
-    dk = fake(dkv, (b, sk, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    dv = fake(dkv, (b, sk, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    return (q, k, v, do, lse2, dsum, dq, turn, dk, dv, Float32(1.0), Float32(1.0), Int32(0))
-
-
-def _bwd_compile(gqa=False, keep=False):
-    """Compile once per process (sizes and addresses are run-time). ``gqa``: dK/dV written as
-    fp32 per query head (the host sums each group), else bf16."""
-    global LAST_COMPILED_BACKWARD
-    if gqa not in _BWD_COMPILED:
-        Kernel, cutlass, cute = _bwd_build()
-        stream = cute.runtime.make_fake_stream()
-        compile_fn = cute.compile[cute.KeepPTX] if keep else cute.compile
-        _BWD_COMPILED[gqa] = compile_fn(Kernel(), *_bwd_fake_args(cutlass, cute, gqa), stream)
-    LAST_COMPILED_BACKWARD = _BWD_COMPILED[gqa]
-    return _BWD_COMPILED[gqa]
+_BWD_HOST = _sm100_bwd_host.BackwardHost(_sm100_bwd_host.BackwardConfig(
+    kernel_name=KERNEL_NAME, head_dim=BWD_HEAD_DIM, tile_m=BWD_TILE_M, softmax_scale=SOFTMAX_SCALE),
+    build=_bwd_build)
+_bwd_compile = _BWD_HOST.compiled
+_bwd_launch = _BWD_HOST.launch  # looked up at call time: tests replace it with a CPU model
+LAST_COMPILED_BACKWARD = None  # compile_only_backward's last compiled object (PTX kept)
 
 
 def compile_only_backward(arch: str = "sm_100a", variants=("bf16", "gqa")) -> list:
     """Compile the backward kernel variants for ``arch`` without a GPU; returns the names compiled.
 
     ``LAST_COMPILED_BACKWARD`` holds the last one (its PTX is kept for the conformance check)."""
-    if arch != "sm_100a":
-        raise ValueError(f"{KERNEL_NAME} backward is a Blackwell kernel: arch must be 'sm_100a', got {arch!r}")
-    _bwd_os.environ.setdefault("CUTE_DSL_ARCH", arch)
-    if _bwd_os.environ["CUTE_DSL_ARCH"] != arch:
-        raise RuntimeError(f"CUTE_DSL_ARCH={_bwd_os.environ['CUTE_DSL_ARCH']} but compile_only_backward({arch!r}) was asked")
-    names = []
-    for variant in variants:
-        if variant not in ("bf16", "gqa"):
-            raise ValueError(f"unknown backward variant {variant!r} (bf16, gqa)")
-        _bwd_compile(gqa=variant == "gqa", keep=True)
-        names.append(KERNEL_NAME + (".backward" if variant == "bf16" else ".backward_gqa"))
+    global LAST_COMPILED_BACKWARD
+    names = _BWD_HOST.compile_only(arch, variants)
+    LAST_COMPILED_BACKWARD = _BWD_HOST.last_compiled
     return names
 
 
@@ -1898,10 +1861,7 @@ _bwd_forward_compile_only = compile_only  # the forward section's
 
 def compile_only(arch: str = "sm_100a") -> list:
     """Compile every kernel variant of this module (forward, then both backward variants) for
-    ``arch`` without a GPU; ``LAST_COMPILED`` stays the forward's (the conformance check reads it).
-
-    (Wraps the forward's compile_only: the module contract says every variant. If the forward
-    template learns to call ``compile_only_backward`` itself, as the sm90a one does, drop this.)"""
+    ``arch`` without a GPU; ``LAST_COMPILED`` stays the forward's (the conformance check reads it)."""
     return _bwd_forward_compile_only(arch) + compile_only_backward(arch)
 
 
@@ -1913,58 +1873,5 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None):
     natural log, as ``forward(..., return_lse=True)`` returns it. Returns (dq, dk, dv) in bf16,
     shaped like q, k, v. Refuses (RuntimeError) on anything but sm_100.
     """
-    import torch
-
-    from fp4gen.runtime import checks
-
     _require_sm100()  # the forward's refusal: before the arguments are looked at
-    checks.check_softmax_scale(KERNEL_NAME, softmax_scale)
-    checks.check_backward(KERNEL_NAME, q, k, v, o, lse, do, dtypes=(torch.bfloat16,), head_dim=BWD_HEAD_DIM)
-    checks.require_arch("sm_100a", kernel=KERNEL_NAME, device=q.device)
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # compiled for compact (B, S, H, D)
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    scale = float(softmax_scale) if softmax_scale is not None else SOFTMAX_SCALE
-    f32, dev = torch.float32, q.device
-    sqp = -(-Sq // BWD_TILE_M) * BWD_TILE_M
-    # preprocessing: LSE in log2 units (+inf where the forward saw no key, so P = 0) and
-    # D_i = rowsum(dO * O), both padded to whole query tiles
-    lse2 = torch.full((B, H, sqp), float("inf"), dtype=f32, device=dev)
-    l2 = lse.to(f32) * _bwd_math.log2(_bwd_math.e)
-    lse2[:, :, :Sq] = torch.where(torch.isneginf(l2), torch.full_like(l2, float("inf")), l2)
-    dsum = torch.zeros((B, H, sqp), dtype=f32, device=dev)
-    dsum[:, :, :Sq] = (do.to(f32) * o.to(f32)).sum(-1).permute(0, 2, 1)
-    dq_acc = torch.zeros((B, H, sqp, D), dtype=f32, device=dev)
-    dq_turn = torch.zeros((B, H, sqp // BWD_TILE_M), dtype=torch.int32, device=dev)
-    g = H // Hkv
-    dkv_dtype = f32 if g > 1 else k.dtype
-    dk_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-    dv_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-    _bwd_launch((q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h), scale, Sk - Sq, g > 1)
-    dq = (dq_acc[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
-    if g == 1:
-        dk, dv = dk_h, dv_h
-    else:  # GQA: the query heads of a group share one key/value head
-        dk = dk_h.view(B, Sk, Hkv, g, D).sum(3).to(k.dtype)
-        dv = dv_h.view(B, Sk, Hkv, g, D).sum(3).to(v.dtype)
-    return dq.contiguous(), dk, dv
-
-
-def _bwd_launch(args, softmax_scale, causal_offset, gqa):
-    """Launch the compiled kernel on ``args`` (torch CUDA tensors, in __call__'s order)."""
-    import torch
-
-    with torch.cuda.device(args[0].device):
-        import cuda.bindings.driver as cuda
-        from cutlass import Float32, Int32
-        from cutlass.cute.runtime import from_dlpack
-
-        kern = _bwd_compile(gqa=gqa)
-
-        def conv(t):
-            ct = from_dlpack(t, assumed_align=4 if t.dtype == torch.int32 else 16)
-            return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        kern(*[conv(t) for t in args], Float32(float(softmax_scale) * _bwd_math.log2(_bwd_math.e)),
-             Float32(float(softmax_scale)), Int32(int(causal_offset)), stream)
+    return _BWD_HOST.backward(q, k, v, o, lse, do, softmax_scale=softmax_scale, launch=_bwd_launch)

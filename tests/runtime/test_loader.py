@@ -44,7 +44,7 @@ SPEC = textwrap.dedent("""\
 
 def test_import_runtime_pulls_in_no_compiler():
     code = ("import sys, fp4gen.runtime, fp4gen.runtime.cache, fp4gen.runtime.loader, fp4gen.runtime.checks, "
-            "fp4gen.runtime.sm100_host; "
+            "fp4gen.runtime.sm100_host, fp4gen.runtime.sm100_bwd_host; "
             "bad = [m for m in ('lark', 'jinja2', 'fp4gen.frontend', 'fp4gen.ir.passes', 'fp4gen.lowering') "
             "if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -43,3 +43,69 @@ def test_each_host_reads_its_own_config():
     assert ops8.layouts()["v"].shape == (1, 333, 128) and ops8.layouts()["sfv"].shape == (512,)
     with pytest.raises(ValueError, match="k8 targets sm_100a only"):
         h8.compile_only("sm_90a")
+
+
+# ------------------------------------------------------------------ the backward's host side
+from fp4gen.runtime import sm100_bwd_host as bwd_host  # noqa: E402
+
+BWD = dict(kernel_name="kb", head_dim=128, tile_m=128, softmax_scale=0.125)
+
+
+def test_backward_host_import_needs_only_the_standard_library():
+    code = ("import sys, fp4gen.runtime.sm100_bwd_host; "
+            "print([m for m in ('torch', 'cutlass', 'jinja2', 'lark', 'fp4gen.numerics', 'fp4gen.lowering') "
+            "if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_backward_compile_only_refuses_other_arches_and_variants():
+    def build():
+        raise AssertionError("nothing here compiles")
+
+    h = bwd_host.BackwardHost(bwd_host.BackwardConfig(**BWD), build)
+    with pytest.raises(ValueError, match="kb backward is a Blackwell kernel"):
+        h.compile_only("sm_90a")
+    with pytest.raises(ValueError, match="unknown backward variant 'fp8'"):
+        h.compile_only("sm_100a", variants=("fp8",))
+
+
+@pytest.mark.parametrize("heads,heads_kv,sq,sk", [(2, 2, 200, 333), (6, 2, 130, 190)])
+def test_backward_prepares_padded_operands_and_sums_gqa(cpu_backward_checks, heads, heads_kv, sq, sk):
+    """What the launch receives (padding, LSE in log2 units with +inf for empty rows, D, the
+    causal offset, the dK/dV dtype per variant) and how the host finishes the results."""
+    import math
+
+    import torch
+
+    seen = {}
+
+    def launch(args, scale, offset, gqa):
+        q, k, v, do, lse2, dsum, dq_acc, turn, dk_h, dv_h = args
+        seen.update(scale=scale, offset=offset, gqa=gqa, lse2=lse2.clone(), dsum=dsum.clone(),
+                    shapes=[tuple(t.shape) for t in args], dk_dtype=dk_h.dtype)
+        dq_acc.fill_(1.0)
+        dk_h.fill_(1.0)
+        dv_h.fill_(2.0)
+
+    h = bwd_host.BackwardHost(bwd_host.BackwardConfig(**BWD), build=None)
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    q, o, do = (torch.randn(1, sq, heads, 128, generator=g).to(bf) for _ in range(3))
+    k, v = (torch.randn(1, sk, heads_kv, 128, generator=g).to(bf) for _ in range(2))
+    lse = torch.randn(1, heads, sq, generator=g)
+    lse[0, 0, 3] = float("-inf")  # a row that saw no key
+    dq, dk, dv = h.backward(q, k, v, o, lse, do, softmax_scale=None, launch=launch)
+    sqp = 256
+    assert seen["scale"] == 0.125 and seen["offset"] == sk - sq and seen["gqa"] == (heads > heads_kv)
+    assert seen["shapes"][4] == (1, heads, sqp) and seen["shapes"][6] == (1, heads, sqp, 128)
+    assert seen["dk_dtype"] == (torch.float32 if heads > heads_kv else bf)
+    l2 = seen["lse2"]
+    assert math.isinf(l2[0, 0, 3]) and l2[0, 0, 3] > 0 and torch.isinf(l2[:, :, sq:]).all()
+    torch.testing.assert_close(l2[0, 1, :sq], lse[0, 1] * math.log2(math.e))
+    torch.testing.assert_close(seen["dsum"][:, :, :sq], (do.float() * o.float()).sum(-1).permute(0, 2, 1))
+    assert (seen["dsum"][:, :, sq:] == 0).all()
+    assert dq.shape == q.shape and torch.all(dq.float() == 0.125)
+    group = heads // heads_kv
+    assert dk.shape == k.shape and torch.all(dk.float() == group) and torch.all(dv.float() == 2 * group)

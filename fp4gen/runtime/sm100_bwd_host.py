@@ -1,0 +1,149 @@
+"""Host side of the generated sm100a attention backward: compile-time arguments, the compile
+memo, the preprocessing (LSE in log2 units, D = rowsum(dO * O)), launch and the GQA sums
+(docs/backward.md; docs/design/host-code.md).
+
+One copy for every sm100a module with a backward. The module builds one ``BackwardHost``
+from its plan-decided constants (a frozen ``BackwardConfig``) and its backward kernel-class
+builder (``_bwd_build``) and binds ``compile_only_backward``, ``backward`` and
+``_bwd_launch`` to it. Like ``sm100_host``, importing this module imports only the standard
+library; torch and CuTe DSL are imported inside the functions that use them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+ARCH = "sm_100a"
+VARIANTS = ("bf16", "gqa")  # dK/dV written as bf16, or as fp32 per query head (GQA sums them)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """What the backward's host side needs of one generated module (its rendered constants)."""
+
+    kernel_name: str  # KERNEL_NAME
+    head_dim: int  # BWD_HEAD_DIM
+    tile_m: int  # BWD_TILE_M: queries per step; dQ, LSE2 and D are padded to whole tiles
+    softmax_scale: float  # SOFTMAX_SCALE: the spec's default scale
+
+
+class BackwardHost:
+    """Compile (once per process and variant), prepare, launch and finish one backward."""
+
+    def __init__(self, config: BackwardConfig, build: Callable):
+        self.config = config
+        self.build = build  # () -> (Kernel, cutlass, cute)
+        self._compiled = {}
+        self.last_compiled = None  # the last compiled object (PTX kept by compile_only)
+
+    def fake_args(self, cutlass, cute, dkv_fp32):
+        """Compile-time arguments: compact (B, S, H, D) tensors with symbolic sizes (no GPU)."""
+        from cutlass.cute.runtime import make_fake_compact_tensor as fake
+
+        Float32, Int32, BF16 = cutlass.Float32, cutlass.Int32, cutlass.BFloat16
+        sym = cute.sym_int
+        b, sq, sk, h, hkv, sqp, nqb = sym(), sym(), sym(), sym(), sym(), sym(), sym()
+        d = self.config.head_dim
+        bshd = dict(stride_order=(3, 2, 1, 0), assumed_align=16)
+        q = fake(BF16, (b, sq, h, d), **bshd)
+        k = fake(BF16, (b, sk, hkv, d), **bshd)
+        v = fake(BF16, (b, sk, hkv, d), **bshd)
+        do = fake(BF16, (b, sq, h, d), **bshd)
+        lse2 = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)
+        dsum = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)
+        dq = fake(Float32, (b, h, sqp, d), **bshd)
+        turn = fake(Int32, (b, h, nqb), stride_order=(2, 1, 0), assumed_align=4)  # read only when deterministic
+        dkv = Float32 if dkv_fp32 else BF16
+        dk = fake(dkv, (b, sk, h, d), **bshd)
+        dv = fake(dkv, (b, sk, h, d), **bshd)
+        return (q, k, v, do, lse2, dsum, dq, turn, dk, dv, Float32(1.0), Float32(1.0), Int32(0))
+
+    def compiled(self, gqa=False, keep=False):
+        """Compile once per process and variant (sizes and addresses are run-time)."""
+        if gqa not in self._compiled:
+            Kernel, cutlass, cute = self.build()
+            stream = cute.runtime.make_fake_stream()
+            compile_fn = cute.compile[cute.KeepPTX] if keep else cute.compile
+            self._compiled[gqa] = compile_fn(Kernel(), *self.fake_args(cutlass, cute, gqa), stream)
+        self.last_compiled = self._compiled[gqa]
+        return self._compiled[gqa]
+
+    def compile_only(self, arch: str = ARCH, variants=VARIANTS) -> list:
+        """Compile the backward variants for ``arch`` without a GPU; returns the names compiled
+        (``last_compiled`` holds the last one, its PTX kept for the conformance check)."""
+        kernel = self.config.kernel_name
+        if arch != ARCH:
+            raise ValueError(f"{kernel} backward is a Blackwell kernel: arch must be 'sm_100a', got {arch!r}")
+        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+        if os.environ["CUTE_DSL_ARCH"] != arch:
+            raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but compile_only_backward({arch!r}) was asked")
+        names = []
+        for variant in variants:
+            if variant not in VARIANTS:
+                raise ValueError(f"unknown backward variant {variant!r} ({', '.join(VARIANTS)})")
+            self.compiled(gqa=variant == "gqa", keep=True)
+            names.append(kernel + (".backward" if variant == "bf16" else ".backward_gqa"))
+        return names
+
+    def backward(self, q, k, v, o, lse, do, *, softmax_scale, launch):
+        """The generated module's ``backward`` after its sm_100 refusal (its docstring states
+        the contract). ``launch(args, softmax_scale, causal_offset, gqa)`` runs the kernel: the
+        module passes its ``_bwd_launch`` so that tests can stand in for the kernel."""
+        import torch
+
+        from fp4gen.runtime import checks
+
+        kernel = self.config.kernel_name
+        checks.check_softmax_scale(kernel, softmax_scale)
+        checks.check_backward(kernel, q, k, v, o, lse, do, dtypes=(torch.bfloat16,), head_dim=self.config.head_dim)
+        checks.require_arch(ARCH, kernel=kernel, device=q.device)
+        q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # compiled for compact (B, S, H, D)
+        B, Sq, H, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        scale = float(softmax_scale) if softmax_scale is not None else self.config.softmax_scale
+        f32, dev = torch.float32, q.device
+        tm = self.config.tile_m
+        sqp = -(-Sq // tm) * tm
+        # preprocessing: LSE in log2 units (+inf where the forward saw no key, so P = 0) and
+        # D_i = rowsum(dO * O), both padded to whole query tiles
+        lse2 = torch.full((B, H, sqp), float("inf"), dtype=f32, device=dev)
+        l2 = lse.to(f32) * math.log2(math.e)
+        lse2[:, :, :Sq] = torch.where(torch.isneginf(l2), torch.full_like(l2, float("inf")), l2)
+        dsum = torch.zeros((B, H, sqp), dtype=f32, device=dev)
+        dsum[:, :, :Sq] = (do.to(f32) * o.to(f32)).sum(-1).permute(0, 2, 1)
+        dq_acc = torch.zeros((B, H, sqp, D), dtype=f32, device=dev)
+        dq_turn = torch.zeros((B, H, sqp // tm), dtype=torch.int32, device=dev)
+        g = H // Hkv
+        dkv_dtype = f32 if g > 1 else k.dtype
+        dk_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
+        dv_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
+        launch((q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h), scale, Sk - Sq, g > 1)
+        dq = (dq_acc[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
+        if g == 1:
+            dk, dv = dk_h, dv_h
+        else:  # GQA: the query heads of a group share one key/value head
+            dk = dk_h.view(B, Sk, Hkv, g, D).sum(3).to(k.dtype)
+            dv = dv_h.view(B, Sk, Hkv, g, D).sum(3).to(v.dtype)
+        return dq.contiguous(), dk, dv
+
+    def launch(self, args, softmax_scale, causal_offset, gqa):
+        """Launch the compiled kernel on ``args`` (torch CUDA tensors, in the kernel's
+        ``__call__`` order)."""
+        import torch
+
+        with torch.cuda.device(args[0].device):
+            import cuda.bindings.driver as cuda
+            from cutlass import Float32, Int32
+            from cutlass.cute.runtime import from_dlpack
+
+            kern = self.compiled(gqa=gqa)
+
+            def conv(t):
+                ct = from_dlpack(t, assumed_align=4 if t.dtype == torch.int32 else 16)
+                return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+            kern(*[conv(t) for t in args], Float32(float(softmax_scale) * math.log2(math.e)),
+                 Float32(float(softmax_scale)), Int32(int(causal_offset)), stream)
