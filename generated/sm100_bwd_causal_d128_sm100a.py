@@ -1565,6 +1565,11 @@ def _bwd_build():
             sdSt = smem.allocate_tensor(BF16, sdSt_l.outer, 1024, sdSt_l.inner)
             sQt, sdOt, sKt, sdS = view(sQ, sQt_l), view(sdO, sdOt_l), view(sK, sKt_l), view(sdSt, sdS_l)
 
+            # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
+            # the mbarrier.init count (effective count: 32)" for the four barriers with a `wg`
+            # side (s, p, dq, dkv): it assumes a warp-ID guard selects one warp, but `warp < 4`
+            # and `4 <= warp < 8` each select four, 128 threads = this init count. Triaged
+            # 2026-12-01: not a defect.
             one, wg = coop(1), coop(128)
             # load -> MMA: K/V once, Q/dO per query tile (TMA transaction bytes)
             kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
@@ -1695,9 +1700,15 @@ def _bwd_build():
                 self.dq_reduce(tidx % 128, tdQt, dq_cons, mdQacc, mdQturn, n_block, head, batch, m_min, n_tiles)
             if warp < 8:
                 # the compute and dQ warps have completed every TMEM load (tcgen05.wait::ld) and the
-                # MMAs are done (the compute warps waited for "dK/dV final"): TMEM may be freed
+                # MMAs are done (the compute warps waited for "dK/dV final"): TMEM may be freed.
+                # The fences order those loads across the barrier (PTX ISA 9.7.16.6). CuTe's
+                # checker still reports W0015 ("dealloc not ordered after prior TMEM loads")
+                # at tmem.free: it does not count this named barrier over 256 threads as
+                # synchronisation. Every TMEM reader is in it. Triaged 2026-12-01.
+                bdev.tcgen05_fence_before_thread_sync()
                 cute.arch.barrier(barrier_id=3, number_of_threads=256)
             if warp < 4:
+                bdev.tcgen05_fence_after_thread_sync()
                 tmem.free(tmem_base)
 
         # ---------------------------------------------------------------- helpers
