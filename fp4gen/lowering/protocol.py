@@ -1,0 +1,743 @@
+"""Model check of an sm100a CTA's synchronisation protocol over emulator traces (issue 16, item 4).
+
+Input: a ``fp4gen.lowering.emulator.trace.Trace`` -- per warp, in program order, the events
+that synchronise or touch shared / tensor memory. ``check_protocol`` explores every
+interleaving of those events (and of the completions of the asynchronous operations they
+issue) that the PTX ISA allows, and reports
+
+* **deadlock**: a reachable state with no enabled transition while a warp has not finished;
+  each blocked warp is named with its blocking event and PTX line;
+* **race**: two accesses to overlapping SMEM bytes / TMEM cells, one a write, that can be
+  under way at the same time -- an in-flight asynchronous operation against another one or
+  against a synchronous access (``Access``) of any warp, or two synchronous accesses of
+  different warps that can be executed from the same state; reported once per pair of PTX
+  lines with an interleaving that reaches it. A read of data before its producer completed
+  is such a race (the producer is in flight while the reader is under way);
+* **barrier misuse**: more arrivals than the phase expects, a tx-count driven below zero,
+  an arrive / expect-tx / wait on an mbarrier that was never initialised, a named barrier
+  passed by more threads than its count.
+
+Semantics (each rule with the PTX ISA 9.x section it implements):
+
+* mbarrier (9.7.13.15): ``init`` sets phase 0, pending arrivals = expected = count, tx-count 0
+  (9.7.13.15.9); an arrive-on by ``count`` lanes lowers the pending count (9.7.13.15.4,
+  .13); ``arrive.expect_tx`` performs the expect-tx before the arrive-on (9.7.13.15.13);
+  expect-tx raises and complete-tx lowers the tx-count (9.7.13.15.5); the phase completes
+  when pending == 0 and tx-count == 0, then the barrier moves to the next phase and the
+  pending count is reset to the expected count (9.7.13.15.6). ``try_wait.parity p`` /
+  ``test_wait.parity p`` succeeds once the phase of parity p has completed, i.e. while the
+  current phase's parity differs from p (9.7.13.15.16). Only the parity is observable, so
+  the state keeps the parity, and a waiter whose barrier ran two phases ahead reads its
+  phase as not complete -- the search explores that interleaving like any other.
+* TMA (``cp.async.bulk.tensor``, 9.7.9.25.5; mbarrier completion 9.7.9.25.1.2): reads and
+  writes between issue and its complete-tx of ``tx`` bytes on its barrier, which may happen
+  at any later time.
+* tcgen05.mma / tcgen05.cp: asynchronous; they "may execute and complete in a different
+  order than they were issued" except for the pipelined pairs of 9.7.16.6.2 --
+  mma -> mma with the same accumulator (and shape) and cp -> mma. With
+  ``in_order_tensor_pipe=True`` (the assumption FA4 makes) every tcgen05 op of one issuing
+  warp runs only once all its earlier ones completed (it is the oldest incomplete one while
+  it reads or writes). With ``False`` only the 9.7.16.6.2 pairs are ordered; any other
+  earlier op may still be running. (Dropping even those pairs would flag every two-step
+  accumulation, which the ISA guarantees; "same accumulator" is read as equal write spans
+  -- the trace carries no MMA shape, and these kernels use one shape per accumulator.)
+* ``tcgen05.commit`` (9.7.16.12.1): one arrive-on on its barrier once every mma / cp the
+  warp issued before it has completed (9.7.16.6.3 lists what the mbarrier mechanism tracks;
+  ``tcgen05.ld/st`` are not among them).
+* ``tcgen05.ld`` / ``tcgen05.st`` (9.7.16.8.3/4): in flight until the warp's next
+  ``tcgen05.wait::ld`` / ``::st`` (9.7.16.8.5, pattern 9.7.16.6.4.2).
+* ``bar.sync`` / ``bar.arrive`` (9.7.13.4): a warp contributes its 32 threads; ``bar.sync``
+  blocks until ``count`` threads arrived at that barrier id, ``bar.arrive`` does not block.
+* Fences (``fence.proxy.async``, ``tcgen05.fence::*``) are not modelled: the checker assumes
+  the kernel places them where the ISA asks (a limitation; the emulator records them for a
+  separate check). Memory ordering *within* a synchronised pair is therefore not checked,
+  only whether the two accesses can overlap in time.
+
+Reductions (why each is sound, or what it gives up):
+
+1. Memoisation: the state is (each agent's position, each mbarrier's (parity, pending,
+   tx-count, expected), the set of in-flight ops and pending commits, named-barrier
+   arrivals); a state's future depends on nothing else.
+2. Accesses with no possible conflict partner (no overlapping span with a write on either
+   side, ignoring pairs program order rules out) are dropped, and fences with them.
+3. Partial-order reduction by singleton ample sets: when an enabled transition is both
+   *independent* of every other transition (it reads and writes only its own agent's state:
+   issuing an op, a ``tcgen05.commit`` (the later arrival is a separate transition), a
+   ``tcgen05.wait``, completing an mma/cp) and *invisible* (it neither starts nor ends
+   the activity of an access that has a conflict partner: an op issued behind an earlier
+   incomplete op it is ordered after, an op with no partner, a wait that retires only
+   partner-less loads/stores), only that transition is expanded. Commuting an independent
+   transition to the front preserves every reachable deadlock and, being invisible, every
+   pair of simultaneously active accesses (ample-set conditions C0-C2; C3 holds because
+   every transition advances a position or retires an op, so the graph has no cycles).
+   Transitions on mbarriers and named barriers are never reduced.
+4. Optional (``group_warps=True``): warps whose traces show the same event sequence on the
+   same barriers (same opcodes, lines, barriers, parities; spans may differ, e.g. the four
+   softmax warps of a stage) are one agent: arrival counts, tx bytes and named-barrier
+   threads are added, spans united. This runs the group in lock step, so it does NOT
+   explore interleavings among the group's own warps (a race between two warps of one
+   group, or one that needs one warp of a group to run ahead of another, is not seen);
+   barriers that count every warp of the group make most of those interleavings
+   equivalent anyway. ``group_warps=False`` checks without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fp4gen.lowering.emulator import trace as T
+
+__all__ = ["Finding", "ProtocolReport", "TensorPipeReliance", "check_protocol",
+           "check_tensor_pipe_reliance"]
+
+_TCGEN05 = ("mma", "cp")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "deadlock" | "race" | "barrier_misuse"
+    message: str
+    lines: tuple  # PTX lines involved (a race: the two accesses, sorted)
+    warps: tuple  # warps involved
+    interleaving: tuple = ()  # the transitions from the initial state that reach it
+
+    def __str__(self):
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass
+class ProtocolReport:
+    kernel: str
+    kv_tiles: int
+    in_order_tensor_pipe: bool
+    findings: list
+    states: int  # distinct states explored
+    exhaustive: bool  # the whole reachable (reduced) state space was explored
+    agents: list  # per agent, the warps it stands for
+    reductions: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.exhaustive and not self.findings
+
+    def of_kind(self, kind):
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def races(self):
+        return self.of_kind("race")
+
+    @property
+    def deadlocks(self):
+        return self.of_kind("deadlock")
+
+    @property
+    def misuse(self):
+        return self.of_kind("barrier_misuse")
+
+    def summary(self) -> str:
+        head = (f"{self.kernel} kv_tiles={self.kv_tiles} in_order_tensor_pipe="
+                f"{self.in_order_tensor_pipe}: {self.states} states, "
+                f"{'exhaustive' if self.exhaustive else 'NOT exhaustive (max_states)'}, "
+                f"{len(self.findings)} finding(s)")
+        return "\n".join([head] + [f"  {f}" for f in self.findings])
+
+
+@dataclass
+class TensorPipeReliance:
+    in_order: ProtocolReport
+    without: ProtocolReport
+    relies_on: list  # races found only without in-order tensor-pipe issue
+
+    def summary(self) -> str:
+        if not self.relies_on:
+            return "relies on in-order tensor-pipe issue for: nothing"
+        return "relies on in-order tensor-pipe issue for: " + "; ".join(
+            f.message for f in self.relies_on)
+
+
+# ---------------------------------------------------------------------------------------
+# compiled form of a trace
+
+@dataclass
+class _Op:
+    kind: str
+    agent: int
+    line: int
+    bar: int | None  # barrier index (tma)
+    tx: int
+    preds: frozenset = frozenset()  # ops that must complete before this one runs
+    acc: int | None = None  # access id when it has a conflict partner
+
+
+@dataclass
+class _Commit:
+    agent: int
+    line: int
+    bar: int
+    count: int
+    needs: frozenset  # the agent's earlier mma/cp ops
+
+
+@dataclass
+class _Access:
+    agent: int
+    line: int
+    reads: tuple
+    writes: tuple
+    pos: int  # position in the agent's program (for program-order exclusions)
+    op: int | None  # op index, or None for a synchronous access
+    what: str
+
+
+def _span_str(s):
+    if isinstance(s, T.SmemSpan):
+        return f"SMEM[{s.lo:#x},{s.hi:#x})"
+    return f"TMEM lanes[{s.lane_lo},{s.lane_hi}) cols[{s.col_lo},{s.col_hi})"
+
+
+def _signature(events):
+    out = []
+    for e in events:
+        if isinstance(e, T.Fence):
+            continue
+        d = {k: v for k, v in vars(e).items() if k not in ("reads", "writes", "spans", "op")}
+        out.append((type(e).__name__, tuple(sorted(d.items()))))
+    return tuple(out)
+
+
+def _group(trace, group_warps):
+    warps = sorted(w for w, evs in trace.warps.items())
+    if not group_warps:
+        return [[w] for w in warps]
+    by_sig = {}
+    for w in warps:
+        by_sig.setdefault(_signature(trace.warps[w]), []).append(w)
+    return sorted(by_sig.values())
+
+
+class _Model:
+    def __init__(self, trace, in_order, group_warps):
+        self.trace = trace
+        self.in_order = in_order
+        self.groups = _group(trace, group_warps)
+        self.bar_index = {}
+        self.bar_addr = []
+        self.ops: list[_Op] = []
+        self.commits: list[_Commit] = []
+        self.accesses: list[_Access] = []
+        self._op_writes = []  # per op, its write spans (the accumulator of an mma)
+        self.programs = []  # per agent: list of (code, line, *args)
+        for a, warps in enumerate(self.groups):
+            self.programs.append(self._compile(a, [trace.warps[w] for w in warps]))
+        self._relevance()
+
+    def _bar(self, addr):
+        if addr not in self.bar_index:
+            self.bar_index[addr] = len(self.bar_addr)
+            self.bar_addr.append(addr)
+        return self.bar_index[addr]
+
+    def agent_name(self, a):
+        ws = self.groups[a]
+        role = self.trace.roles.get(ws[0])
+        name = "w" + (str(ws[0]) if len(ws) == 1 else f"{ws[0]}-{ws[-1]}" if
+                      ws == list(range(ws[0], ws[-1] + 1)) else ",".join(map(str, ws)))
+        return f"{name}({role})" if role else name
+
+    def _compile(self, a, seqs):
+        n = len(seqs)
+        seqs = [[e for e in s if not isinstance(e, T.Fence)] for s in seqs]
+        prog = []
+        tc_ops = []  # this agent's tcgen05 ops so far
+        tmem_open = {"ld": [], "st": []}
+        for j, evs in enumerate(zip(*seqs)):
+            e = evs[0]
+            if isinstance(e, T.BarrierInit):
+                prog.append(("init", e.line, self._bar(e.bar), e.count))
+            elif isinstance(e, T.Arrive):
+                prog.append(("arrive", e.line, self._bar(e.bar), sum(x.count for x in evs),
+                             sum(x.tx for x in evs)))
+            elif isinstance(e, T.ExpectTx):
+                prog.append(("expect", e.line, self._bar(e.bar), sum(x.tx for x in evs)))
+            elif isinstance(e, T.Wait):
+                prog.append(("wait", e.line, self._bar(e.bar), e.parity & 1))
+            elif isinstance(e, T.AsyncOp):
+                reads = tuple(s for x in evs for s in x.reads)
+                writes = tuple(s for x in evs for s in x.writes)
+                k = len(self.ops)
+                bar = self._bar(e.bar) if e.bar is not None else None
+                op = _Op(e.kind, a, e.line, bar, sum(x.tx for x in evs))
+                if e.kind in _TCGEN05:
+                    if self.in_order:
+                        op.preds = frozenset(tc_ops)
+                    elif e.kind == "mma":
+                        # 9.7.16.6.2: cp -> mma, and mma -> mma on the same accumulator
+                        op.preds = frozenset(
+                            q for q in tc_ops if self.ops[q].kind == "cp"
+                            or self._writes_of(q) == writes)
+                    tc_ops.append(k)
+                elif e.kind in ("tmem_ld", "tmem_st"):
+                    tmem_open[e.kind[5:]].append(k)
+                elif e.kind != "tma":
+                    raise ValueError(f"line {e.line}: unknown async op kind {e.kind!r}")
+                self.ops.append(op)
+                self._op_writes.append(writes)
+                self.accesses.append(_Access(a, e.line, reads, writes, j, k,
+                                             f"{e.kind} op {e.op}"))
+                prog.append(("op", e.line, k))
+            elif isinstance(e, T.Commit):
+                c = len(self.commits)
+                self.commits.append(_Commit(a, e.line, self._bar(e.bar), n, frozenset(tc_ops)))
+                prog.append(("commit", e.line, c))
+            elif isinstance(e, T.TmemWait):
+                done = frozenset(tmem_open[e.kind])
+                tmem_open[e.kind] = []
+                prog.append(("tmwait", e.line, done, e.kind))
+            elif isinstance(e, T.Access):
+                spans = tuple(s for x in evs for s in x.spans)
+                acc = len(self.accesses)
+                self.accesses.append(_Access(a, e.line, () if e.write else spans,
+                                             spans if e.write else (), j, None,
+                                             "st.shared" if e.write else "ld.shared"))
+                prog.append(("access", e.line, acc))
+            elif isinstance(e, T.NamedBarrier):
+                prog.append(("nbar", e.line, e.id, e.count, 32 * n, e.arrive))
+            else:
+                raise ValueError(f"unknown trace event {e!r}")
+        return prog
+
+    def _writes_of(self, q):
+        return self._op_writes[q]
+
+    def _relevance(self):
+        """Access ids that have a conflict partner; ``conflicts[i]`` = the set of partners."""
+        buckets = {}
+        for i, x in enumerate(self.accesses):
+            for s, w in [(s, True) for s in x.writes] + [(s, False) for s in x.reads]:
+                for b in _buckets(s):
+                    buckets.setdefault(b, []).append((i, s, w))
+        conf = {}
+        for entries in buckets.values():
+            for p in range(len(entries)):
+                i, si, wi = entries[p]
+                for q in range(p + 1, len(entries)):
+                    j, sj, wj = entries[q]
+                    if i == j or not (wi or wj) or not si.overlaps(sj):
+                        continue
+                    if self._ordered_by_program(i, j):
+                        continue
+                    conf.setdefault(i, set()).add(j)
+                    conf.setdefault(j, set()).add(i)
+        self.conflicts = {i: frozenset(v) for i, v in conf.items()}
+        for op in self.ops:
+            op.acc = None
+        for i, x in enumerate(self.accesses):
+            if x.op is not None and i in self.conflicts:
+                self.ops[x.op].acc = i
+        # synchronous accesses without a partner leave the programs
+        for a, prog in enumerate(self.programs):
+            self.programs[a] = [ev for ev in prog
+                                if ev[0] != "access" or ev[2] in self.conflicts]
+
+    def _ordered_by_program(self, i, j):
+        x, y = self.accesses[i], self.accesses[j]
+        if x.agent != y.agent:
+            return False
+        if x.op is None and y.op is None:
+            return True  # two synchronous accesses of one warp
+        # a synchronous access and an op the warp issues after it
+        if x.op is None and y.pos > x.pos:
+            return True
+        if y.op is None and x.pos > y.pos:
+            return True
+        return False
+
+
+def _buckets(s):
+    if isinstance(s, T.SmemSpan):
+        return [("s", b) for b in range(s.lo >> 10, ((max(s.hi, s.lo + 1) - 1) >> 10) + 1)]
+    return [("t", b) for b in range(s.col_lo >> 4, ((max(s.col_hi, s.col_lo + 1) - 1) >> 4) + 1)]
+
+
+# ---------------------------------------------------------------------------------------
+# search
+
+class _Search:
+    def __init__(self, m: _Model, max_states, reduce):
+        self.m = m
+        self.max_states = max_states
+        self.reduce = reduce
+        self.n_ops = len(m.ops)
+        self.findings = {}
+        self.parents = []  # per state index: (parent index, label)
+        self.seen = {}
+
+    # a state: (pos, bars, pend, nb_arrived, nb_waiting)
+    def initial(self):
+        m = self.m
+        return (tuple(0 for _ in m.programs), tuple(None for _ in m.bar_addr), frozenset(),
+                (), frozenset())
+
+    def _active(self, p, pend):
+        op = self.m.ops[p]
+        return not (op.preds & pend)
+
+    def _record(self, key, make, sidx, extra_label=None):
+        if key in self.findings:
+            return
+        self.findings[key] = make(self._path(sidx, extra_label))
+
+    def _path(self, sidx, extra=None):
+        labels = []
+        while sidx is not None and sidx >= 0:
+            parent, label = self.parents[sidx]
+            if label is not None:
+                labels.append(label)
+            sidx = parent
+        labels.reverse()
+        if extra is not None:
+            labels.append(extra)
+        return tuple(self._label_str(l) for l in labels)
+
+    def _label_str(self, label):
+        m = self.m
+        code = label[0]
+        if code == "w":
+            a, pos = label[1], label[2]
+            ev = m.programs[a][pos]
+            return f"{m.agent_name(a)} L{ev[1]} {self._ev_str(ev)}"
+        if code == "c":
+            op = m.ops[label[1]]
+            return f"complete {op.kind} of {m.agent_name(op.agent)} L{op.line}" + (
+                f" (complete_tx {op.tx} on bar {m.bar_addr[op.bar]:#x})" if op.kind == "tma" else "")
+        if code == "f":
+            c = m.commits[label[1]]
+            return (f"commit of {m.agent_name(c.agent)} L{c.line} arrives on bar "
+                    f"{m.bar_addr[c.bar]:#x}")
+        return str(label)
+
+    def _ev_str(self, ev):
+        m = self.m
+        code = ev[0]
+        if code == "init":
+            return f"mbarrier.init bar {m.bar_addr[ev[2]]:#x} count {ev[3]}"
+        if code == "arrive":
+            return f"arrive bar {m.bar_addr[ev[2]]:#x} count {ev[3]}" + (
+                f" expect_tx {ev[4]}" if ev[4] else "")
+        if code == "expect":
+            return f"expect_tx bar {m.bar_addr[ev[2]]:#x} {ev[3]}"
+        if code == "wait":
+            return f"wait bar {m.bar_addr[ev[2]]:#x} parity {ev[3]}"
+        if code == "op":
+            op = m.ops[ev[2]]
+            return f"issue {op.kind}"
+        if code == "commit":
+            return f"tcgen05.commit bar {m.bar_addr[m.commits[ev[2]].bar]:#x}"
+        if code == "tmwait":
+            return f"tcgen05.wait::{ev[3]}"
+        if code == "access":
+            return m.accesses[ev[2]].what
+        if code == "nbar":
+            return f"bar.{'arrive' if ev[5] else 'sync'} {ev[2]}, {ev[3]}"
+        return str(ev)
+
+    # --- race check of one state -----------------------------------------------------
+    def _check_races(self, state, sidx):
+        m = self.m
+        pos, bars, pend, _, nbw = state
+        cand = []
+        for p in pend:
+            if p < self.n_ops:
+                op = m.ops[p]
+                if op.acc is not None and not (op.preds & pend):
+                    cand.append(op.acc)
+        for a, prog in enumerate(m.programs):
+            if pos[a] < len(prog) and prog[pos[a]][0] == "access":
+                cand.append(prog[pos[a]][2])
+        if len(cand) < 2:
+            return
+        conf = m.conflicts
+        for i in range(len(cand)):
+            ci = conf.get(cand[i])
+            if not ci:
+                continue
+            for j in range(i + 1, len(cand)):
+                if cand[j] in ci:
+                    self._race(cand[i], cand[j], sidx)
+
+    def _race(self, i, j, sidx):
+        m = self.m
+        x, y = m.accesses[i], m.accesses[j]
+        if (x.line, x.agent) > (y.line, y.agent):
+            x, y = y, x
+        key = ("race", x.line, y.line)
+        if key in self.findings:
+            return
+
+        def desc(z):
+            rw = [f"reads {_span_str(s)}" for s in z.reads[:2]] + \
+                 [f"writes {_span_str(s)}" for s in z.writes[:2]]
+            more = len(z.reads) + len(z.writes) - len(rw)
+            return (f"L{z.line} {z.what} of {m.agent_name(z.agent)} ({', '.join(rw)}"
+                    f"{f', +{more} spans' if more > 0 else ''})")
+        msg = f"{desc(x)} can overlap {desc(y)}"
+        self._record(key, lambda path: Finding(
+            "race", msg, (x.line, y.line),
+            tuple(sorted(set(m.groups[x.agent]) | set(m.groups[y.agent]))), path), sidx)
+
+    # --- transitions -------------------------------------------------------------------
+    def successors(self, state, sidx):
+        """Yields (label, new_state) pairs; records misuse findings."""
+        m = self.m
+        pos, bars, pend, nba, nbw = state
+        trans = []
+        safe = None
+        for a, prog in enumerate(m.programs):
+            if pos[a] >= len(prog) or a in nbw:
+                continue
+            ev = prog[pos[a]]
+            code = ev[0]
+            if code == "wait":
+                b = bars[ev[2]]
+                if b is None:
+                    self._misuse(("uninit-wait", ev[1]), a, ev,
+                                 "wait on an mbarrier that was never initialised", sidx)
+                    continue
+                if b[0] == ev[3]:
+                    continue  # the phase of this parity has not completed (9.7.13.15.16)
+            elif code == "op" and self.reduce and safe is None:
+                op = m.ops[ev[2]]
+                if op.acc is None or (op.preds & pend):
+                    safe = ("w", a)
+            elif code in ("commit",) and self.reduce and safe is None:
+                safe = ("w", a)
+            elif code == "tmwait" and self.reduce and safe is None:
+                if not any(m.ops[p].acc is not None for p in ev[2] & pend):
+                    safe = ("w", a)
+            trans.append(("w", a))
+        for p in pend:
+            if p < self.n_ops:
+                op = m.ops[p]
+                if op.kind in ("tmem_ld", "tmem_st") or (op.preds & pend):
+                    continue
+                if self.reduce and safe is None and op.kind != "tma" and op.acc is None and \
+                        not any(p in m.ops[q].preds and m.ops[q].acc is not None
+                                for q in pend if q < self.n_ops):
+                    safe = ("c", p)
+                trans.append(("c", p))
+            else:
+                c = m.commits[p - self.n_ops]
+                if not (c.needs & pend):
+                    trans.append(("f", p - self.n_ops))
+        if safe is not None:
+            trans = [safe]
+        out = []
+        for t in trans:
+            r = self._apply(state, t, sidx)
+            if r is not None:
+                out.append(r)
+        return out, bool(trans)
+
+    def _misuse(self, key, a, ev, msg, sidx, label=None):
+        m = self.m
+        key = ("misuse",) + key
+        if key in self.findings:
+            return
+        text = f"L{ev[1]} {self._ev_str(ev)} by {m.agent_name(a)}: {msg}"
+        self._record(key, lambda path: Finding(
+            "barrier_misuse", text, (ev[1],), tuple(m.groups[a]), path), sidx, label)
+
+    def _arrive(self, bars, b, count, tx, who, ev, sidx, label):
+        """Arrive-on (and expect-tx) on barrier b; returns new bars or None on misuse."""
+        st = bars[b]
+        if st is None:
+            self._misuse(("uninit", ev[1]), who, ev,
+                         "arrive / expect_tx on an mbarrier that was never initialised",
+                         sidx, label)
+            return None
+        par, pending, txc, expected = st
+        txc += tx  # 9.7.13.15.13: expect-tx before the arrive-on
+        pending -= count
+        if pending < 0:
+            self._misuse(("over", ev[1]), who, ev,
+                         f"{-pending} arrival(s) beyond the {expected} the phase expects",
+                         sidx, label)
+            return None
+        return self._maybe_complete(bars, b, par, pending, txc, expected)
+
+    @staticmethod
+    def _maybe_complete(bars, b, par, pending, txc, expected):
+        if pending == 0 and txc == 0:  # 9.7.13.15.6
+            par, pending = par ^ 1, expected
+        return bars[:b] + ((par, pending, txc, expected),) + bars[b + 1:]
+
+    def _apply(self, state, t, sidx):
+        m = self.m
+        pos, bars, pend, nba, nbw = state
+        if t[0] == "c":
+            p = t[1]
+            op = m.ops[p]
+            pend2 = pend - {p}
+            if op.kind == "tma":
+                st = bars[op.bar]
+                if st is None:
+                    self._misuse(("uninit-tma", op.line), op.agent, ("op", op.line, p),
+                                 "TMA completes on an mbarrier that was never initialised",
+                                 sidx, t)
+                    return None
+                par, pending, txc, expected = st
+                txc -= op.tx
+                if txc < 0:
+                    self._misuse(("underflow", op.line), op.agent, ("op", op.line, p),
+                                 f"complete_tx of {op.tx} bytes drives the tx-count to {txc} "
+                                 f"(more bytes than the phase expects)", sidx, t)
+                    return None
+                bars = self._maybe_complete(bars, op.bar, par, pending, txc, expected)
+            return t, (pos, bars, pend2, nba, nbw)
+        if t[0] == "f":
+            c = m.commits[t[1]]
+            bars2 = self._arrive(bars, c.bar, c.count, 0, c.agent,
+                                 ("commit", c.line, t[1]), sidx, t)
+            if bars2 is None:
+                return None
+            return t, (pos, bars2, pend - {self.n_ops + t[1]}, nba, nbw)
+        a = t[1]
+        ev = m.programs[a][pos[a]]
+        label = ("w", a, pos[a])
+        pos2 = pos[:a] + (pos[a] + 1,) + pos[a + 1:]
+        code = ev[0]
+        if code == "init":
+            if ev[3] < 1:
+                self._misuse(("init0", ev[1]), a, ev, "expected count below 1", sidx, label)
+                return None
+            b = ev[2]
+            bars = bars[:b] + ((0, ev[3], 0, ev[3]),) + bars[b + 1:]
+        elif code == "arrive":
+            bars = self._arrive(bars, ev[2], ev[3], ev[4], a, ev, sidx, label)
+            if bars is None:
+                return None
+        elif code == "expect":
+            st = bars[ev[2]]
+            if st is None:
+                self._misuse(("uninit", ev[1]), a, ev,
+                             "expect_tx on an mbarrier that was never initialised", sidx, label)
+                return None
+            par, pending, txc, expected = st
+            bars = self._maybe_complete(bars, ev[2], par, pending, txc + ev[3], expected)
+        elif code == "wait":
+            pass
+        elif code == "op":
+            pend = pend | {ev[2]}
+        elif code == "commit":
+            pend = pend | {self.n_ops + ev[2]}
+        elif code == "tmwait":
+            pend = pend - ev[2]
+        elif code == "access":
+            pass
+        elif code == "nbar":
+            _, line, bid, count, threads, arrive_only = ev
+            arrived = dict(nba)
+            n = arrived.get(bid, 0) + threads
+            if n > count:
+                self._misuse(("nbar-over", line), a, ev,
+                             f"{n} threads reach a named barrier of {count}", sidx, label)
+                return None
+            if n == count:
+                arrived.pop(bid, None)
+                released = [w for w in nbw if m.programs[w][pos[w]][2] == bid]
+                lp = list(pos2 if arrive_only else pos)
+                for w in released:
+                    lp[w] += 1
+                if not arrive_only:
+                    lp[a] += 1
+                pos2 = tuple(lp)
+                nbw = nbw - set(released)
+            else:
+                arrived[bid] = n
+                if not arrive_only:
+                    pos2 = pos
+                    nbw = nbw | {a}
+            nba = tuple(sorted(arrived.items()))
+        return label, (pos2, bars, pend, nba, nbw)
+
+    def _deadlock(self, state, sidx):
+        m = self.m
+        pos, bars, pend, nba, nbw = state
+        blocked = []
+        for a, prog in enumerate(m.programs):
+            if pos[a] >= len(prog):
+                continue
+            ev = prog[pos[a]]
+            extra = ""
+            if ev[0] == "wait":
+                st = bars[ev[2]]
+                extra = (" (never initialised)" if st is None else
+                         f" (barrier at parity {st[0]}, {st[1]} of {st[3]} arrivals pending,"
+                         f" tx-count {st[2]})")
+            elif ev[0] == "nbar":
+                extra = f" ({dict(nba).get(ev[2], 0)} of {ev[3]} threads arrived)"
+            blocked.append((a, ev, extra))
+        key = ("deadlock",) + tuple((a, ev[1]) for a, ev, _ in blocked)
+        msg = "no transition enabled; " + "; ".join(
+            f"{m.agent_name(a)} blocked at L{ev[1]} {self._ev_str(ev)}{x}"
+            for a, ev, x in blocked)
+        lines = tuple(ev[1] for _, ev, _ in blocked)
+        warps = tuple(w for a, _, _ in blocked for w in m.groups[a])
+        self._record(key, lambda path: Finding("deadlock", msg, lines, warps, path), sidx)
+
+    def run(self):
+        s0 = self.initial()
+        self.seen[s0] = 0
+        self.parents.append((None, None))
+        stack = [(s0, 0)]
+        exhaustive = True
+        while stack:
+            state, sidx = stack.pop()
+            self._check_races(state, sidx)
+            succ, any_enabled = self.successors(state, sidx)
+            if not succ:
+                pos = state[0]
+                if not any_enabled and any(pos[a] < len(p) for a, p in enumerate(self.m.programs)):
+                    self._deadlock(state, sidx)
+                continue
+            for label, ns in succ:
+                if ns in self.seen:
+                    continue
+                if len(self.seen) >= self.max_states:
+                    exhaustive = False
+                    continue
+                self.seen[ns] = len(self.parents)
+                self.parents.append((sidx, label))
+                stack.append((ns, self.seen[ns]))
+        return exhaustive
+
+
+def check_protocol(trace: T.Trace, *, in_order_tensor_pipe: bool = True,
+                   max_states: int = 500_000, group_warps: bool = True,
+                   reduce: bool = True) -> ProtocolReport:
+    """Explore the interleavings of ``trace`` the ISA allows; see the module docstring.
+
+    ``reduce=False`` turns the partial-order reduction off (for checking the reduction)."""
+    m = _Model(trace, in_order_tensor_pipe, group_warps)
+    s = _Search(m, max_states, reduce)
+    exhaustive = s.run()
+    order = {"deadlock": 0, "barrier_misuse": 1, "race": 2}
+    findings = sorted(s.findings.values(), key=lambda f: (order[f.kind], f.lines))
+    reductions = ["memoised states", "partner-less accesses and fences dropped"]
+    if reduce:
+        reductions.append("singleton ample sets for independent invisible transitions")
+    if any(len(g) > 1 for g in m.groups):
+        reductions.append("lock-step groups: " + ", ".join(
+            m.agent_name(a) for a, g in enumerate(m.groups) if len(g) > 1))
+    return ProtocolReport(trace.kernel, trace.kv_tiles, in_order_tensor_pipe, findings,
+                          len(s.seen), exhaustive, [list(g) for g in m.groups], reductions)
+
+
+def check_tensor_pipe_reliance(trace: T.Trace, **kw) -> TensorPipeReliance:
+    """Check ``trace`` with and without in-order tensor-pipe issue; the races that exist only
+    without it are what the kernel relies on the assumption for."""
+    with_ = check_protocol(trace, in_order_tensor_pipe=True, **kw)
+    without = check_protocol(trace, in_order_tensor_pipe=False, **kw)
+    have = {f.lines for f in with_.races}
+    only = [f for f in without.races if f.lines not in have]
+    return TensorPipeReliance(with_, without, only)
