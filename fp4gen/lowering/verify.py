@@ -9,7 +9,10 @@ backward), each compiled for sm_100a on the CPU:
   type, sf ids per K step), the TMEM columns its operands read per K step and its SMEM matrix
   descriptors are the plan's (``descriptors.py``, fields from the PTX ISA's tables);
 * ``registers``: ptxas honours the plan's setmaxnreg budgets and spills within the plan's
-  budget (``ptxas.py``).
+  budget (``ptxas.py``);
+* ``cute-warnings``: every warning of CuTe DSL's own checker (arrive counts, TMEM loads at a
+  release or dealloc) is triaged in the template beside the code it names
+  (``cute_warnings.py``; one extra compile per kernel).
 
 Only hardware can prove the rest (the block-scaled MMA with A from TMEM, P's nibble order
 in TMEM, timing): docs/sm100.md lists what is proven and what is not. sm90a kernels run on
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass
 class Check:
     kernel: str
     part: str  # forward | backward
-    check: str  # conformance | registers
+    check: str  # conformance | descriptors | registers | cute-warnings | skipped
     ok: bool
     detail: str  # one line: what was found, or every mismatch
     seconds: float = 0.0
@@ -50,6 +53,18 @@ def _descriptors(kernel: str, part: str, bad: list, ptx: str) -> Check:
     return Check(kernel, part, "descriptors", not bad,
                  f"{n} tcgen05.mma: descriptors, operand columns and sf ids as planned" if not bad
                  else "; ".join(map(str, bad)))
+
+
+def _cute_warnings(kernel: str, part: str, source: str, backward: bool) -> Check:
+    from . import cute_warnings
+
+    t = time.perf_counter()
+    found = cute_warnings.collect(source, backward=backward)
+    bad = cute_warnings.untriaged(found, source)
+    codes = sorted({w.code for w in found})
+    detail = (f"{len(found)} warnings ({', '.join(codes) or 'none'}), each triaged beside its code" if not bad
+              else "untriaged: " + "; ".join(map(str, bad)))
+    return Check(kernel, part, "cute-warnings", not bad, detail, time.perf_counter() - t)
 
 
 def verify_spec(spec, plan=None) -> list[Check]:
@@ -80,6 +95,7 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(_descriptors(spec.name, "forward", D.check_descriptors(plan, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, plan.pipeline.roles, plan.pipeline.spill_budget_bytes)
     out.append(Check(spec.name, "forward", "registers", ok, detail))
+    out.append(_cute_warnings(spec.name, "forward", source, backward=False))
     if spec.backward is None:
         return out
     from .sm100_bwd import backward_plan
@@ -98,6 +114,7 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(_descriptors(spec.name, "backward", D.check_backward_descriptors(bp, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, bp.roles, bp.spill_budget_bytes)
     out.append(Check(spec.name, "backward", "registers", ok, detail))
+    out.append(_cute_warnings(spec.name, "backward", source, backward=True))
     return out
 
 
