@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from fp4gen.lowering import cute_warnings as cw
 
 ROOT = Path(__file__).resolve().parents[2]
