@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from fp4gen.runtime.sm100_host import cached_compile
+
 ARCH = "sm_100a"
 VARIANTS = ("bf16", "gqa")  # dK/dV written as bf16, or as fp32 per query head (GQA sums them)
 
@@ -61,14 +63,20 @@ class BackwardHost:
         return (q, k, v, do, lse2, dsum, dq, turn, dk, dv, Float32(1.0), Float32(1.0), Int32(0))
 
     def compiled(self, gqa=False, keep=False):
-        """Compile once per process and variant (sizes and addresses are run-time)."""
-        if gqa not in self._compiled:
-            Kernel, cutlass, cute = self.build()
-            stream = cute.runtime.make_fake_stream()
-            compile_fn = cute.compile[cute.KeepPTX] if keep else cute.compile
-            self._compiled[gqa] = compile_fn(Kernel(), *self.fake_args(cutlass, cute, gqa), stream)
-        self.last_compiled = self._compiled[gqa]
-        return self._compiled[gqa]
+        """The compiled backward of one variant (sizes and addresses are run-time). ``keep``
+        (compile_only): compile here, keeping the PTX; else through the compile cache every
+        target uses (``fp4gen.runtime.cache.compiled_kernel``)."""
+        if (gqa, keep) not in self._compiled:
+            def build():
+                Kernel, cutlass, cute = self.build()
+                stream = cute.runtime.make_fake_stream()
+                compile_fn = cute.compile[cute.KeepPTX] if keep else cute.compile
+                return compile_fn(Kernel(), *self.fake_args(cutlass, cute, gqa), stream)
+
+            self._compiled[(gqa, keep)] = build() if keep else cached_compile(
+                "backward", f"arch={ARCH},gqa={gqa}", build, self.build)
+        self.last_compiled = self._compiled[(gqa, keep)]
+        return self.last_compiled
 
     def compile_only(self, arch: str = ARCH, variants=VARIANTS) -> list:
         """Compile the backward variants for ``arch`` without a GPU; returns the names compiled

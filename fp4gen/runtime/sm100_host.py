@@ -121,6 +121,27 @@ def _heads_major(x):
     return x.transpose(1, 2).reshape(B * Hx, S, *x.shape[3:]).contiguous()
 
 
+def module_source(build: Callable) -> str:
+    """The text of the generated module that defines ``build`` ('' when it cannot be read)."""
+    import inspect
+
+    try:
+        path = inspect.getsourcefile(build)
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, TypeError):
+        return ""
+
+
+def cached_compile(name: str, variant: str, compile_fn: Callable, build: Callable):
+    """``cache.compiled_kernel`` for the module that defines ``build``. Without its source
+    there is no safe disk key (two modules would share one): compile in memory only."""
+    from fp4gen.runtime import cache
+
+    source = module_source(build)
+    return cache.compiled_kernel(name, variant, compile_fn, module_source=source, persist=bool(source))
+
+
 class ForwardHost:
     """The host side of one generated sm100a forward: ``config`` its constants, ``build()``
     -> ``(Kernel, cutlass, cute)`` its kernel class (CuTe DSL imported lazily by the module).
@@ -363,11 +384,16 @@ class ForwardHost:
         return [kernel + ".forward"], self.last_compiled
 
     def compiled_kernel(self, device_index):
-        """Compile once per process and GPU (pointer types/alignments are fixed; sizes and
-        addresses are run-time)."""
+        """The compiled forward, through the compile cache every target uses
+        (``fp4gen.runtime.cache.compiled_kernel``: in memory, then a verified disk entry keyed
+        by the module's source, then a compile). Pointer types and alignments are fixed; sizes
+        and addresses are run-time."""
         if device_index not in self._compiled:
-            Kernel, cutlass, cute = self.build()
-            self._compiled[device_index] = cute.compile(Kernel(), *self.fake_args(cutlass, cute))
+            def build():
+                Kernel, cutlass, cute = self.build()
+                return cute.compile(Kernel(), *self.fake_args(cutlass, cute))
+
+            self._compiled[device_index] = cached_compile("forward", f"arch={ARCH}", build, self.build)
         return self._compiled[device_index]
 
     def forward(self, q, k, v, *, softmax_scale=None, return_lse=False):

@@ -109,3 +109,29 @@ def test_backward_prepares_padded_operands_and_sums_gqa(cpu_backward_checks, hea
     assert dq.shape == q.shape and torch.all(dq.float() == 0.125)
     group = heads // heads_kv
     assert dk.shape == k.shape and torch.all(dk.float() == group) and torch.all(dv.float() == 2 * group)
+
+
+def test_both_hosts_compile_through_the_shared_cache_keyed_by_their_module(monkeypatch, tmp_path):
+    """One compile/cache path: the sm100a hosts call cache.compiled_kernel with the generated
+    module's own source (two modules never share an entry); without a readable source they
+    compile in memory only."""
+    from fp4gen.runtime import cache
+
+    calls = []
+    monkeypatch.setattr(cache, "compiled_kernel",
+                        lambda name, variant, build, **kw: calls.append((name, variant, kw)) or "K")
+    mod = tmp_path / "gen_mod.py"
+    mod.write_text("def _build():\n    raise AssertionError('not compiled here')\n")
+    ns = {}
+    exec(compile(mod.read_text(), str(mod), "exec"), ns)
+    fwd = host.ForwardHost(host.ForwardConfig(**FP4), ns["_build"])
+    bwd = bwd_host.BackwardHost(bwd_host.BackwardConfig(**BWD), ns["_build"])
+    assert fwd.compiled_kernel(0) == "K" and bwd.compiled(gqa=True) == "K"
+    (n1, v1, kw1), (n2, v2, kw2) = calls
+    assert (n1, v1) == ("forward", "arch=sm_100a") and (n2, v2) == ("backward", "arch=sm_100a,gqa=True")
+    assert kw1["module_source"] == mod.read_text() == kw2["module_source"] and kw1["persist"]
+    calls.clear()
+    ns2 = {}
+    exec(compile("def _build():\n    pass\n", "<no file>", "exec"), ns2)
+    host.ForwardHost(host.ForwardConfig(**FP4), ns2["_build"]).compiled_kernel(0)
+    assert calls[0][2] == {"module_source": "", "persist": False}
