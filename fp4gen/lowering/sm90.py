@@ -21,17 +21,17 @@ def context(plan) -> dict:
     if sm is None:
         raise LoweringError("plan has no sm90 section (run the planner for target sm90a)")
     if spec.head_dim not in (64, 128):
-        raise LoweringError(f"sm90 forward supports head_dim 64 and 128, not {spec.head_dim}")
+        raise LoweringError(f"sm90 forward supports head_dim 64 and 128, not {spec.head_dim}", "head_dim")
     fq, fk, fv, fp = spec.q.format, spec.k.format, spec.v.format, spec.p.format
     if {fq, fk, fv} == {Format.BF16}:
         in_fp8 = False
         if fp is not Format.BF16 or spec.p_production.kind is not PKind.EXP:
-            raise LoweringError("BF16 Q/K/V on sm90 take P as bf16 via exp")
+            raise LoweringError("BF16 Q/K/V on sm90 take P as bf16 via exp", "P")
         p_mode = "bf16"
     elif {fq, fk, fv} == {Format.FP8E4M3}:
         in_fp8 = True
         if fp is not Format.FP8E4M3:
-            raise LoweringError(f"FP8 Q/K/V on sm90 need P as fp8e4m3, got {fp.value}")
+            raise LoweringError(f"FP8 Q/K/V on sm90 need P as fp8e4m3, got {fp.value}", "P")
         if not sm.v_transposed:
             raise LoweringError("FP8 PV needs V transposed (K-major) on sm90")
         # the kernel's scale contract (numerics: Hopper FP8): Q, K one fp32 scale per
@@ -40,27 +40,28 @@ def context(plan) -> dict:
             if f.granularity is not ScaleGranularity.BLOCK or f.block != 128:
                 raise LoweringError(
                     f"sm90 FP8 takes {name} with one fp32 scale per 128-token block "
-                    f"({name} : fp8e4m3(block=128)), got {f}")
+                    f"({name} : fp8e4m3(block=128)), got {f}", name)
         if spec.v.granularity is not ScaleGranularity.TENSOR:
-            raise LoweringError(f"sm90 FP8 takes V with one scale per tensor (V : fp8e4m3(scale=tensor)), got {spec.v}")
+            raise LoweringError(f"sm90 FP8 takes V with one scale per tensor (V : fp8e4m3(scale=tensor)), got {spec.v}", "V")
         kind = spec.p_production.kind
         if kind is PKind.EXP:
             p_mode = "fp8_exp"
         elif kind is PKind.DIRECT_P:
             p_mode = "fp8_directp"
         else:
-            raise LoweringError(f"P via {kind.value} is not available on sm90")
+            raise LoweringError(f"P via {kind.value} is not available on sm90", "P.via")
     else:
         raise LoweringError(
-            f"sm90 takes Q/K/V all bf16 or all fp8e4m3, got {fq.value}/{fk.value}/{fv.value}")
+            f"sm90 takes Q/K/V all bf16 or all fp8e4m3, got {fq.value}/{fk.value}/{fv.value}",
+            next(n for n, f in (("Q", fq), ("K", fk), ("V", fv)) if f is not fq) if len({fq, fk, fv}) > 1 else "Q")
     if spec.o.format is not Format.BF16:
-        raise LoweringError(f"sm90 writes O as bf16, not {spec.o.format.value}")
+        raise LoweringError(f"sm90 writes O as bf16, not {spec.o.format.value}", "O")
     if sm.tile_m != 64 * sm.consumer_warpgroups:
         raise LoweringError(f"tile_m {sm.tile_m} must be 64 x consumer_warpgroups ({sm.consumer_warpgroups})")
     if sm.tile_n != 128 or sm.tile_m != 128:
-        raise LoweringError(f"sm90 template is written for 128 x 128 tiles, got {sm.tile_m} x {sm.tile_n}")
+        raise LoweringError(f"sm90 template is written for 128 x 128 tiles, got {sm.tile_m} x {sm.tile_n}", "schedule.tile")
     if sm.kv_stages < 2:
-        raise LoweringError("sm90 needs at least 2 K/V stages")
+        raise LoweringError("sm90 needs at least 2 K/V stages", "schedule.kv_stages")
     if sm.pingpong and not sm.intra_warpgroup_overlap:
         raise LoweringError("sm90 ping-pong is implemented together with intra-warpgroup overlap")
 

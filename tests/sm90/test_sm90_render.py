@@ -229,3 +229,21 @@ def test_direct_p_ptx_has_no_ex2_in_p_path(tmp_path):
     assert exp_ex2 >= 64 * 2, exp_ex2  # 64 scores per thread per tile, per loop copy
     assert dp_cvt == 0 and exp_cvt > 0  # Direct-P packs codes with PRMT, no f32 -> e4m3 cvt
     assert dp_mma == exp_mma > 0
+
+
+@pytest.mark.parametrize("lines,path,line", [
+    (["Q : fp8e4m3", "K : fp8e4m3(block=128)", "V : fp8e4m3(scale=tensor)", "P : fp8e4m3 via exp"], "Q", 4),
+    (["Q : fp8e4m3(block=128)", "K : fp8e4m3", "V : fp8e4m3(scale=tensor)", "P : fp8e4m3 via exp"], "K", 5),
+])
+def test_sm90_refusals_name_the_spec_field(lines, path, line):
+    """check == compile: what the sm90a lowering refuses is reported at the line the user wrote
+    (the planner refuses most other mistakes itself, with their location)."""
+    from fp4gen.frontend import parse_text
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.lowering import LoweringError, refusal
+
+    text = "attention k {\n  target sm90a\n  head_dim 128\n" + "".join(f"  {ln}\n" for ln in lines) + "}\n"
+    spec = parse_text(text, "t.attn")[0]
+    err = refusal(plan_kernel(spec))
+    assert isinstance(err, LoweringError) and err.path == path, err
+    assert spec.loc(path).line == line
