@@ -7,6 +7,7 @@
     fp4gen run SPEC [--kernel K] [--target T] [--device D] [--seqlen N] [--backward]   run once, compare with float64
     fp4gen verify SPEC... [--kernel K] [--json]  compile sm100a kernels on the CPU, check them against the plan
     fp4gen regenerate [--check] [--root DIR]   generated/ from examples/*.attn
+    fp4gen selftest [--json]                   Blackwell smoke kit: unit kernels + sm100a examples (sm_100 only)
     fp4gen demo                                compile + schedule + accuracy of the paper's recipe
 
 Exit status: 0 success; 1 a spec error or another user error (one-line
@@ -352,6 +353,18 @@ def cmd_verify(args) -> int:
     return EXIT_USER if failed else EXIT_OK
 
 
+def cmd_selftest(args) -> int:
+    """Unit kernels of the risky tcgen05 forms, then every sm100a example against its reference
+    backend, on an sm_100 GPU; elsewhere the list of what it would run (exit 0)."""
+    from fp4gen import selftest
+
+    rows = selftest.run(json=args.json)
+    failed = [r for r in rows if r.status in ("fail", "error")]
+    if failed and not args.json:
+        print(f"fp4gen: {len(failed)} of {len(rows)} selftest checks failed", file=sys.stderr)
+    return EXIT_USER if failed else EXIT_OK
+
+
 def cmd_regenerate(args) -> int:
     from fp4gen.lowering.regenerate import EXAMPLES_DIR, GENERATED_DIR, regenerate, report
 
@@ -493,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--kernel", help="verify only this kernel")
     vf.add_argument("--json", action="store_true", help="print the checks as JSON")
     vf.set_defaults(func=cmd_verify)
+
+    st = sub.add_parser("selftest", help="on an sm_100 GPU: unit kernels of the risky tcgen05 forms, then "
+                        "every sm100a example vs its reference; elsewhere: what it would run")
+    st.add_argument("--json", action="store_true", help="print the checks as JSON")
+    st.set_defaults(func=cmd_selftest)
 
     r = sub.add_parser("regenerate", help="rebuild generated/ from examples/*.attn")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
