@@ -37,7 +37,10 @@ Where it runs (decided per call, from the tensors' device):
   generated from exactly this spec: the module's ``forward`` / ``backward``.
   A module without ``backward`` (spec without a ``backward`` block) falls back
   to the reference backward.
-- otherwise the reference backend on the GPU (correct, slow).
+- otherwise the reference backend on the GPU (correct, slow), with one
+  ``ReferenceFallbackWarning`` per spec and reason saying why; pass
+  ``backend="reference"`` to choose it without the warning, or
+  ``backend="generated"`` to make it an error.
 
 ``explain(spec, device)`` says which one a call would use and why;
 ``dispatch_counts()`` counts what actually ran.
@@ -69,6 +72,7 @@ __all__ = [
     "dispatch_counts",
     "reset_dispatch_counts",
     "BACKENDS",
+    "ReferenceFallbackWarning",
 ]
 
 # "auto" picks a generated kernel where one applies, else the reference.
@@ -81,6 +85,10 @@ _ARCH_BY_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a", (10, 3): "sm100a"}
 # ---------------------------------------------------------------------------
 # The spec registry
 # ---------------------------------------------------------------------------
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """A CUDA call runs the (slow) reference backend because no generated kernel applies."""
 
 
 @dataclasses.dataclass
@@ -363,8 +371,13 @@ def _lookup_generated(spec: KernelSpec, arch: str):
     return None, "; ".join(tried) or "no generated module"
 
 
-def _choose(entry: _Entry, device: torch.device, backend: str, need_backward: bool = False):
-    """-> (module or None for reference, reason text)."""
+_WARNED: set = set()  # (spec key or id, pass, reason) already warned about
+
+
+def _choose(entry: _Entry, device: torch.device, backend: str, need_backward: bool = False, *,
+            warn: bool = False):
+    """-> (module or None for reference, reason text). ``warn``: a CUDA call that falls back to
+    the reference under backend="auto" warns once per spec, pass and reason."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     mod, reason = None, None
@@ -385,6 +398,19 @@ def _choose(entry: _Entry, device: torch.device, backend: str, need_backward: bo
             "so the reference backend cannot stand in")
     if mod is None and backend == "generated":
         raise RuntimeError(f"backend='generated' but no generated kernel applies: {reason}")
+    if warn and mod is None and backend == "auto" and device.type == "cuda":
+        tag = (id(entry), need_backward, reason)
+        if tag not in _WARNED:
+            _WARNED.add(tag)
+            import warnings
+
+            name = entry.spec.name if entry.spec is not None else "this kernel"
+            warnings.warn(
+                f"fp4gen: {name} {'backward' if need_backward else 'forward'} runs on the reference backend "
+                f"(exact but slow) because no generated kernel applies on {device}: {reason}. "
+                "Pass backend='reference' to choose it without this warning, or backend='generated' "
+                "to make it an error; fp4gen.torch_ops.explain() says more.",
+                ReferenceFallbackWarning, stacklevel=4)
     return mod, reason or "reference backend requested"
 
 
@@ -453,7 +479,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
                   softmax_scale: Optional[float], backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     entry = _entry(spec_key)
-    mod, _ = _choose(entry, q.device, backend)
+    mod, _ = _choose(entry, q.device, backend, warn=True)
     state = []
     if mod is not None:
         # kernels load through TMA and want dense rows; views of a fused QKV are not
@@ -502,7 +528,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   softmax_scale: Optional[float], backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
-    mod, _ = _choose(entry, q.device, backend, need_backward=True)
+    mod, _ = _choose(entry, q.device, backend, need_backward=True, warn=True)
     if mod is not None:
         kw = {"prepared": _prepared_from_state(state)} if (state and _keeps_forward_state(mod)) else {}
         dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,

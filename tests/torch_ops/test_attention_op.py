@@ -694,3 +694,28 @@ def test_torch_export_keeps_one_opaque_node(reference_backend):
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert torch.ops.fp4gen.attention_fwd.default in targets
     torch.testing.assert_close(ep.module()(q, k, v), attention(q, k, v, spec=spec), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# no silent slow path (issue 19): a CUDA call that falls back to the reference warns
+
+
+def test_cuda_fallback_to_the_reference_warns_once_and_says_why(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(torch_ops, "_arch_of", lambda device: None)  # a GPU with no kernels (sm_80, sm_120)
+    monkeypatch.setattr(torch_ops, "_WARNED", set())
+    entry = torch_ops._entry(torch_ops.spec_key(fp32_spec()))
+    cuda = torch.device("cuda")
+    with pytest.warns(torch_ops.ReferenceFallbackWarning, match=r"reference backend .*unsupported GPU architecture"):
+        assert torch_ops._choose(entry, cuda, "auto", warn=True)[0] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_ops._choose(entry, cuda, "auto", warn=True)  # once per spec, pass and reason
+        torch_ops._choose(entry, cuda, "reference", warn=True)  # asked for: no warning
+        torch_ops._choose(entry, torch.device("cpu"), "auto", warn=True)  # CPU runs the reference by design
+        torch_ops.explain(fp32_spec(), "cpu")
+    with pytest.warns(torch_ops.ReferenceFallbackWarning, match="backward"):
+        torch_ops._choose(entry, cuda, "auto", need_backward=True, warn=True)
+    with pytest.raises(RuntimeError, match="backend='generated' but no generated kernel applies"):
+        torch_ops._choose(entry, cuda, "generated", warn=True)
