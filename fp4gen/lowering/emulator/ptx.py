@@ -133,7 +133,7 @@ class Module:
 
 _INT = re.compile(r"^-?(0[xX][0-9a-fA-F]+|\d+)U?$")
 _FLT = re.compile(r"^0([fFdD])([0-9a-fA-F]+)$")
-_LABEL = re.compile(r"^([$\w][$\w.]*)\s*:\s*(.*)$")
+_LABEL = re.compile(r"^([$\w]+)\s*:(?!:)\s*(.*)$")
 _GUARD = re.compile(r"^@(!?)([%\w#$.]+)\s+(.*)$")
 
 
