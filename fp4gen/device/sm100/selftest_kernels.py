@@ -103,7 +103,7 @@ def _build(cfg: KernelConfig):
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
+    import cutlass.memory as cmem
     import cutlass.utils.blackwell_helpers as sm100_utils
     import cutlass.utils.blockscaled_layout as bsl
     from cutlass import Float32, Int32, const_expr
@@ -174,7 +174,7 @@ def _build(cfg: KernelConfig):
                 d_bar: cute.struct.MemRange[cutlass.Int64, 2]
                 tmem_holding_buf: Int32
 
-            smem = utils.SmemAllocator()
+            smem = cmem.SmemAllocator()
             st = smem.allocate(Storage)
             sB = smem.allocate_tensor(F4, sB_l.outer, 128, sB_l.inner)
             sSFA = smem.allocate_tensor(E8M0, sSFA_l, 128)
@@ -195,7 +195,7 @@ def _build(cfg: KernelConfig):
                 barrier_storage=st.d_bar.data_ptr(), num_stages=1, producer_group=one,
                 consumer_group=wg).make_participants()
 
-            tmem = utils.TmemAllocator(
+            tmem = cmem.TmemAllocator(
                 st.tmem_holding_buf.ptr,
                 barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=M),
                 allocator_warp_id=0)
@@ -326,8 +326,15 @@ def _pointers(tensors, fake):
 
 
 def _source_key(cfg: KernelConfig) -> str:
+    """sha256 of this file, the config and the CuTe DSL version: what the PTX depends on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        dsl = version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:  # pragma: no cover - CuTe DSL is needed to compile at all
+        dsl = "?"
     h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(repr(cfg).encode())
+    h.update(f"{cfg!r} {dsl}".encode())
     return h.hexdigest()[:16]
 
 
