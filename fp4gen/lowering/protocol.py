@@ -269,12 +269,19 @@ class _Model:
                 op = _Op(e.kind, a, e.line, bar, sum(x.tx for x in evs))
                 if e.kind in _TCGEN05:
                     if self.in_order:
-                        op.preds = frozenset(tc_ops)
+                        preds = set(tc_ops)
                     elif e.kind == "mma":
                         # 9.7.16.6.2: cp -> mma, and mma -> mma on the same accumulator
-                        op.preds = frozenset(
-                            q for q in tc_ops if self.ops[q].kind == "cp"
-                            or self._writes_of(q) == writes)
+                        preds = {q for q in tc_ops if self.ops[q].kind == "cp"
+                                 or self._writes_of(q) == writes}
+                    else:
+                        preds = set()
+                    # keep the immediate ones: a pred of a pred completes before it, so the
+                    # op is active iff its immediate preds completed (same activity, and the
+                    # completion that starts it is always one of those)
+                    for q in list(preds):
+                        preds -= self.ops[q].preds
+                    op.preds = frozenset(preds)
                     tc_ops.append(k)
                 elif e.kind in ("tmem_ld", "tmem_st"):
                     tmem_open[e.kind[5:]].append(k)
@@ -338,6 +345,133 @@ class _Model:
         for a, prog in enumerate(self.programs):
             self.programs[a] = [ev for ev in prog
                                 if ev[0] != "access" or ev[2] in self.conflicts]
+        self._footprints()
+
+    def _footprints(self):
+        """Static parts of each transition's footprint for the persistent sets.
+
+        A transition's footprint: the mbarriers / named barriers it writes (arrive, expect-tx,
+        init, complete-tx, commit arrival, bar.sync) or reads (a parity wait), and the
+        accesses whose activity it may start or end ("touch"). Two transitions of different
+        agents are dependent when one writes a barrier the other reads or writes, or one
+        touches an access that the other touches or that conflicts with one it touches."""
+        nb = len(self.bar_addr)
+        nbar_ids = {}
+
+        def nres(i):
+            return nb + nbar_ids.setdefault(i, len(nbar_ids))
+        conf = self.conflicts
+
+        def closure(ts):
+            out = set(ts)
+            for x in ts:
+                out |= conf.get(x, ())
+            return frozenset(out)
+        # accesses that a named-barrier release may put an agent in front of
+        after_nbar = {}
+        for prog in self.programs:
+            for k, ev in enumerate(prog):
+                if ev[0] == "nbar" and k + 1 < len(prog) and prog[k + 1][0] == "access":
+                    after_nbar.setdefault(ev[2], set()).add(prog[k + 1][2])
+        self.op_touch, self.op_rw, self.op_c = [], [], []
+        succs = {}
+        for q, op in enumerate(self.ops):
+            for p in op.preds:
+                succs.setdefault(p, []).append(q)
+        for p, op in enumerate(self.ops):
+            t = {op.acc} if op.acc is not None else set()
+            t |= {self.ops[q].acc for q in succs.get(p, ()) if self.ops[q].acc is not None}
+            self.op_touch.append(frozenset(t))
+            self.op_c.append(closure(t))
+            self.op_rw.append(frozenset({op.bar}) if op.kind == "tma" else frozenset())
+        self.commit_rw = [frozenset({c.bar}) for c in self.commits]
+        self.ev_fp = []  # per agent, per position: (writes, reads, touch) of that event
+        self.fut_fp = []  # per agent, per position: (writes, reads, conflict closure) from there on
+        for prog in self.programs:
+            evfp, fut = [], [None] * (len(prog) + 1)
+            for k, ev in enumerate(prog):
+                w, r, t = set(), set(), set()
+                code = ev[0]
+                if code == "wait":
+                    r.add(ev[2])
+                elif code in ("init", "arrive", "expect"):
+                    w.add(ev[2])
+                elif code == "nbar":
+                    w.add(nres(ev[2]))
+                    t |= after_nbar.get(ev[2], set())
+                elif code == "access":
+                    t.add(ev[2])
+                elif code == "op":
+                    if self.ops[ev[2]].acc is not None:
+                        t.add(self.ops[ev[2]].acc)
+                elif code == "tmwait":
+                    t |= {self.ops[q].acc for q in ev[2] if self.ops[q].acc is not None}
+                if k + 1 < len(prog) and prog[k + 1][0] == "access":
+                    t.add(prog[k + 1][2])
+                evfp.append((frozenset(w), frozenset(r), frozenset(t)))
+            fw, fr, ft = set(), set(), set()
+            fut[len(prog)] = (frozenset(), frozenset(), frozenset())
+            for k in range(len(prog) - 1, -1, -1):
+                w, r, t = evfp[k]
+                fw |= w
+                fr |= r
+                ft |= t
+                ev = prog[k]
+                if ev[0] == "op":
+                    fw |= self.op_rw[ev[2]]
+                    ft |= self.op_touch[ev[2]]
+                elif ev[0] == "commit":
+                    fw |= self.commit_rw[ev[2]]
+                fut[k] = (frozenset(fw), frozenset(fr), closure(ft))
+            self.ev_fp.append(evfp)
+            self.fut_fp.append(fut)
+        self.nres = {i: nb + j for i, j in nbar_ids.items()}
+        # who can change an mbarrier's state (arrive, expect-tx, init, the complete-tx of a
+        # TMA it issues, the arrival of a commit it issues)
+        self.writers = {}
+        for a, prog in enumerate(self.programs):
+            for ev in prog:
+                bs = ()
+                if ev[0] in ("init", "arrive", "expect"):
+                    bs = (ev[2],)
+                elif ev[0] == "op" and self.ops[ev[2]].kind == "tma":
+                    bs = (self.ops[ev[2]].bar,)
+                elif ev[0] == "commit":
+                    bs = (self.commits[ev[2]].bar,)
+                for b in bs:
+                    self.writers.setdefault(b, set()).add(a)
+        self.writers = {b: frozenset(v) for b, v in self.writers.items()}
+        # the future of an agent in segments between its waits: seg[a][k] = (writes, reads,
+        # conflict closure) of the events from k up to the next wait, next_wait[a][k]
+        self.seg, self.next_wait = [], []
+        for a, prog in enumerate(self.programs):
+            n = len(prog)
+            seg, nxt = [None] * (n + 1), [n] * (n + 1)
+            seg[n] = (frozenset(), frozenset(), frozenset())
+            fw, fr, ft = set(), set(), set()
+            for k in range(n - 1, -1, -1):
+                ev = prog[k]
+                if ev[0] == "wait":
+                    fw, fr, ft = set(), set(), set()
+                    seg[k] = (frozenset(), frozenset(), frozenset())
+                    nxt[k] = k
+                    continue
+                nxt[k] = nxt[k + 1]
+                w, r, t = self.ev_fp[a][k]
+                fw |= w
+                fr |= r
+                ft |= t
+                if ev[0] == "op":
+                    fw |= self.op_rw[ev[2]]
+                    ft |= self.op_touch[ev[2]]
+                elif ev[0] == "commit":
+                    fw |= self.commit_rw[ev[2]]
+                seg[k] = (frozenset(fw), frozenset(fr), closure(ft))
+            self.seg.append(seg)
+            self.next_wait.append(nxt)
+        self.wait_fp = [[closure(fp[2]) if prog[k][0] == "wait" else None
+                         for k, fp in enumerate(self.ev_fp[a])]
+                        for a, prog in enumerate(self.programs)]
 
     def _ordered_by_program(self, i, j):
         x, y = self.accesses[i], self.accesses[j]
@@ -487,17 +621,16 @@ class _Search:
 
     # --- transitions -------------------------------------------------------------------
     def successors(self, state, sidx):
-        """Yields (label, new_state) pairs; records misuse findings."""
+        """(label, new state) pairs of the transitions to explore from ``state``, and whether
+        any transition is enabled at all; records misuse findings."""
         m = self.m
         pos, bars, pend, nba, nbw = state
-        trans = []
-        safe = None
+        enabled = {}  # agent -> its enabled transitions
         for a, prog in enumerate(m.programs):
             if pos[a] >= len(prog) or a in nbw:
                 continue
             ev = prog[pos[a]]
-            code = ev[0]
-            if code == "wait":
+            if ev[0] == "wait":
                 b = bars[ev[2]]
                 if b is None:
                     self._misuse(("uninit-wait", ev[1]), a, ev,
@@ -505,38 +638,108 @@ class _Search:
                     continue
                 if b[0] == ev[3]:
                     continue  # the phase of this parity has not completed (9.7.13.15.16)
-            elif code == "op" and self.reduce and safe is None:
-                op = m.ops[ev[2]]
-                if op.acc is None or (op.preds & pend):
-                    safe = ("w", a)
-            elif code in ("commit",) and self.reduce and safe is None:
-                safe = ("w", a)
-            elif code == "tmwait" and self.reduce and safe is None:
-                if not any(m.ops[p].acc is not None for p in ev[2] & pend):
-                    safe = ("w", a)
-            trans.append(("w", a))
+            enabled.setdefault(a, []).append(("w", a))
         for p in pend:
             if p < self.n_ops:
                 op = m.ops[p]
                 if op.kind in ("tmem_ld", "tmem_st") or (op.preds & pend):
                     continue
-                if self.reduce and safe is None and op.kind != "tma" and op.acc is None and \
-                        not any(p in m.ops[q].preds and m.ops[q].acc is not None
-                                for q in pend if q < self.n_ops):
-                    safe = ("c", p)
-                trans.append(("c", p))
+                enabled.setdefault(op.agent, []).append(("c", p))
             else:
                 c = m.commits[p - self.n_ops]
                 if not (c.needs & pend):
-                    trans.append(("f", p - self.n_ops))
-        if safe is not None:
-            trans = [safe]
+                    enabled.setdefault(c.agent, []).append(("f", p - self.n_ops))
+        if not enabled:
+            return [], False
+        if self.reduce and len(enabled) > 1:
+            trans = self._persistent(state, enabled)
+        else:
+            trans = [t for ts in enabled.values() for t in ts]
         out = []
         for t in trans:
             r = self._apply(state, t, sidx)
             if r is not None:
                 out.append(r)
-        return out, bool(trans)
+        return out, True
+
+    def _persistent(self, state, enabled):
+        """A persistent set (Godefroid): the enabled transitions of a set S of agents such
+        that no agent outside S can, on a path that executes nothing of S, execute a
+        transition dependent on a current transition of an agent in S. An agent's current
+        transitions are its next event -- also a blocked wait, so that every agent that could
+        complete that phase joins S -- and its in-flight ops' completions and pending commits'
+        arrivals. An outside agent's future is scanned up to its first wait that is blocked now
+        on an mbarrier whose every writer is in S (S is frozen on such paths, so that wait
+        stays blocked). Exploring only the set keeps every deadlock and the relative order of
+        every two dependent transitions -- among them the start and end of every two
+        conflicting accesses, which decides whether both are active in one state."""
+        m = self.m
+        pos, bars, pend, nba, nbw = state
+        empty = frozenset()
+        dyn = {}  # agent -> (writes, touch, conflict closure) of its in-flight ops / commits
+        for p in pend:
+            if p < self.n_ops:
+                a = m.ops[p].agent
+                w, t, c = dyn.get(a, (empty, empty, empty))
+                dyn[a] = (w | m.op_rw[p], t | m.op_touch[p], c | m.op_c[p])
+            else:
+                a = m.commits[p - self.n_ops].agent
+                w, t, c = dyn.get(a, (empty, empty, empty))
+                dyn[a] = (w | m.commit_rw[p - self.n_ops], t, c)
+        live = [a for a, prog in enumerate(m.programs) if pos[a] < len(prog) or a in dyn]
+        cur = {}
+        for a in live:
+            dw, dt, dc = dyn.get(a, (empty, empty, empty))
+            k = pos[a]
+            if k < len(m.programs[a]):
+                ew, er, et = m.ev_fp[a][k]
+                cur[a] = (ew | dw, er, et | dt)
+            else:
+                cur[a] = (dw, empty, dt)
+
+        def dependent(b, S, CW, CR, CT):
+            d = dyn.get(b)
+            if d is not None and ((CW & d[0]) or (CR & d[0]) or (CT & d[2])):
+                return True
+            prog = m.programs[b]
+            seg, nxt, writers = m.seg[b], m.next_wait[b], m.writers
+            k, n = pos[b], len(prog)
+            while k < n:
+                fw, fr, fc = seg[k]
+                if (CW & fw) or (CW & fr) or (CR & fw) or (CT & fc):
+                    return True
+                k = nxt[k]
+                if k >= n:
+                    return False
+                _, _, bar, parity = prog[k]
+                st = bars[bar]
+                ws = writers.get(bar, empty)
+                if (st is None or st[0] == parity) and b not in ws and ws <= S:
+                    return False  # blocked until S moves
+                if (CW & {bar}) or (CT & m.wait_fp[b][k]):
+                    return True
+                k += 1
+            return False
+
+        best, best_n = None, None
+        for seed in sorted(enabled, key=lambda a: len(enabled[a])):
+            S = {seed}
+            CW, CR, CT = cur[seed]
+            grew = True
+            while grew:
+                grew = False
+                for b in live:
+                    if b not in S and dependent(b, S, CW, CR, CT):
+                        S.add(b)
+                        bw, br, bt = cur[b]
+                        CW, CR, CT = CW | bw, CR | br, CT | bt
+                        grew = True
+            n = sum(len(enabled.get(a, ())) for a in S)
+            if best_n is None or n < best_n:
+                best, best_n = S, n
+                if n == 1:
+                    break
+        return [t for a in sorted(best) for t in enabled.get(a, ())]
 
     def _misuse(self, key, a, ev, msg, sidx, label=None):
         m = self.m
