@@ -160,6 +160,9 @@ def test_nibble_check_names_the_order():
     assert ok and words.startswith("low nibble")
     ok, err, words = sk.judge("e2m1_nibble_order_tmem", high.float())
     assert not ok and err >= 1 and words.startswith("HIGH nibble")
+    # neither order (here: every code read two keys later): the observed map is reported
+    ok, _, words = sk.judge("e2m1_nibble_order_tmem", torch.roll(low, 2, dims=2).float())
+    assert not ok and "1->3, 3->5" in words
 
 
 def test_sf_id_check_catches_step_two_reading_block_zero_scales():
@@ -181,8 +184,10 @@ def test_pv_check_catches(fault):
         got[0, 100, 3] += 4.0
     else:
         got = got.transpose(1, 2).contiguous()
-    ok, err, _ = sk.judge("pv_mxfp4_tmem_a", got)
+    ok, err, words = sk.judge("pv_mxfp4_tmem_a", got)
     assert not ok and err > sk.RTOL
+    if fault == "zeros":
+        assert "all zero" in words
 
 
 def test_reuse_check_catches_a_clobbered_first_product():
