@@ -34,6 +34,7 @@ numpy float32, which rounds to nearest even like ``.rn``. Deviations stated, not
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -49,6 +50,11 @@ LANES = np.arange(W, dtype=np.uint32)
 ALL = np.ones(W, dtype=bool)
 PARAM_GENERIC = 0x7F00_0000_0000  # generic address of the kernel parameter space
 SHARED_GENERIC = 0x7E00_0000_0000  # generic address of the CTA's shared window
+
+
+# floating-point exceptions are the kernel's business (NaN/inf propagate as on the hardware):
+# numpy's warnings are silenced once in Machine.run, not per instruction
+_QUIET = contextlib.nullcontext()
 
 
 class EmulationError(RuntimeError):
@@ -105,7 +111,7 @@ def _fma_f32(a, b, c) -> np.ndarray:
     the float64 sum is corrected by its two-sum error where it would round to a float32 tie."""
     p = a.astype(np.float64) * b.astype(np.float64)
     c64 = c.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with _QUIET:
         s = p + c64
         bp = s - p
         err = (p - (s - bp)) + (c64 - bp)
@@ -336,6 +342,20 @@ class Machine:
             sdt = self._store_type(name)
             zero = np.zeros(W, dtype=sdt)
 
+            if sdt == dt:
+                def rd_same(w):
+                    a = w.regs.get(name)
+                    return zero if a is None else a
+                return rd_same
+
+            if sdt.itemsize == dt.itemsize and sdt != np.bool_ and dt != np.bool_:
+                zv = zero.view(dt)
+
+                def rd_view(w):
+                    a = w.regs.get(name)
+                    return zv if a is None else a.view(dt)
+                return rd_view
+
             def rd(w):
                 a = w.regs.get(name)
                 return _conv(zero if a is None else a, dt)
@@ -414,10 +434,17 @@ class Machine:
             raise EmulationError(f"cannot write operand {op}")
         name = op.name
         sdt = self._store_type(name)
+        isz, pred = sdt.itemsize, sdt == np.bool_
 
         def wr(w, val, m, full):
             # register arrays are never modified in place, so they may be shared
-            v = _conv(val, sdt)
+            vd = val.dtype
+            if vd == sdt:
+                v = val
+            elif vd.itemsize == isz and vd != np.bool_ and not pred:
+                v = val.view(sdt)
+            else:
+                v = _conv(val, sdt)
             if full:
                 w.regs[name] = v
             else:
@@ -468,12 +495,25 @@ class Machine:
         if np.dtype(dt).kind == "f" and mods & {"rz", "rm", "rp"}:
             raise NotImplementedError(f"rounding {mods & {'rz', 'rm', 'rp'}} of {ins.opcode}")
 
+        if not (ftz or sat):
+            if nsrc == 2:
+                s0, s1 = srcs
+
+                def h2(w, m, full):
+                    wr(w, f(s0(w), s1(w)), m, full)
+                return h2
+            if nsrc == 1:
+                s0 = srcs[0]
+
+                def h1(w, m, full):
+                    wr(w, f(s0(w)), m, full)
+                return h1
+
         def h(w, m, full):
             a = [s(w) for s in srcs]
             if ftz:
                 a = [_ftz(x) for x in a]
-            with np.errstate(all="ignore"):
-                r = f(*a)
+            r = f(*a)
             if ftz:
                 r = _ftz(r)
             if sat:  # .sat: clamp to [0, 1], NaN -> 0
@@ -501,7 +541,7 @@ class Machine:
 
         def h(w, m, full):
             a = [s(w).view(np.float32).reshape(W, 2) for s in srcs]
-            with np.errstate(all="ignore"):
+            with _QUIET:
                 r = f(*a).astype(np.float32)
             wr(w, np.ascontiguousarray(r).reshape(-1).view(np.uint64), m, full)
         return h
@@ -742,17 +782,18 @@ class Machine:
         a_rd, b_rd, c_rd = (self._reader(o, np.uint32) for o in ins.operands[1:4])
         wr = self._writer(ins.operands[0])
 
+        shifts = np.array([0, 4, 8, 12], dtype=np.uint64)
+        outsh = np.array([0, 8, 16, 24], dtype=np.uint64)
+
         def h(w, m, full):
             a, b, c = a_rd(w), b_rd(w), c_rd(w)
-            src = (a.astype(np.uint64) | (b.astype(np.uint64) << np.uint64(32)))
-            out = np.zeros(W, dtype=np.uint32)
-            for i in range(4):
-                sel = (c >> np.uint32(4 * i)) & np.uint32(0xF)
-                byte = ((src >> ((sel & np.uint32(7)).astype(np.uint64) * np.uint64(8))) & np.uint64(0xFF)).astype(np.uint32)
-                rep = np.where(byte & 0x80, np.uint32(0xFF), np.uint32(0))
-                byte = np.where(sel & 8, rep, byte)
-                out |= byte << np.uint32(8 * i)
-            wr(w, out, m, full)
+            src = a.astype(np.uint64) | (b.astype(np.uint64) << np.uint64(32))
+            sel = (c.astype(np.uint64)[:, None] >> shifts) & np.uint64(0xF)
+            byte = (src[:, None] >> ((sel & np.uint64(7)) << np.uint64(3))) & np.uint64(0xFF)
+            sign = sel >= 8
+            if sign.any():
+                byte = np.where(sign, np.where(byte >= 0x80, np.uint64(0xFF), np.uint64(0)), byte)
+            wr(w, np.bitwise_or.reduce(byte << outsh, axis=1).astype(np.uint32), m, full)
         return h
 
     # --- comparison and selection (PTX ISA 9.7.7) -----------------------------------------
@@ -798,7 +839,7 @@ class Machine:
             a, b = a_rd(w), b_rd(w)
             if ftz:
                 a, b = _ftz(a), _ftz(b)
-            with np.errstate(invalid="ignore"):
+            with _QUIET:
                 r = np.asarray(f(a, b), dtype=bool)
             if bop is not None:
                 cv = c_rd(w)
@@ -897,7 +938,7 @@ class Machine:
 
         def h(w, m, full):
             a = rd(w)
-            with np.errstate(all="ignore"):
+            with _QUIET:
                 if adt.kind == "f" and ddt.kind == "f":
                     if ftz and adt == np.float32:
                         a = _ftz(a)
@@ -1666,13 +1707,13 @@ class Machine:
             kind, h = code[pc]
             ins = instrs[pc]
             m = mask
-            if ins.guard is not None:
-                g = w.regs.get(ins.guard[0])
-                g = np.zeros(W, bool) if g is None else g
-                if ins.guard[1]:
-                    g = ~g
-                m = mask & g
-                if full and not (m == mask).all():
+            g = ins.guard
+            if g is not None:
+                gv = w.regs.get(g[0])
+                if gv is None:
+                    gv = np.zeros(W, bool)
+                m = mask & ~gv if g[1] else mask & gv
+                if full and np.count_nonzero(m) != np.count_nonzero(mask):
                     full = False
             done += 1
             w.count += 1
@@ -1685,7 +1726,7 @@ class Machine:
                     return done
                 self._advance(w, pc, mask & ~m)
                 continue
-            if m.any():
+            if g is None or m.any():
                 r = h(w, m, full)
                 if r is not None:  # blocked: the instruction retires on a later try
                     w.blocked = r
@@ -1736,6 +1777,16 @@ class Machine:
         """Run the CTA to completion; returns self (``trace``, ``log``, ``seconds``)."""
         t0 = time.time()
         total = 0
+        old = np.seterr(all="ignore")
+        try:
+            self._schedule()
+        finally:
+            np.seterr(**old)
+        self.seconds = time.time() - t0
+        return self
+
+    def _schedule(self):
+        total = 0
         while True:
             ran = False
             for w in self.warps:
@@ -1762,9 +1813,7 @@ class Machine:
             for a in w.st_queue:
                 self._complete(a)
             w.st_queue = []
-        self.seconds = time.time() - t0
         self.instructions = total
-        return self
 
     def _deadlock_report(self) -> str:
         lines = ["deadlock: every live warp is blocked and no asynchronous operation is pending"]
