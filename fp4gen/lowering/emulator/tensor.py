@@ -39,6 +39,9 @@ hardware:
 * sub-word elements of A in a 32-bit TMEM word (9.7.16.10.4.3: "contiguously packed in a 32-bit
   Tensor Memory word"): assumed lower K index in lower bits (bf16: bits 0-15 then 16-31; e4m3:
   byte 0 first; e2m1: nibble 0 first).
+* ``tcgen05.ld/st .32x32b`` (9.7.16.2.3.1.1): the text says a warp accesses 32 lanes, 32·num
+  bits each; that thread t gets lane base+t and register j column base+j is in Figure 183 only.
+  Assumed as CUTLASS's ``SM100_TMEM_LOAD_32dp32b<N>x`` does it.
 * ``tcgen05.cp``: SMEM byte j of a 128-bit row goes to byte j % 4 (bits 8(j%4)..) of column
   j // 4 (little-endian words; consistent with Figures 233/242 as transcribed in the same
   repository, ``kernel_thing/ptx_llm/f233.txt``/``f242.txt``: SF0 in bits [0:7]).
@@ -204,7 +207,8 @@ def _ld_st_region(tmem: TensorMemory, shape: str, num, taddr: int, warp: int, op
     if lane != first:
         raise TensorOpError(f"tcgen05.{op}.32x32b by warp {warp} at lane {lane}: warp {warp} may "
                             f"access lanes {first}..{first + 31} only (ISA 9.7.16.8.1)")
-    # 9.7.16.2.3.1.1 (Figure 183): thread t <-> lane lane+t, register j <-> column col+j
+    # 9.7.16.2.3.1.1 (Figure 183, see the module docstring): thread t <-> lane lane+t,
+    # register j <-> column col+j
     tmem.check((lane, lane + 32), (col, col + n), f"tcgen05.{op}.32x32b.x{n}")
     return lane, col, n
 
