@@ -302,6 +302,45 @@ def test_selftest_exit_status_follows_the_rows(cli, monkeypatch, status, rc):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "scaled", "nan", "lse"])
+def test_example_check_compares_with_the_reference_backend(monkeypatch, fault):
+    """The example row's plumbing on the CPU: the 'kernel' is the reference module itself (a
+    pass with error 0), or that module with a planted fault."""
+    import fp4gen.api
+    from fp4gen import selftest
+
+    item = next(i for i in selftest.plan() if i.name == "fa4_fp4_d128")
+    # a smaller problem than the kit's (the CPU reference is slow); still ragged and GQA
+    monkeypatch.setattr(selftest, "EXAMPLE_SHAPE",
+                        {"batch": 1, "seqlen_q": 130, "seqlen_k": 140, "heads": 2, "heads_kv": 1})
+    real_load = fp4gen.api.load
+    ref = real_load(item.spec, kernel=item.name, target="reference")
+
+    class Faulty:
+        HEAD_DIM = 128
+
+        @staticmethod
+        def forward(q, k, v, return_lse=False):
+            o, lse = ref.forward(q, k, v, return_lse=True)
+            if fault == "scaled":
+                o = o * 1.1
+            elif fault == "nan":
+                o = o.clone()
+                o[0, 3, 1, 5] = float("nan")
+            elif fault == "lse":
+                lse = lse + 0.1
+            return o, lse
+
+    monkeypatch.setattr(fp4gen.api, "load", lambda spec, kernel=None, target=None:
+                        real_load(spec, kernel=kernel, target=target) if target else Faulty)
+    row = selftest.run_example(item, device="cpu")
+    if fault is None:
+        assert row.status == "pass" and row.max_error == 0.0, row
+    else:
+        assert row.status == "fail", row
+
+
+@pytest.mark.slow
 def test_isolated_check_reports_an_error_row():
     """The subprocess path on this machine: the kernel refuses (no sm_100), the row says so."""
     from fp4gen import selftest
