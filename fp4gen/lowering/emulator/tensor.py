@@ -18,7 +18,8 @@ Implemented:
   ``kind::mxf4nvf4.block_scale.block16`` (E2M1 x UE4M3 per 16 K) and ``.block32`` (E2M1 x
   UE8M0 per 32 K), M = 128, dense, K per instruction 16 / 32 / 64, A from SMEM or TMEM, B from
   SMEM, D fp32 in TMEM, SMEM operands K-major or MN-major with no swizzle or 32B/64B/128B
-  swizzle (16-byte atomicity), ``collector::a::discard`` only.
+  swizzle (16-byte atomicity), ``collector::a::discard`` only, with or without a
+  ``{disable-output-lane}`` mask (no ``scale-input-d``).
 
 Arithmetic: each MMA forms its products and their sum in numpy float64 (exact for the FP4 and
 FP8 kinds: E2M1/E4M3 products with their scales, summed over K <= 64, fit in 53 bits; for bf16
@@ -455,7 +456,8 @@ def _scale_matrix(tmem, taddr, rows, nblk, sf_id, fmt, what):
 
 def mma(tmem: TensorMemory, smem: SharedMemory, *, kind: str, modifiers=(), d_taddr: int, a: int,
         a_in_tmem: bool, b_desc: int, idesc: int, enable_input_d: bool,
-        scale_a_taddr: int | None = None, scale_b_taddr: int | None = None) -> tuple[tuple, tuple]:
+        scale_a_taddr: int | None = None, scale_b_taddr: int | None = None,
+        disable_output_lane=None) -> tuple[tuple, tuple]:
     """One ``tcgen05.mma`` (ISA 9.7.16.10.9.1): D = A·B (+ D if ``enable_input_d``), A M x K,
     B K x N (stored as N rows of K, like A), D M x N fp32 at TMEM lanes 0..M-1, columns
     d..d+N-1 (Layout D, 9.7.16.10.5.4). Block-scaled kinds: (A·scale_A)·(B·scale_B) + D
@@ -464,7 +466,11 @@ def mma(tmem: TensorMemory, smem: SharedMemory, *, kind: str, modifiers=(), d_ta
     ``kind``: ``"kind::mxf4nvf4.block_scale.block16"`` (or just ``"kind::f16"``...),
     ``modifiers``: the other dotted qualifiers of the opcode (``cta_group::1``,
     ``collector::a::discard``, ``block_scale``, ``block16``...), in any split between the two.
-    ``a``: a TMEM address when ``a_in_tmem``, else the 64-bit SMEM descriptor."""
+    ``a``: a TMEM address when ``a_in_tmem``, else the 64-bit SMEM descriptor.
+    ``disable_output_lane``: the ``{disable-output-lane}`` vector (4 x 32-bit for cta_group::1)
+    or None: bit i (element 0's LSB = lane 0) set leaves TMEM lane i of D unchanged (ISA
+    9.7.16.10.9.1). The fp8 forward's and the backward's MMAs carry one (CuTe DSL passes the
+    TiledMMA's run-time mask words)."""
     fam, block = _parse_mma_form(kind, modifiers)
     form = f"tcgen05.mma.kind::{fam}" + (f".block_scale.{block}" if block else "")
     d = decode_instr_desc(f"kind::{fam}", idesc & 0xFFFFFFFF)
@@ -554,12 +560,33 @@ def mma(tmem: TensorMemory, smem: SharedMemory, *, kind: str, modifiers=(), d_ta
         acc = A @ B.T
 
     col = _tmem_operand(tmem, d_taddr, N, f"{form} D")
+    keep = np.ones(M, bool)
+    if disable_output_lane is not None:
+        words = [int(x) & 0xFFFFFFFF for x in disable_output_lane]
+        if len(words) != 4:  # ISA 9.7.16.10.9.1: 4 elements for cta_group::1
+            raise TensorOpError(f"{form}: disable-output-lane has {len(words)} elements (4 for cta_group::1)")
+        mask = sum(w << (32 * i) for i, w in enumerate(words))
+        keep = np.array([not (mask >> lane) & 1 for lane in range(M)])
     if enable_input_d:
         old = tmem.data[0:M, col:col + N].view(np.float32).astype(np.float64)
         acc = acc + old
         reads.append(tmem.span(0, M, col, col + N))
-    tmem.data[0:M, col:col + N] = acc.astype(np.float32).view(np.uint32)
-    return tuple(reads), (tmem.span(0, M, col, col + N),)
+    new = acc.astype(np.float32).view(np.uint32)
+    tmem.data[0:M, col:col + N] = np.where(keep[:, None], new, tmem.data[0:M, col:col + N])
+    writes = tuple(tmem.span(int(lo), int(hi), col, col + N) for lo, hi in _runs(keep))
+    return tuple(reads), writes
+
+
+def _runs(flags: np.ndarray):
+    """[lo, hi) runs of True in a boolean vector."""
+    out, lo = [], None
+    for i, f in enumerate(list(flags) + [False]):
+        if f and lo is None:
+            lo = i
+        elif not f and lo is not None:
+            out.append((lo, i))
+            lo = None
+    return out
 
 
 __all__ = ["SharedMemory", "TensorMemory", "TensorOpError", "tmem_load", "tmem_store", "tmem_copy", "mma",

@@ -350,6 +350,34 @@ def test_mma_f16_a_from_tmem_b_mn_major(cute_ref):
     np.testing.assert_allclose(_f32(tm, 256), A @ B.T, rtol=1e-5, atol=1e-5)
 
 
+def test_mma_disable_output_lane_keeps_masked_lanes(cute_ref):
+    """ISA 9.7.16.10.9.1: bit i of the 128-bit {disable-output-lane} mask (element 0's LSB =
+    lane 0) leaves TMEM lane i of D as it was; a zero mask is the plain MMA."""
+    rng = np.random.default_rng(8)
+    sm, tm = _mem()
+    a_codes, A = _bf16(rng, (128, 16))
+    b_codes, B = _bf16(rng, (128, 64))
+    _tmem_pack(tm, 0, a_codes, 16)
+    _place(sm, cute_ref, "MN_SW128_bf16", 2048, b_codes)
+    idesc = encode_instr_desc("kind::f16", d_format=1, a_format=1, b_format=1, b_major=1,
+                              n_dim=128 >> 3, m_dim=128 >> 4)
+    kw = dict(kind="kind::f16", d_taddr=256, a=0, a_in_tmem=True, idesc=idesc, enable_input_d=False,
+              b_desc=_descriptor("MN_SW128_bf16", 2048, 0, cute_ref))
+    T.mma(tm, sm, disable_output_lane=(0, 0, 0, 0), **kw)
+    want = A @ B[:, :16].T
+    _close(_f32(tm, 256), want)
+    tm.data[0:128, 256:384] = 0
+    mask = (1 << 0) | (1 << 37) | (0xFFFFFFFF << 96)  # lanes 0, 37, 96..127
+    _, writes = T.mma(tm, sm, disable_output_lane=tuple((mask >> (32 * i)) & 0xFFFFFFFF for i in range(4)), **kw)
+    assert writes == (TmemSpan(1, 37, 256, 384), TmemSpan(38, 96, 256, 384))
+    got = _f32(tm, 256)
+    kept = np.zeros(128, bool)
+    kept[[0, 37]] = True
+    kept[96:] = True
+    assert (got[kept] == 0).all()
+    _close(got[~kept], want[~kept])
+
+
 # ------------------------------------------------------------------ kind::f8f6f4 (e4m3) -----
 
 def test_mma_f8f6f4_e4m3_a_tmem_b_mn_major(cute_ref):
