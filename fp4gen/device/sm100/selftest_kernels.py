@@ -532,7 +532,7 @@ def hypotheses(name: str, ops: Operands) -> dict:
     """label -> expected D under that reading of the hardware; the first is the assumed one."""
     if name == "e2m1_nibble_order_tmem":
         return {"low nibble = even K index (as formats.pack_fp4 and the forward's P packing)": expected(ops),
-                "HIGH nibble = even K index (the forward's P and V packing would be swapped)":
+                "HIGH nibble = even K index, against B's order in SMEM (swap P's nibbles to match V's)":
                     expected(ops, nibble_order="high_first")}
     if name == "block32_sf_id":
         return {"step 2 read the scale bytes of sf_id 2 (keys 64-127)": expected(ops),
