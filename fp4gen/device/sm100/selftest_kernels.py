@@ -185,6 +185,14 @@ def _build(cfg: KernelConfig):
 
             one = coop(1)
             wg = coop(M)
+            # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match the
+            # mbarrier.init count (effective count: 1)" on the a and d pipelines and C8 "constant
+            # parity=1 on a single-use barrier" at the two producers' first acquire. Triaged
+            # 2026-12-01: the a-full barrier is initialised to 128 and all 128 threads arrive once,
+            # the d-empty one likewise (PTX: mbarrier.init ..., 128); parity 1 on a fresh barrier
+            # tests the phase before the first, which counts as complete (PTX ISA 9.7.13.15.16),
+            # the start state of every CuTe producer. The kernels also ran to completion in
+            # fp4gen's PTX emulator under both its schedules.
             # TMA of B + SFB -> MMA thread
             b_prod, b_cons = pipeline.PipelineTmaUmma.create(
                 barrier_storage=st.b_bar.data_ptr(), num_stages=1, producer_group=one,
