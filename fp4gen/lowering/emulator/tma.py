@@ -287,18 +287,22 @@ def _leaves(shape, basis):
 
 
 def _fill(layout_static, given, what):
-    """The caller's concrete (shape, stride) checked against the memref's static entries."""
-    def walk(st, gv):
-        if isinstance(st, tuple):
-            if not isinstance(gv, tuple) or len(gv) != len(st):
-                raise TensorOpError(f"{what}: layout {gv} does not match the kernel's {st}")
-            return tuple(walk(a, b) for a, b in zip(st, gv))
-        if isinstance(gv, tuple):
-            raise TensorOpError(f"{what}: layout {gv} does not match the kernel's {st}")
-        if isinstance(st, int) and st != int(gv):
-            raise TensorOpError(f"{what}: {gv} where the kernel's layout has the static {st}")
-        return int(gv)
-    return walk(layout_static[0], given[0]), walk(layout_static[1], given[1])
+    """The caller's concrete (shape, stride) checked against the memref's static entries (the
+    stride of an extent-1 mode is not checked: CuTe makes it 0 when the size is 1)."""
+    def walk(sh, st, gsh, gst):
+        if isinstance(sh, tuple):
+            if not (isinstance(gsh, tuple) and isinstance(gst, tuple) and len(gsh) == len(sh) == len(gst)):
+                raise TensorOpError(f"{what}: layout {given} does not match the kernel's {layout_static}")
+            parts = [walk(*x) for x in zip(sh, st, gsh, gst)]
+            return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
+        if isinstance(gsh, tuple) or isinstance(gst, tuple):
+            raise TensorOpError(f"{what}: layout {given} does not match the kernel's {layout_static}")
+        if isinstance(sh, int) and sh != int(gsh):
+            raise TensorOpError(f"{what}: extent {gsh} where the kernel's layout has the static {sh}")
+        if isinstance(st, int) and st != int(gst) and int(gsh) != 1:
+            raise TensorOpError(f"{what}: stride {gst} where the kernel's layout has the static {st}")
+        return int(gsh), int(gst)
+    return walk(layout_static[0], layout_static[1], given[0], given[1])
 
 
 def tensor_map_of(atom: TmaAtom, address: int, shape, stride, name: str = "") -> TensorMap:

@@ -311,3 +311,9 @@ def test_backward_maps():
         assert m.global_strides == (256 * H, 256, S * 256 * H)
     with pytest.raises(TensorOpError, match="static"):
         tma.tensor_maps(mlir, {a.host_arg: (0, (S, 64, H, B), stride, "bf16") for a in atoms}, ptx)
+    # a mode of extent 1 may have any stride (CuTe gives 0); its static stride is not checked
+    a = atoms[0]
+    m = tma.tensor_map_of(a, 0, (S, 128, 1, 1), (128, 1, 0, 0))
+    assert m.global_dims == (128, S, 1, 1)
+    with pytest.raises(TensorOpError, match="stride 2"):
+        tma.tensor_map_of(a, 0, (S, 128, 2, 1), (128, 2, 128, 0))
