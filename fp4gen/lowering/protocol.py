@@ -20,16 +20,18 @@ issue) that the PTX ISA allows, and reports
 Semantics (each rule with the PTX ISA 9.x section it implements):
 
 * mbarrier (9.7.13.15): ``init`` sets phase 0, pending arrivals = expected = count, tx-count 0
-  (9.7.13.15.9); an arrive-on by ``count`` lanes lowers the pending count (9.7.13.15.4,
-  .13); ``arrive.expect_tx`` performs the expect-tx before the arrive-on (9.7.13.15.13);
+  (9.7.13.15.9; init of a barrier that is already initialised is undefined, reported); an
+  arrive-on by ``count`` lanes lowers the pending count (9.7.13.15.7, .13);
+  ``arrive.expect_tx`` performs the expect-tx before the arrive-on (9.7.13.15.13);
   expect-tx raises and complete-tx lowers the tx-count (9.7.13.15.5); the phase completes
   when pending == 0 and tx-count == 0, then the barrier moves to the next phase and the
-  pending count is reset to the expected count (9.7.13.15.6). ``try_wait.parity p`` /
+  pending count is reset to the expected count (9.7.13.15.6); any other operation on an
+  uninitialised barrier is undefined (9.7.13.15). ``try_wait.parity p`` /
   ``test_wait.parity p`` succeeds once the phase of parity p has completed, i.e. while the
   current phase's parity differs from p (9.7.13.15.16). Only the parity is observable, so
   the state keeps the parity, and a waiter whose barrier ran two phases ahead reads its
   phase as not complete -- the search explores that interleaving like any other.
-* TMA (``cp.async.bulk.tensor``, 9.7.9.25.5; mbarrier completion 9.7.9.25.1.2): reads and
+* TMA (``cp.async.bulk.tensor``, 9.7.9.25.5.2; mbarrier completion 9.7.9.25.1.2): reads and
   writes between issue and its complete-tx of ``tx`` bytes on its barrier, which may happen
   at any later time.
 * tcgen05.mma / tcgen05.cp: asynchronous; they "may execute and complete in a different
@@ -42,11 +44,11 @@ Semantics (each rule with the PTX ISA 9.x section it implements):
   accumulation, which the ISA guarantees; "same accumulator" is read as equal write spans
   -- the trace carries no MMA shape, and these kernels use one shape per accumulator.)
 * ``tcgen05.commit`` (9.7.16.12.1): one arrive-on on its barrier once every mma / cp the
-  warp issued before it has completed (9.7.16.6.3 lists what the mbarrier mechanism tracks;
-  ``tcgen05.ld/st`` are not among them).
-* ``tcgen05.ld`` / ``tcgen05.st`` (9.7.16.8.3/4): in flight until the warp's next
+  warp issued before it has completed (9.7.16.6.2.1: commit tracks ``tcgen05.{mma,cp,
+  shift}``, ``tcgen05.wait`` tracks ``tcgen05.{ld,st}``).
+* ``tcgen05.ld`` / ``tcgen05.st`` (9.7.16.8.3, .4): in flight until the warp's next
   ``tcgen05.wait::ld`` / ``::st`` (9.7.16.8.5, pattern 9.7.16.6.4.2).
-* ``bar.sync`` / ``bar.arrive`` (9.7.13.4): a warp contributes its 32 threads; ``bar.sync``
+* ``bar.sync`` / ``bar.arrive`` (9.7.13.1): a warp contributes its 32 threads; ``bar.sync``
   blocks until ``count`` threads arrived at that barrier id, ``bar.arrive`` does not block.
 * Fences (``fence.proxy.async``, ``tcgen05.fence::*``) are not modelled: the checker assumes
   the kernel places them where the ISA asks (a limitation; the emulator records them for a
@@ -60,17 +62,23 @@ Reductions (why each is sound, or what it gives up):
    arrivals); a state's future depends on nothing else.
 2. Accesses with no possible conflict partner (no overlapping span with a write on either
    side, ignoring pairs program order rules out) are dropped, and fences with them.
-3. Partial-order reduction by singleton ample sets: when an enabled transition is both
-   *independent* of every other transition (it reads and writes only its own agent's state:
-   issuing an op, a ``tcgen05.commit`` (the later arrival is a separate transition), a
-   ``tcgen05.wait``, completing an mma/cp) and *invisible* (it neither starts nor ends
-   the activity of an access that has a conflict partner: an op issued behind an earlier
-   incomplete op it is ordered after, an op with no partner, a wait that retires only
-   partner-less loads/stores), only that transition is expanded. Commuting an independent
-   transition to the front preserves every reachable deadlock and, being invisible, every
-   pair of simultaneously active accesses (ample-set conditions C0-C2; C3 holds because
-   every transition advances a position or retires an op, so the graph has no cycles).
-   Transitions on mbarriers and named barriers are never reduced.
+3. Partial-order reduction by persistent sets (Godefroid, "Partial-Order Methods for the
+   Verification of Concurrent Systems", ch. 4): from each state only the enabled
+   transitions of a set S of agents are explored, where no agent outside S can -- on a path
+   that executes nothing of S -- execute a transition dependent on a current transition of
+   S (``_Search._persistent``; dependency in ``_Model._footprints``: same mbarrier unless
+   both are reads or both plain arrive-ons, same named barrier, or touching two conflicting
+   accesses). An agent's "current" transitions include its blocked wait, so every agent
+   that could complete that phase joins S, and its in-flight ops / pending commits; its
+   future is read up to its first wait that is blocked now on an mbarrier no agent outside
+   S can change any more. Every path of the full graph then has an equivalent (same order
+   of every two dependent transitions) one in the reduced graph, possibly extended by
+   transitions independent of it, so every deadlock is kept, every misuse (a barrier
+   transition in a given barrier state), and every race: the start and end of the activity
+   of two conflicting accesses are dependent transitions, and their order decides whether
+   both are active in one state. The state graph is acyclic (every transition advances a
+   position or retires an op), so no cycle proviso is needed. The tests check the reduced
+   search against the plain one on every planted fault.
 4. Optional (``group_warps=True``): warps whose traces show the same event sequence on the
    same barriers (same opcodes, lines, barriers, parities; spans may differ, e.g. the four
    softmax warps of a stage) are one agent: arrival counts, tx bytes and named-barrier
@@ -348,19 +356,23 @@ class _Model:
         self._footprints()
 
     def _footprints(self):
-        """Static parts of each transition's footprint for the persistent sets.
+        """Static parts of each transition's footprint, for the persistent sets.
 
-        A transition's footprint: the mbarriers / named barriers it writes (arrive, expect-tx,
-        init, complete-tx, commit arrival, bar.sync) or reads (a parity wait), and the
-        accesses whose activity it may start or end ("touch"). Two transitions of different
-        agents are dependent when one writes a barrier the other reads or writes, or one
-        touches an access that the other touches or that conflicts with one it touches."""
+        On an mbarrier a transition either reads it (a parity wait: R), arrives on it
+        without tx (``mbarrier.arrive``, a commit's arrival: A) or otherwise changes it
+        (init, expect-tx, arrive.expect_tx, a TMA's complete-tx: W); a bar.sync is W on its
+        named barrier. Arrive-ons commute with each other (the counts add up and the phase
+        completes once either way), so A-A and R-R are independent, every other pair on one
+        barrier is dependent. Beyond barriers a transition "touches" the accesses whose
+        activity it may start or end; two transitions are also dependent when one touches an
+        access that the other touches or that conflicts with one it touches."""
         nb = len(self.bar_addr)
         nbar_ids = {}
 
         def nres(i):
             return nb + nbar_ids.setdefault(i, len(nbar_ids))
         conf = self.conflicts
+        E = frozenset()
 
         def closure(ts):
             out = set(ts)
@@ -373,7 +385,7 @@ class _Model:
             for k, ev in enumerate(prog):
                 if ev[0] == "nbar" and k + 1 < len(prog) and prog[k + 1][0] == "access":
                     after_nbar.setdefault(ev[2], set()).add(prog[k + 1][2])
-        self.op_touch, self.op_rw, self.op_c = [], [], []
+        self.op_touch, self.op_w, self.op_c = [], [], []
         succs = {}
         for q, op in enumerate(self.ops):
             for p in op.preds:
@@ -383,17 +395,23 @@ class _Model:
             t |= {self.ops[q].acc for q in succs.get(p, ()) if self.ops[q].acc is not None}
             self.op_touch.append(frozenset(t))
             self.op_c.append(closure(t))
-            self.op_rw.append(frozenset({op.bar}) if op.kind == "tma" else frozenset())
-        self.commit_rw = [frozenset({c.bar}) for c in self.commits]
-        self.ev_fp = []  # per agent, per position: (writes, reads, touch) of that event
-        self.fut_fp = []  # per agent, per position: (writes, reads, conflict closure) from there on
+            self.op_w.append(frozenset({op.bar}) if op.kind == "tma" else E)
+        self.commit_a = [frozenset({c.bar}) for c in self.commits]
+        # per agent and position: the event's own (W, A, R, touch), and the future split
+        # into segments between waits: seg[k] = (W, A, R, conflict closure) of the events
+        # from k up to the next wait next_wait[k] (op completions and commit arrivals
+        # included); fut_bw[k] = the barriers the agent may change from k on
+        self.ev_fp, self.seg, self.next_wait, self.fut_bw, self.wait_c = [], [], [], [], []
         for prog in self.programs:
-            evfp, fut = [], [None] * (len(prog) + 1)
+            n = len(prog)
+            evfp = []
             for k, ev in enumerate(prog):
-                w, r, t = set(), set(), set()
+                w, a_, r, t = set(), set(), set(), set()
                 code = ev[0]
                 if code == "wait":
                     r.add(ev[2])
+                elif code == "arrive" and ev[4] == 0:
+                    a_.add(ev[2])
                 elif code in ("init", "arrive", "expect"):
                     w.add(ev[2])
                 elif code == "nbar":
@@ -406,72 +424,40 @@ class _Model:
                         t.add(self.ops[ev[2]].acc)
                 elif code == "tmwait":
                     t |= {self.ops[q].acc for q in ev[2] if self.ops[q].acc is not None}
-                if k + 1 < len(prog) and prog[k + 1][0] == "access":
-                    t.add(prog[k + 1][2])
-                evfp.append((frozenset(w), frozenset(r), frozenset(t)))
-            fw, fr, ft = set(), set(), set()
-            fut[len(prog)] = (frozenset(), frozenset(), frozenset())
-            for k in range(len(prog) - 1, -1, -1):
-                w, r, t = evfp[k]
-                fw |= w
-                fr |= r
-                ft |= t
-                ev = prog[k]
-                if ev[0] == "op":
-                    fw |= self.op_rw[ev[2]]
-                    ft |= self.op_touch[ev[2]]
-                elif ev[0] == "commit":
-                    fw |= self.commit_rw[ev[2]]
-                fut[k] = (frozenset(fw), frozenset(fr), closure(ft))
-            self.ev_fp.append(evfp)
-            self.fut_fp.append(fut)
-        self.nres = {i: nb + j for i, j in nbar_ids.items()}
-        # who can change an mbarrier's state (arrive, expect-tx, init, the complete-tx of a
-        # TMA it issues, the arrival of a commit it issues)
-        self.writers = {}
-        for a, prog in enumerate(self.programs):
-            for ev in prog:
-                bs = ()
-                if ev[0] in ("init", "arrive", "expect"):
-                    bs = (ev[2],)
-                elif ev[0] == "op" and self.ops[ev[2]].kind == "tma":
-                    bs = (self.ops[ev[2]].bar,)
-                elif ev[0] == "commit":
-                    bs = (self.commits[ev[2]].bar,)
-                for b in bs:
-                    self.writers.setdefault(b, set()).add(a)
-        self.writers = {b: frozenset(v) for b, v in self.writers.items()}
-        # the future of an agent in segments between its waits: seg[a][k] = (writes, reads,
-        # conflict closure) of the events from k up to the next wait, next_wait[a][k]
-        self.seg, self.next_wait = [], []
-        for a, prog in enumerate(self.programs):
-            n = len(prog)
-            seg, nxt = [None] * (n + 1), [n] * (n + 1)
-            seg[n] = (frozenset(), frozenset(), frozenset())
-            fw, fr, ft = set(), set(), set()
+                if k + 1 < n and prog[k + 1][0] == "access":
+                    t.add(prog[k + 1][2])  # the agent now stands before that access
+                evfp.append((frozenset(w), frozenset(a_), frozenset(r), frozenset(t)))
+            seg, nxt, fbw = [None] * (n + 1), [n] * (n + 1), [E] * (n + 1)
+            seg[n] = (E, E, E, E)
+            fw, fa, fr, ft = set(), set(), set(), set()
+            bw = set()
             for k in range(n - 1, -1, -1):
                 ev = prog[k]
+                w, a_, r, t = evfp[k]
+                if ev[0] == "op":
+                    w = w | self.op_w[ev[2]]
+                    t = t | self.op_touch[ev[2]]
+                elif ev[0] == "commit":
+                    a_ = a_ | self.commit_a[ev[2]]
+                bw |= w | a_
+                fbw[k] = frozenset(bw)
                 if ev[0] == "wait":
-                    fw, fr, ft = set(), set(), set()
-                    seg[k] = (frozenset(), frozenset(), frozenset())
+                    fw, fa, fr, ft = set(), set(), set(), set()
+                    seg[k] = (E, E, E, E)
                     nxt[k] = k
                     continue
                 nxt[k] = nxt[k + 1]
-                w, r, t = self.ev_fp[a][k]
                 fw |= w
+                fa |= a_
                 fr |= r
                 ft |= t
-                if ev[0] == "op":
-                    fw |= self.op_rw[ev[2]]
-                    ft |= self.op_touch[ev[2]]
-                elif ev[0] == "commit":
-                    fw |= self.commit_rw[ev[2]]
-                seg[k] = (frozenset(fw), frozenset(fr), closure(ft))
+                seg[k] = (frozenset(fw), frozenset(fa), frozenset(fr), closure(ft))
+            self.ev_fp.append(evfp)
             self.seg.append(seg)
             self.next_wait.append(nxt)
-        self.wait_fp = [[closure(fp[2]) if prog[k][0] == "wait" else None
-                         for k, fp in enumerate(self.ev_fp[a])]
-                        for a, prog in enumerate(self.programs)]
+            self.fut_bw.append(fbw)
+            self.wait_c.append([closure(fp[3]) if prog[k][0] == "wait" else None
+                                for k, fp in enumerate(evfp)])
 
     def _ordered_by_program(self, i, j):
         x, y = self.accesses[i], self.accesses[j]
@@ -675,48 +661,51 @@ class _Search:
         conflicting accesses, which decides whether both are active in one state."""
         m = self.m
         pos, bars, pend, nba, nbw = state
-        empty = frozenset()
-        dyn = {}  # agent -> (writes, touch, conflict closure) of its in-flight ops / commits
+        E = frozenset()
+        dyn = {}  # agent -> (W, A, touch, conflict closure) of its in-flight ops / commits
         for p in pend:
             if p < self.n_ops:
                 a = m.ops[p].agent
-                w, t, c = dyn.get(a, (empty, empty, empty))
-                dyn[a] = (w | m.op_rw[p], t | m.op_touch[p], c | m.op_c[p])
+                w, a_, t, c = dyn.get(a, (E, E, E, E))
+                dyn[a] = (w | m.op_w[p], a_, t | m.op_touch[p], c | m.op_c[p])
             else:
                 a = m.commits[p - self.n_ops].agent
-                w, t, c = dyn.get(a, (empty, empty, empty))
-                dyn[a] = (w | m.commit_rw[p - self.n_ops], t, c)
+                w, a_, t, c = dyn.get(a, (E, E, E, E))
+                dyn[a] = (w, a_ | m.commit_a[p - self.n_ops], t, c)
         live = [a for a, prog in enumerate(m.programs) if pos[a] < len(prog) or a in dyn]
-        cur = {}
+        cur, bw = {}, {}
         for a in live:
-            dw, dt, dc = dyn.get(a, (empty, empty, empty))
+            dw, da, dt, _ = dyn.get(a, (E, E, E, E))
             k = pos[a]
             if k < len(m.programs[a]):
-                ew, er, et = m.ev_fp[a][k]
-                cur[a] = (ew | dw, er, et | dt)
+                ew, ea, er, et = m.ev_fp[a][k]
+                cur[a] = (ew | dw, ea | da, er, et | dt)
+                bw[a] = m.fut_bw[a][k] | dw | da
             else:
-                cur[a] = (dw, empty, dt)
+                cur[a] = (dw, da, E, dt)
+                bw[a] = dw | da
 
-        def dependent(b, S, CW, CR, CT):
+        def dependent(b, S, CW, CA, CR, CT):
             d = dyn.get(b)
-            if d is not None and ((CW & d[0]) or (CR & d[0]) or (CT & d[2])):
+            if d is not None and ((CW & (d[0] | d[1])) or (CA & d[0]) or (CR & (d[0] | d[1]))
+                                  or (CT & d[3])):
                 return True
             prog = m.programs[b]
-            seg, nxt, writers = m.seg[b], m.next_wait[b], m.writers
+            seg, nxt, wait_c = m.seg[b], m.next_wait[b], m.wait_c[b]
             k, n = pos[b], len(prog)
             while k < n:
-                fw, fr, fc = seg[k]
-                if (CW & fw) or (CW & fr) or (CR & fw) or (CT & fc):
+                fw, fa, fr, fc = seg[k]
+                if (CW & (fw | fa | fr)) or (CA & (fw | fr)) or (CR & (fw | fa)) or (CT & fc):
                     return True
                 k = nxt[k]
                 if k >= n:
                     return False
                 _, _, bar, parity = prog[k]
                 st = bars[bar]
-                ws = writers.get(bar, empty)
-                if (st is None or st[0] == parity) and b not in ws and ws <= S:
-                    return False  # blocked until S moves
-                if (CW & {bar}) or (CT & m.wait_fp[b][k]):
+                if (st is None or st[0] == parity) and \
+                        not any(bar in bw[c] for c in live if c not in S):
+                    return False  # blocked until an agent of S moves
+                if (CW & {bar}) or (CT & wait_c[k]):
                     return True
                 k += 1
             return False
@@ -724,15 +713,15 @@ class _Search:
         best, best_n = None, None
         for seed in sorted(enabled, key=lambda a: len(enabled[a])):
             S = {seed}
-            CW, CR, CT = cur[seed]
+            CW, CA, CR, CT = cur[seed]
             grew = True
             while grew:
                 grew = False
                 for b in live:
-                    if b not in S and dependent(b, S, CW, CR, CT):
+                    if b not in S and dependent(b, S, CW, CA, CR, CT):
                         S.add(b)
-                        bw, br, bt = cur[b]
-                        CW, CR, CT = CW | bw, CR | br, CT | bt
+                        bw_, ba, br, bt = cur[b]
+                        CW, CA, CR, CT = CW | bw_, CA | ba, CR | br, CT | bt
                         grew = True
             n = sum(len(enabled.get(a, ())) for a in S)
             if best_n is None or n < best_n:
@@ -814,6 +803,11 @@ class _Search:
                 self._misuse(("init0", ev[1]), a, ev, "expected count below 1", sidx, label)
                 return None
             b = ev[2]
+            if bars[b] is not None:  # 9.7.13.15.9: undefined on a valid mbarrier object
+                self._misuse(("reinit", ev[1]), a, ev,
+                             "mbarrier.init of a barrier that is already initialised", sidx,
+                             label)
+                return None
             bars = bars[:b] + ((0, ev[3], 0, ev[3]),) + bars[b + 1:]
         elif code == "arrive":
             bars = self._arrive(bars, ev[2], ev[3], ev[4], a, ev, sidx, label)
@@ -928,7 +922,7 @@ def check_protocol(trace: T.Trace, *, in_order_tensor_pipe: bool = True,
     findings = sorted(s.findings.values(), key=lambda f: (order[f.kind], f.lines))
     reductions = ["memoised states", "partner-less accesses and fences dropped"]
     if reduce:
-        reductions.append("singleton ample sets for independent invisible transitions")
+        reductions.append("persistent sets")
     if any(len(g) > 1 for g in m.groups):
         reductions.append("lock-step groups: " + ", ".join(
             m.agent_name(a) for a, g in enumerate(m.groups) if len(g) > 1))

@@ -189,6 +189,162 @@ def test_reductions_keep_the_findings(fault, in_order):
     assert [0, 1] in red.agents and [0] in full.agents
 
 
+# --- an FA4-shaped trace: the layout of docs/sm100.md ---------------------------------------
+# Two query stages j (softmax warps 4j..4j+3), correction warps 8-11, MMA warp 12, load warp 13;
+# K and V rings; S_j / P_j / SFP_j / SFV_j in S_j's columns, O_j at 256 + 128 j; the QK^T
+# scales of stage j (SFQ_j, SFK_j) in the other stage's S columns, copied after "S_{1-j}
+# drained"; MMA order QK_0(0) QK_1(0), then PV_j(i-1) QK_j(i), then PV_0 PV_1 of the last tile.
+
+
+def fa4_like(tiles, kv_stages=2, chunks=4, skip_other_drained=False):
+    ops = iter(range(100000))
+    L = {}
+    def ln(name):
+        return L.setdefault(name, 100 + len(L))
+    bars = {}
+    def bar(name, count):
+        bars[name] = (0x100 + 8 * len(bars), count)
+        return bars[name][0]
+    Qf = [bar(f"qf{j}", 1) for j in range(2)]
+    Kf = [bar(f"kf{s}", 1) for s in range(kv_stages)]; Ke = [bar(f"ke{s}", 1) for s in range(kv_stages)]
+    Vf = [bar(f"vf{s}", 1) for s in range(kv_stages)]; Ve = [bar(f"ve{s}", 1) for s in range(kv_stages)]
+    Sf = [bar(f"sf{j}", 1) for j in range(2)]; Se = [bar(f"se{j}", 128) for j in range(2)]
+    Pf = [bar(f"pf{j}", 128) for j in range(2)]; Pe = [bar(f"pe{j}", 1) for j in range(2)]
+    Of = [bar(f"of{j}", 1) for j in range(2)]
+    Tf = [bar(f"tf{j}", 128) for j in range(2)]
+    QS = [SmemSpan(0x1000 + 0x2000 * j, 0x3000 + 0x2000 * j) for j in range(2)]
+    KS = [SmemSpan(0x10000 + 0x2000 * s, 0x12000 + 0x2000 * s) for s in range(kv_stages)]
+    VS = [SmemSpan(0x20000 + 0x2000 * s, 0x22000 + 0x2000 * s) for s in range(kv_stages)]
+    SFPs = [SmemSpan(0x30000 + 0x200 * j, 0x30200 + 0x200 * j) for j in range(2)]
+    STATS = [SmemSpan(0x31000 + 0x400 * j, 0x31400 + 0x400 * j) for j in range(2)]
+    def T_(j, lo, hi, lanes=(0, 128)):
+        return TmemSpan(lanes[0], lanes[1], lo, hi)
+    S = [T_(j, 128 * j, 128 * j + 128) for j in range(2)]
+    P = [T_(j, 128 * j + 64, 128 * j + 80) for j in range(2)]
+    SFP = [T_(j, 128 * j + 80, 128 * j + 84) for j in range(2)]
+    SFV = [T_(j, 128 * j + 84, 128 * j + 88) for j in range(2)]
+    O = [T_(j, 256 + 128 * j, 384 + 128 * j) for j in range(2)]
+    SFQK = [T_(j, 128 * (1 - j), 128 * (1 - j) + 16) for j in range(2)]
+    nthreads = 16 * 32
+    sync = NamedBarrier(ln("sync"), 1, nthreads)
+    warps = {}
+    # load warp 13
+    ld = [BarrierInit(ln("init"), a, c) for a, c in bars.values()] + [sync]
+    for j in range(2):
+        ld += [Arrive(ln("q_arrive"), Qf[j], 1, 0x2000), AsyncOp(ln("q_tma"), next(ops), "tma", writes=(QS[j],), bar=Qf[j], tx=0x2000)]
+    for i in range(tiles):
+        s, ph = i % kv_stages, (i // kv_stages) & 1
+        ld += [Wait(ln("k_empty"), Ke[s], ph ^ 1), Arrive(ln("k_arrive"), Kf[s], 1, 0x2000),
+               AsyncOp(ln("k_tma"), next(ops), "tma", writes=(KS[s],), bar=Kf[s], tx=0x2000),
+               Wait(ln("v_empty"), Ve[s], ph ^ 1), Arrive(ln("v_arrive"), Vf[s], 1, 0x2000),
+               AsyncOp(ln("v_tma"), next(ops), "tma", writes=(VS[s],), bar=Vf[s], tx=0x2000)]
+    warps[13] = ld
+    # mma warp 12
+    m = [sync]
+    s_cnt = [0, 0]  # QKs issued per stage
+    p_cnt = [0, 0]
+    def qk(j, i):
+        s, ph = i % kv_stages, (i // kv_stages) & 1
+        ev = []
+        if j == 0:
+            ev.append(Wait(ln("mk_full"), Kf[s], ph))
+        if i == 0:
+            ev.append(Wait(ln("mq_full"), Qf[j], 0))
+        o = 1 - j
+        if not skip_other_drained:
+            ev.append(Wait(ln("s_other"), Se[o], (s_cnt[o] & 1) ^ 1))
+        ev.append(Wait(ln("s_own"), Se[j], (s_cnt[j] & 1) ^ 1))
+        ev += [AsyncOp(ln("cp_sfqk"), next(ops), "cp", reads=(QS[j],), writes=(SFQK[j],))]
+        for k in range(2):
+            ev.append(AsyncOp(ln("qk"), next(ops), "mma", reads=(QS[j], KS[s], SFQK[j]), writes=(S[j],)))
+        ev.append(Commit(ln("qk_commit"), Sf[j]))
+        s_cnt[j] += 1
+        if j == 1:
+            ev.append(Commit(ln("k_release"), Ke[s]))
+        return ev
+    def pv(j, i):
+        s, ph = i % kv_stages, (i // kv_stages) & 1
+        ev = []
+        if j == 0:
+            ev.append(Wait(ln("mv_full"), Vf[s], ph))
+        ev += [Wait(ln("p_full"), Pf[j], p_cnt[j] & 1),
+               AsyncOp(ln("cp_sfp"), next(ops), "cp", reads=(SFPs[j],), writes=(SFP[j],)),
+               AsyncOp(ln("cp_sfv"), next(ops), "cp", reads=(VS[s],), writes=(SFV[j],))]
+        for k in range(2):
+            ev.append(AsyncOp(ln("pv"), next(ops), "mma", reads=(P[j], SFP[j], SFV[j], VS[s]), writes=(O[j],)))
+        ev.append(Commit(ln("p_release"), Pe[j]))
+        p_cnt[j] += 1
+        if j == 1:
+            ev.append(Commit(ln("v_release"), Ve[s]))
+        return ev
+    m += qk(0, 0) + qk(1, 0)
+    for i in range(1, tiles):
+        for j in range(2):
+            m += pv(j, i - 1) + qk(j, i)
+    m += pv(0, tiles - 1) + pv(1, tiles - 1)
+    m += [Commit(ln("o_commit"), Of[0]), Commit(ln("o_commit1"), Of[1])]
+    warps[12] = m
+    # softmax warps
+    for j in range(2):
+        for w in range(4):
+            lanes = (32 * w, 32 * w + 32)
+            ev = [sync]
+            for i in range(tiles):
+                ev.append(Wait(ln("sm_s_full"), Sf[j], i & 1))
+                for c in range(chunks):
+                    ev.append(AsyncOp(ln("sm_ld"), next(ops), "tmem_ld", reads=(TmemSpan(*lanes, 128 * j + 32 * c, 128 * j + 32 * c + 32),)))
+                ev += [TmemWait(ln("sm_wait_ld"), "ld"), Fence(ln("f1"), "tcgen05.fence::before_thread_sync"),
+                       Arrive(ln("sm_s_release"), Se[j], 32)]
+                if i > 0:
+                    ev.append(Wait(ln("sm_p_empty"), Pe[j], (i - 1) & 1))
+                ev += [Access(ln("sm_st_sfp"), True, (SmemSpan(SFPs[j].lo + 128 * w, SFPs[j].lo + 128 * w + 128),)),
+                       AsyncOp(ln("sm_st_p"), next(ops), "tmem_st", writes=(TmemSpan(*lanes, 128 * j + 64, 128 * j + 80),)),
+                       TmemWait(ln("sm_wait_st"), "st"), Fence(ln("f2"), "fence.proxy.async.shared::cta"),
+                       Arrive(ln("sm_p_arrive"), Pf[j], 32)]
+            ev += [Access(ln("sm_stats"), True, (SmemSpan(STATS[j].lo + 256 * w, STATS[j].lo + 256 * w + 256),)),
+                   Arrive(ln("sm_t_arrive"), Tf[j], 32)]
+            warps[4 * j + w] = ev
+    # correction warps 8-11 (both stages' epilogues)
+    for w in range(4):
+        lanes = (32 * w, 32 * w + 32)
+        ev = [sync]
+        for j in range(2):
+            ev += [Wait(ln("c_t_full"), Tf[j], 0), Access(ln("c_stats"), False, (SmemSpan(STATS[j].lo + 256 * w, STATS[j].lo + 256 * w + 256),)),
+                   Wait(ln("c_o_full"), Of[j], 0)]
+            for c in range(4):
+                ev.append(AsyncOp(ln("c_ld"), next(ops), "tmem_ld", reads=(TmemSpan(*lanes, 256 + 128 * j + 32 * c, 288 + 128 * j + 32 * c),)))
+            ev.append(TmemWait(ln("c_wait"), "ld"))
+        warps[8 + w] = ev
+    warps[14] = [sync]
+    warps[15] = [sync]
+    return Trace("fa4_like", tiles, warps, {}), L
+
+
+def _named(report, names):
+    inv = {v: k for k, v in names.items()}
+    return {frozenset(inv[l] for l in f.lines) for f in report.races}
+
+
+def test_fa4_shaped_trace_relies_on_in_order_issue_only_for_s_reuse():
+    t, names = fa4_like(2)
+    assert [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] == \
+        protocol.check_protocol(t, max_states=1).agents[:3]  # the softmax / correction groups
+    rel = protocol.check_tensor_pipe_reliance(t)
+    assert rel.in_order.ok, rel.in_order.summary()
+    assert rel.without.exhaustive
+    # QK_j(i) overwrites S_j while PV_j(i-1) reads P_j / SFP_j / SFV_j there (S vs O: no
+    # 9.7.16.6.2 pair); everything else is ordered by barriers, commits or ISA pairs
+    assert _named(rel.without, names) == {frozenset(("qk", "pv"))}
+
+
+def test_fa4_shaped_trace_needs_the_other_stage_drained():
+    # without "S_{1-j} drained" the MMA warp copies SFQ_j/SFK_j into S_{1-j}'s columns while
+    # softmax_{1-j} may still be loading its scores from there
+    t, names = fa4_like(1, skip_other_drained=True)
+    r = protocol.check_protocol(t)
+    assert frozenset(("cp_sfqk", "sm_ld")) in _named(r, names), r.summary()
+
+
 # --- mbarrier semantics on tiny traces ---------------------------------------------------
 
 B = 0x200
@@ -237,6 +393,11 @@ def test_tx_bytes_short_deadlocks():
                                        AsyncOp(5, 0, "tma", writes=(SmemSpan(0, 64),),
                                                bar=B, tx=64)], [Wait(6, B, 0)]))
     assert [f.lines for f in r.deadlocks] == [(6,)] and "tx-count 64" in r.deadlocks[0].message
+
+
+def test_init_of_an_initialised_barrier():
+    r = protocol.check_protocol(Trace("tiny", 1, {0: [BarrierInit(2, B, 1), BarrierInit(3, B, 1)]}))
+    assert [f.lines for f in r.misuse] == [(3,)] and "already initialised" in r.misuse[0].message
 
 
 def test_wait_on_an_uninitialised_barrier():
