@@ -127,6 +127,24 @@ def _fma_f32(a, b, c) -> np.ndarray:
     return r.astype(np.float32)
 
 
+def _fma_f64(a, b, c) -> np.ndarray:
+    """fma.rn.f64: a*b+c rounded once, per lane in exact rational arithmetic (rare: the
+    correctly rounded divisions of the two-level P path)."""
+    from fractions import Fraction
+
+    out = np.empty(W, dtype=np.float64)
+    for i in range(a.size):
+        x, y, z = float(a[i]), float(b[i]), float(c[i])
+        if all(map(np.isfinite, (x, y, z))):
+            try:
+                out[i] = float(Fraction(x) * Fraction(y) + Fraction(z))
+            except OverflowError:
+                out[i] = x * y + z
+        else:
+            out[i] = x * y + z
+    return out
+
+
 class MBarrier:
     """PTX ISA 9.7.13.15 (mbarrier): a phase completes when its pending arrival count and its
     transaction count are both zero; the count then resets to the init count and the phase
@@ -288,7 +306,7 @@ class Machine:
                  params: bytes = b"", ctaid=(0, 0, 0), nctaid=(1, 1, 1), ntid=None,
                  schedule: str = "eager", tensor_maps: Optional[dict] = None, ops=None,
                  trace: Optional[T.Trace] = None, quantum: int = 2000,
-                 max_instructions: int = 50_000_000):
+                 max_instructions: int = 50_000_000, strict_aligned: bool = True):
         if schedule not in ("eager", "lazy"):
             raise ValueError(f"schedule must be 'eager' or 'lazy', not {schedule!r}")
         self.m = module
@@ -308,6 +326,12 @@ class Machine:
         self.ops = ops or _TensorOps()
         self.trace = trace if trace is not None else T.Trace(kernel=module.entry, kv_tiles=0)
         self.quantum = quantum
+        # .aligned (PTX ISA 9.7.16.8.3 tcgen05.ld, 9.7.16.8.4 tcgen05.st, 9.7.16.7.1 alloc,
+        # 9.7.13 bar/barrier): every thread of the warp executes the same instruction; in
+        # divergent code the behaviour is undefined. strict: a partial warp is an error; not
+        # strict: the lanes present act alone (tcgen05.st leaves the other lanes' cells as they
+        # were), what the source presumably meant.
+        self.strict_aligned = strict_aligned
         self.max_instructions = max_instructions
         self.nwarps = (self.ntid + W - 1) // W
         self.warps = [Warp(i) for i in range(self.nwarps)]
@@ -323,6 +347,7 @@ class Machine:
         self.progress = 0  # bumped by every shared-state change (test_wait parking)
         self.shared_sym = shared_layout(module)
         self.log: list = []  # (warp, line, note) for setmaxnreg and other recorded no-ops
+        self.divergent_aligned: list = []  # messages: .aligned instructions run by partial warps
         self._store_dt = {}
         self.code = [self._compile(i) for i in module.instrs]
 
@@ -593,7 +618,7 @@ class Machine:
         if ins.parts[-1] == "f32x2":
             return self._f32x2(ins, 3, lambda a, b, c: _fma_f32(a.reshape(-1), b.reshape(-1), c.reshape(-1)).reshape(W, 2))
         if ins.parts[-1] == "f64":
-            raise NotImplementedError("fma.f64")
+            return self._arith(ins, 3, _fma_f64)
         return self._arith(ins, 3, _fma_f32)
 
     def _c_div(self, ins):
@@ -1570,6 +1595,9 @@ class Machine:
             def h_st(w, m, full):
                 taddr = self._uniform(w, m, t_rd(w), line) + toff
                 vals = np.stack([r(w) for r in rds], axis=1).astype(np.uint32)
+                if not m.all():  # a partial warp (non-strict): absent lanes keep their cells
+                    old, _ = self.ops.tmem_load(self.tmem, shape, num, taddr, w.idx)
+                    vals = np.where(m[:, None], vals, np.asarray(old, dtype=np.uint32))
                 op = self.op_counter
                 self.op_counter += 1
                 idx = self._record(w, T.AsyncOp(line, op, "tmem_st"))
@@ -1649,14 +1677,24 @@ class Machine:
             sfb_rd = self._reader(rest[1].base, np.uint32)
             sfa_off, sfb_off = rest[0].offset, rest[1].offset
             rest = rest[2:]
+        # optional disable-output-lane vector before enable-input-d (9.7.16.10.9.1): only an
+        # all-zero mask (no lane disabled) is emulated, checked at run time
+        dis_rds = []
+        if rest and isinstance(rest[0], P.Vec):
+            dis_rds = [self._reader(x, np.uint32) for x in rest[0].items]
+            rest = rest[1:]
         if len(rest) != 1:
-            raise NotImplementedError("tcgen05.mma with a disable-output-lane mask or scale-input-d")
+            raise NotImplementedError("tcgen05.mma with scale-input-d")
         e_rd = self._reader(rest[0], np.bool_)
 
         def h(w, m, full):
             d, a, b, i_, e = d_rd(w), a_rd(w), b_rd(w), i_rd(w), e_rd(w)
             sa = sfa_rd(w) if sfa_rd else None
             sb = sfb_rd(w) if sfb_rd else None
+            for r in dis_rds:
+                if (r(w)[m] != 0).any():
+                    raise EmulationError(f"warp {w.idx}, line {line}: tcgen05.mma with output lanes "
+                                         f"disabled is not emulated")
             for j in np.nonzero(m)[0]:
                 kw = dict(kind=kind_full, modifiers=mods, d_taddr=int(d[j]) + d_off,
                           a=int(a[j]) + a_off, a_in_tmem=a_in_tmem, b_desc=int(b[j]),
@@ -1727,6 +1765,8 @@ class Machine:
                 self._advance(w, pc, mask & ~m)
                 continue
             if g is None or m.any():
+                if ins.aligned and not (full or np.array_equal(m, w.live)):
+                    self._partial_aligned(w, ins, m)
                 r = h(w, m, full)
                 if r is not None:  # blocked: the instruction retires on a later try
                     w.blocked = r
@@ -1782,6 +1822,8 @@ class Machine:
             self._schedule()
         finally:
             np.seterr(**old)
+        self.trace.setmaxnreg = {w.idx: list(w.setmaxnreg) for w in self.warps if w.setmaxnreg}
+        self.trace.schedule = self.schedule
         self.seconds = time.time() - t0
         return self
 
@@ -1814,6 +1856,16 @@ class Machine:
                 self._complete(a)
             w.st_queue = []
         self.instructions = total
+
+    def _partial_aligned(self, w, ins, m):
+        n = int(np.count_nonzero(m))
+        note = (f"warp {w.idx}, PTX line {ins.line}: `{ins.text}` (.aligned) executed by {n} of the "
+                f"warp's {int(np.count_nonzero(w.live))} threads (lanes {np.nonzero(m)[0].tolist()[:8]}"
+                f"{'...' if n > 8 else ''}): divergent code around a warp-collective instruction is "
+                f"undefined behaviour")
+        self.divergent_aligned.append(note)
+        if self.strict_aligned:
+            raise EmulationError(note)
 
     def _deadlock_report(self) -> str:
         lines = ["deadlock: every live warp is blocked and no asynchronous operation is pending"]

@@ -94,6 +94,10 @@ class Instr:
     guard: Optional[tuple] = None  # (register name, negated)
     target: Optional[int] = None  # branch target (instruction index)
     text: str = ""
+    aligned: bool = False  # a '.aligned' warp-collective: the whole warp must execute it
+
+    def __post_init__(self):
+        self.aligned = "aligned" in self.opcode.split(".")
 
     @property
     def parts(self) -> list:

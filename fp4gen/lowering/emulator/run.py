@@ -18,11 +18,11 @@
    back;
 5. compares with ``fp4gen.numerics.reference.forward`` of the module's spec.
 
-``globals_by_arg`` (the argument of ``tma.tensor_maps``): MLIR kernel argument index of each
-TMA atom -> ``(address, shape, strides, dtype)`` of the global tensor it loads: address in
-the emulated global memory, shape/strides the CuTe layout (nested tuples, in elements of
-``dtype``) that the kernel's ``__call__`` built the atom from (``ForwardHost.gmem_layouts``
-with these sizes), ``dtype`` the CuTe element type name (``"Float4E2M1FN"``, ...).
+``globals_by_arg`` (the argument of ``tma.tensor_maps``, emu-tensor's form): index of each
+pointer argument of the module's ``__call__`` (``operand_layouts`` order: q, sfq, k, sfk, v,
+sfv, o, lse, vs) -> ``(address, shape, strides, dtype)``: its address in the emulated global
+memory, the CuTe layout ``__call__`` builds its tensor with (``ForwardHost.gmem_layouts`` for
+these sizes, nested tuples in elements) and the MLIR element type name (``"f4E2M1FN"``, ...).
 """
 from __future__ import annotations
 
@@ -254,7 +254,11 @@ class Launch:
     arg_params: dict  # MLIR arg index -> PTX param index
 
 
-def build_launch(mod, source, mlir, module: P.Module, ops, gmem: M.GlobalMemory, softmax_scale,
+_MLIR_ELEM = {"Float4E2M1FN": "f4E2M1FN", "Float8E4M3FN": "f8E4M3FN", "Float8E8M0FNU": "f8E8M0FNU",
+              "Float8E5M2": "f8E5M2", "BFloat16": "bf16", "Float32": "f32"}
+
+
+def build_launch(mod, source, mlir, ptx_text, module: P.Module, ops, gmem: M.GlobalMemory, softmax_scale,
                  tensor_maps_fn: Optional[Callable] = None) -> Launch:
     cfg = mod._HOST.config
     B, Sq, Sk, H, Hkv = ops.dims
@@ -291,8 +295,6 @@ def build_launch(mod, source, mlir, module: P.Module, ops, gmem: M.GlobalMemory,
             op = _TMA[name]
             tma_args[arg] = p.index
             params[off:off + 8] = struct.pack("<Q", 0x7E3A_0000 + arg)  # an opaque handle
-            shape, stride = gl[op]
-            globals_by_arg[arg] = (addresses[op], shape, stride, layouts[op].cute_dtype)
             continue
         if name in _COORD:
             vals = dynamic_values(typ, *gl[_COORD[name]])
@@ -310,14 +312,17 @@ def build_launch(mod, source, mlir, module: P.Module, ops, gmem: M.GlobalMemory,
         if len(data) > p.size:
             raise ValueError(f"argument {name}: {len(data)} bytes for the {p.size}-byte {p.name}")
         params[off:off + len(data)] = data
+    for i, name in enumerate(layouts):
+        if gl.get(name) is not None:
+            shape, stride = gl[name]
+            globals_by_arg[i] = (addresses[name], shape, stride, _MLIR_ELEM.get(layouts[name].cute_dtype))
     if tensor_maps_fn is None:
         from . import tma
         tensor_maps_fn = tma.tensor_maps
-    maps = tensor_maps_fn(mlir, globals_by_arg)
-    tmaps = {tma_args[a]: tm for a, tm in maps.items() if a in tma_args}
-    missing = set(tma_args) - set(maps)
+    tmaps = tensor_maps_fn(mlir, globals_by_arg, ptx_text)  # keyed by PTX param index
+    missing = set(tma_args.values()) - set(tmaps)
     if missing:
-        raise ValueError(f"tensor_maps gave no map for kernel arguments {sorted(missing)}")
+        raise ValueError(f"tensor_maps gave no map for PTX params {sorted(missing)}")
     return Launch(bytes(params), tmaps, addresses, globals_by_arg, arg_params)
 
 
@@ -346,12 +351,16 @@ def _spec_of(mod):
 def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 448, seed: int = 0,
                     schedule: str = "eager", ptx_mutation: Optional[Callable[[str], str]] = None,
                     inputs=None, softmax_scale=None, ops=None, tensor_maps_fn=None,
-                    smem_fill: int = 0, tmem_fill: int = 0, cache: Path = CACHE) -> EmulationResult:
+                    smem_fill: int = 0, tmem_fill: int = 0, cache: Path = CACHE,
+                    strict_aligned: bool = True) -> EmulationResult:
     """Emulate CTA (0, 0) of a generated sm100a forward and compare with the reference.
 
     ``ptx_mutation``: text -> text applied to the compiled PTX before it runs (planted faults).
     ``smem_fill``/``tmem_fill``: the initial byte / 32-bit word of shared and tensor memory
     (uninitialised on the hardware; a NaN pattern makes reads of never-written data visible).
+    ``strict_aligned``: a ``.sync.aligned`` instruction executed by part of a warp raises
+    ``EmulationError`` (undefined on the hardware); with False the lanes present act alone and
+    the result's ``notes`` list each such execution.
     """
     import torch
 
@@ -373,7 +382,8 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
     Sk, Hkv = k.shape[1], k.shape[2]
     host_ops = mod._HOST.prepare_operands(q, k, v)
     gmem = M.GlobalMemory()
-    launch = build_launch(mod, module_source, mlir, module, host_ops, gmem, softmax_scale, tensor_maps_fn)
+    launch = build_launch(mod, module_source, mlir, ptx_text, module, host_ops, gmem, softmax_scale,
+                          tensor_maps_fn)
     from . import tensor
 
     smem = tensor.SharedMemory(fill=smem_fill)
@@ -382,7 +392,7 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
     tr = T.Trace(kernel=mod.KERNEL_NAME, kv_tiles=math.ceil(Sk / 128))
     mach = M.Machine(module, smem=smem, tmem=tmem, gmem=gmem, params=launch.params,
                      ctaid=(0, 0, 0), nctaid=(math.ceil(Sq / 256), B * H, 1), schedule=schedule,
-                     tensor_maps=launch.tensor_maps, ops=ops, trace=tr)
+                     tensor_maps=launch.tensor_maps, ops=ops, trace=tr, strict_aligned=strict_aligned)
     mach.run()
     lay = host_ops.layouts()
     o_bytes = gmem.read(launch.addresses["o"], int(np.prod(lay["o"].shape)) * 2)
@@ -402,4 +412,5 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
     return EmulationResult(kernel=mod.KERNEL_NAME, out=got, lse=gl, reference_out=want,
                            reference_lse=rl, max_abs_err=err, max_lse_err=lse_err, trace=tr,
                            seconds=time.time() - t0, instructions=mach.instructions,
-                           schedule=schedule, seqlen_q=Sq, seqlen_k=Sk, machine=mach)
+                           schedule=schedule, seqlen_q=Sq, seqlen_k=Sk, machine=mach,
+                           notes=list(dict.fromkeys(mach.divergent_aligned)))

@@ -129,3 +129,6 @@ class Trace:
     kv_tiles: int
     warps: dict[int, list[Event]] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)  # warp -> role name, when known
+    # warp -> [(PTX line, "inc" | "dec", registers)] of its setmaxnreg (no effect in the emulator)
+    setmaxnreg: dict[int, list] = field(default_factory=dict)
+    schedule: str = ""  # the emulator's async-completion schedule ("eager" | "lazy"), when emulated

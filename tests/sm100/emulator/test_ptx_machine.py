@@ -528,3 +528,77 @@ def test_tcgen05_ops_in_order_and_commit_after_them(schedule):
     mma_ev = next(e for e in ev if isinstance(e, T.AsyncOp) and e.kind == "mma")
     assert mma_ev.reads == (T.SmemSpan(256, 260),) and mma_ev.op == 1
     assert any(isinstance(e, T.Wait) for e in mach.trace.warps[1])  # the commit released warp 1
+
+
+def test_aligned_collective_in_divergent_code_is_caught():
+    # a per-thread condition around a .sync.aligned instruction (undefined on the hardware:
+    # the whole warp must execute it, PTX ISA 9.7.16.8.4 tcgen05.st)
+    body = """
+\tsetp.lt.u32 %p1, %r1, 5;
+\t@%p1 bra $SKIP;
+\tsetmaxnreg.dec.sync.aligned.u32 48;
+$SKIP:
+\tmov.b32 %r100, 1;
+"""
+    with pytest.raises(M.EmulationError, match=r"executed by 27 of the warp's 32 threads"):
+        run(body)
+    text = HEAD.format(ntid=32, stride=4, body=body, stores="")
+    gm = M.GlobalMemory()
+    out = gm.alloc(bytes(128))
+    mach = M.Machine(P.parse(text), smem=_Smem(), gmem=gm, params=struct.pack("<QIf", out, 0, 0.0),
+                     strict_aligned=False).run()
+    assert len(mach.divergent_aligned) == 1
+    # the converged form is fine
+    run(body.replace("\t@%p1 bra $SKIP;\n", ""))
+
+
+def test_fma_f64_is_fused():
+    a = np.full(32, 1 + 2.0 ** -30)
+    b = np.full(32, 1 - 2.0 ** -30)
+    c = np.full(32, -1.0)
+    got = M._fma_f64(a, b, c)
+    assert (got == -(2.0 ** -60)).all()  # a*b rounds to 1 in float64: unfused gives 0
+    assert ((a * b + c) == 0).all()
+
+
+class _TmemOps(_Ops):
+    """tcgen05.ld/st on a dict of 32-bit cells: (lane, column) -> value."""
+
+    def __init__(self, smem):
+        super().__init__(smem)
+        self.cells = {}
+
+    def tmem_store(self, tmem, shape, num, taddr, warp, regs):
+        lane0 = 32 * (warp % 4)
+        for l in range(32):
+            for j in range(regs.shape[1]):
+                self.cells[(lane0 + l, (taddr & 0xFFFF) + j)] = int(regs[l, j])
+        return (T.TmemSpan(lane0, lane0 + 32, taddr & 0xFFFF, (taddr & 0xFFFF) + regs.shape[1]),)
+
+    def tmem_load(self, tmem, shape, num, taddr, warp):
+        lane0 = 32 * (warp % 4)
+        vals = np.array([[self.cells.get((lane0 + l, (taddr & 0xFFFF) + j), 0) for j in range(num)]
+                         for l in range(32)], dtype=np.uint32)
+        return vals, (T.TmemSpan(lane0, lane0 + 32, taddr & 0xFFFF, (taddr & 0xFFFF) + num),)
+
+
+TMEM_BODY = """
+\tmov.b32 %r2, 0;
+\tadd.s32 %r3, %r1, 500;
+\ttcgen05.st.sync.aligned.32x32b.x1.b32 [%r2], {%r3};
+\t{WAIT}
+\ttcgen05.ld.sync.aligned.32x32b.x1.b32 {%r100}, [%r2];
+\ttcgen05.wait::ld.sync.aligned;
+"""
+
+
+@pytest.mark.parametrize("schedule", ["eager", "lazy"])
+def test_tcgen05_st_completes_by_its_wait(schedule):
+    smem = _Smem()
+    ops = _TmemOps(smem)
+    out = run(TMEM_BODY.replace("{WAIT}", "tcgen05.wait::st.sync.aligned;"), schedule=schedule, ops=ops, smem=smem)
+    assert (out[:, 0] == np.arange(32) + 500).all()
+    # without the wait, the lazy schedule lets the load overtake the store (the race shows)
+    ops = _TmemOps(smem)
+    out = run(TMEM_BODY.replace("{WAIT}", ""), schedule=schedule, ops=ops, smem=smem)
+    assert (out[:, 0] == (np.arange(32) + 500 if schedule == "eager" else 0)).all()
