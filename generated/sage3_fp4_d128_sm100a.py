@@ -1153,7 +1153,9 @@ def _build():
                         p2 = tS_rc[k // 32][k % 32] * inv_r
                         tS_rc[k // 32][k % 32] = p2
                         amax = cute.arch.fmax(amax, p2)
-                    sc = tl.e4m3_code(amax / Float32(6.0))
+                    # fl32(amax / 6) without a division subroutine call (two_level.div_rn_const);
+                    # a quotient below 2^-126 has E4M3 code 0 however it is rounded
+                    sc = tl.e4m3_code(tl.div_rn_const(amax, 6.0))
                     s_b = dpf.decode(dp.i32_as_f32(sc))
                     inv_s = Float32(cutlass.select_(s_b > Float32(0.0), Float32(1.0) / s_b, Float32(0.0)))
                     for w in cutlass.range_constexpr(PV_SF_VEC // 8):
@@ -1169,7 +1171,8 @@ def _build():
                 # O_j holds O / r_prev (the previous tile's units); PV adds deq(P2) V, so bring O_j
                 # to this tile's units: O_j *= alpha * r_prev / r (O_true = O_j * r, exactly as
                 # the reference's deq(P2) * r). The last r is applied in the epilogue.
-                o_fac = Float32(cutlass.select_(i == 0, Float32(1.0), o_alpha * (r_prev / r)))
+                # fl32(r_prev / r) by two_level.div_rn: both in [2^-64, 1], the quotient normal
+                o_fac = Float32(cutlass.select_(i == 0, Float32(1.0), o_alpha * tl.div_rn(r_prev, r)))
                 if o_fac != Float32(1.0):
                     for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
                         src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])

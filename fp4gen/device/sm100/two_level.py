@@ -21,6 +21,7 @@ from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.device.ptx import _asm
+from fp4gen.device.sm100 import fp64_division
 
 P2_RANGE = 448.0 * 6.0  # P2 = p / r spans [0, 2688]: E4M3 scales amax/6 reach 448
 # smallest row factor the kernel uses: O lives in TMEM in units of r (O / r must stay finite)
@@ -43,8 +44,25 @@ def e2m1_pair(x0, x1, *, loc=None, ip=None) -> Int32:
                       "cvt.u32.u8 $0, q;\n}", "=r,f,f", [Float32(x0), Float32(x1)], loc=loc, ip=ip))
 
 
+# ---- fl32(x / y) with no division subroutine call (fp64_division says why and how) ----------
+
+
+@dsl_user_op
+def div_rn_const(x, c: float, *, loc=None, ip=None) -> Float32:
+    """fl32(x / c) for a constant c, for positive normal x with a normal quotient."""
+    return Float32(_asm(T.f32(), fp64_division.const_ptx(c), "=f,f", [Float32(x)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def div_rn(x, y, *, loc=None, ip=None) -> Float32:
+    """fl32(x / y) for positive normal x, y with a normal quotient."""
+    return Float32(_asm(T.f32(), fp64_division.DIV_PTX, "=f,f,f", [Float32(x), Float32(y)], loc=loc, ip=ip))
+
+
 @cute.jit
 def row_factor(pmax: Float32) -> Float32:
-    """r = fl32(pmax / 2688), clamped below at R_MIN; 1 for an all-zero (masked) row."""
-    r = cute.arch.fmax(pmax / Float32(P2_RANGE), Float32(R_MIN))
+    """r = fl32(pmax / 2688), clamped below at R_MIN; 1 for an all-zero (masked) row.
+    pmax <= 1 (p = ex2 of a non-positive number); a quotient below 2^-126 (outside
+    div_rn_const's domain) is below R_MIN, which the clamp returns either way."""
+    r = cute.arch.fmax(div_rn_const(pmax, P2_RANGE), Float32(R_MIN))
     return Float32(cutlass.select_(pmax > Float32(0.0), r, Float32(1.0)))
