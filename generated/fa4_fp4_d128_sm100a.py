@@ -671,6 +671,7 @@ def _build():
 
     from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
     from fp4gen.device.sm100 import direct_p as dp
+    from fp4gen.device.sm100 import opaque as opq
     from fp4gen.device.sm100 import two_level as tl
 
     F4 = cutlass.Float4E2M1FN
@@ -791,7 +792,7 @@ def _build():
             ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
                      # .minnctapersm 1: without it ptxas cannot know the entry register count and
                      # ignores every setmaxnreg (C7508); all warps then get 128 and spill
-                     min_blocks_per_mp=1)
+                     min_blocks_per_mp=1, hint_smem_base_uniform=False)
 
         @cute.kernel
         def kernel(
@@ -890,8 +891,12 @@ def _build():
                 barrier_storage=st.stats_bar.data_ptr() + 2, num_stages=1,
                 producer_group=wg, consumer_group=wg).make_participants()
 
+            # the word tcgen05.alloc writes the TMEM base to, at a register address (opaque_i32 says
+            # why: without the uniform-base hint LLVM folds SMEM addresses into symbol + offset)
+            tmem_word = cute.make_ptr(Int32, opq.opaque_i32(st.tmem_holding_buf.ptr.toint()),
+                                      cute.AddressSpace.smem, assumed_align=4)
             tmem = utils.TmemAllocator(
-                st.tmem_holding_buf.ptr,
+                tmem_word,
                 barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.threads),  # every warp retrieves the base
                 allocator_warp_id=self.correction_warps[0])
             tmem.allocate(TMEM_ALLOC_COLS)
@@ -935,7 +940,7 @@ def _build():
                     mt = m_block * Q_STAGES + j
                     cute.copy(tma_q, tQg[None, mt, 0, bh], tQs[None, h.index], tma_bar_ptr=h.barrier)
                     cute.copy(tma_sfq, tSFQg[None, mt, 0, bh], tSFQs[None, h.index], tma_bar_ptr=h.barrier)
-                for i in cutlass.range(n_kv):
+                for i in cutlass.range(n_kv, unroll=1):
                     hk = k_prod.acquire_and_advance()
                     cute.copy(tma_k, tKg[None, i, 0, bh_kv], tKs[None, hk.index], tma_bar_ptr=hk.barrier)
                     cute.copy(tma_sfk, tSFKg[None, i, 0, bh_kv], tSFKs[None, hk.index], tma_bar_ptr=hk.barrier)
