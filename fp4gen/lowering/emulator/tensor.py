@@ -83,10 +83,25 @@ class SharedMemory:
     """The CTA's shared window: byte addresses 0 .. SMEM_BYTES-1 (``.data``: a bytearray).
 
     ``fill``: the initial byte (SMEM is uninitialised at launch; a poison such as 0xFF makes a
-    read of never-written bytes visible as NaN scales / fp32 NaN)."""
+    read of never-written bytes visible as NaN scales / fp32 NaN).
 
-    def __init__(self, size: int = SMEM_BYTES, fill: int = 0):
+    ``findings``: uses of swizzled SMEM that the ISA's text calls for differently but whose
+    effect only hardware can show (a swizzle pattern that does not start at its boundary while
+    the descriptor's base offset is 0, ISA 9.7.16.4.1 Table 41; a swizzled TMA box that does not,
+    5.5.7). The emulator computes every swizzle from absolute address bits, which is consistent
+    for the TMA that writes and the MMA that reads whatever the alignment, so such a kernel
+    computes the right result here; on hardware it may not. ``strict``: raise instead."""
+
+    def __init__(self, size: int = SMEM_BYTES, fill: int = 0, strict: bool = False):
         self.data = bytearray([fill]) * size
+        self.findings: list[str] = []
+        self.strict = strict
+
+    def finding(self, msg: str):
+        if self.strict:
+            raise TensorOpError(msg)
+        if msg not in self.findings:
+            self.findings.append(msg)
 
     def _check(self, addr: int, n: int):
         if addr < 0 or n < 0 or addr + n > len(self.data):
@@ -310,9 +325,27 @@ def operand_bit_addresses(desc: int, rows: int, k: int, bits: int, major: int, w
     return swizzle_address(byte, span), bit & 7
 
 
+def check_pattern_start(smem: SharedMemory, desc: int, what: str):
+    """ISA 9.7.16.4.1 Table 41: base offset 0 means the swizzle pattern starts at a 256/512/1024-
+    byte boundary (32/64/128B swizzle); otherwise it must be (pattern start >> 7) & 7. The
+    pattern a matrix starts in begins at its start address's 128-byte row (a K step inside the
+    row, start + 32·i, is the same pattern)."""
+    f = decode_smem_desc(desc)
+    span = _SWIZZLES.get(f["swizzle"], 0)
+    if not span or f["base_offset"]:
+        return
+    row = f["start_bytes"] & ~127  # one finding per pattern, not per K step
+    if row % (8 * span):
+        smem.finding(f"{what}: swizzled ({span}B) operand whose pattern starts at SMEM {row:#x}, "
+                     f"{row % (8 * span)} bytes past a {8 * span}-byte boundary, with base offset 0 (ISA "
+                     f"9.7.16.4.1 Table 41 asks for base offset {(row >> 7) & 7})")
+
+
 def read_operand_codes(smem: SharedMemory, desc: int, rows: int, k: int, bits: int, major: int,
                        what: str = "operand"):
     """(codes (rows, k) uint32, byte addresses read) of a SMEM operand."""
+    if hasattr(smem, "finding"):
+        check_pattern_start(smem, desc, what)
     addr, sub = operand_bit_addresses(desc, rows, k, bits, major, what)
     raw = smem.gather(addr).astype(np.uint32)
     if bits == 4:
@@ -590,5 +623,5 @@ def _runs(flags: np.ndarray):
 
 
 __all__ = ["SharedMemory", "TensorMemory", "TensorOpError", "tmem_load", "tmem_store", "tmem_copy", "mma",
-           "operand_bit_addresses", "read_operand_codes", "swizzle_address", "smem_spans", "split_taddr",
+           "operand_bit_addresses", "read_operand_codes", "check_pattern_start", "swizzle_address", "smem_spans", "split_taddr",
            "NIBBLE_LOW_FIRST_SMEM", "NIBBLE_LOW_FIRST_TMEM"]

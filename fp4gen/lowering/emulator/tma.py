@@ -113,6 +113,10 @@ def tma_load(smem: SharedMemory, gmem_read: Callable[[int, int], bytes], tmap: T
     if smem_addr % 128:
         raise TensorOpError(f"cp.async.bulk.tensor to SMEM {smem_addr:#x}: must be 128-byte aligned "
                             "(ISA 9.7.9.25.5.2)")
+    if tmap.swizzle and smem_addr % (8 * tmap.swizzle) and hasattr(smem, "finding"):
+        smem.finding(f"cp.async.bulk.tensor: {tmap.swizzle}B-swizzled box {tmap.name} at SMEM {smem_addr:#x}, "
+                     f"not at a {8 * tmap.swizzle}-byte boundary (ISA 5.5.7 states the pattern for aligned "
+                     "starts; the emulator swizzles by absolute address bits)")
     eb = tmap.elem_bits
     box = tmap.box_dims
     n0 = box[0]

@@ -539,6 +539,21 @@ def test_fault_scale_copies_differ_between_partitions(cute_ref):
     assert ok[:32].all() and ok[64:].all() and not ok[32:64].all()
 
 
+def test_pattern_start_findings(cute_ref):
+    """ISA 9.7.16.4.1 Table 41: a swizzled operand whose pattern does not start at its boundary
+    needs a non-zero base offset. The generated forwards place Q/K/V 384 bytes past a 512/1024
+    boundary with base offset 0; the emulator records that (it swizzles by absolute address
+    bits, so TMA and MMA agree here) and, strict, refuses it."""
+    sm = T.SharedMemory()
+    for k0 in (0, 64):  # K steps inside the first row of the pattern: same pattern, no finding
+        T.check_pattern_start(sm, _descriptor("K_SW64_e2m1", 2048, k0, cute_ref), "A")
+    assert sm.findings == []
+    T.check_pattern_start(sm, _descriptor("K_SW64_e2m1", 2432, 0, cute_ref), "A")
+    assert len(sm.findings) == 1 and "base offset 3" in sm.findings[0]
+    with pytest.raises(T.TensorOpError, match="Table 41"):
+        T.check_pattern_start(T.SharedMemory(strict=True), _descriptor("K_SW128_bf16", 1024 + 512, 0, cute_ref), "B")
+
+
 def test_refusals():
     sm, tm = _mem()
     base = dict(d_taddr=0, a=0, a_in_tmem=True, b_desc=encode_smem_desc(version=1, sbo=64, swizzle=2),

@@ -116,6 +116,17 @@ def test_four_bit_rows_ending_inside_a_byte():
     assert np.array_equal(got, want)
 
 
+def test_unaligned_swizzled_box_is_recorded():
+    g = Gmem()
+    base = g.put(0x40000, np.zeros(64 * 8, np.uint8))
+    tm = tma.TensorMap(8, base, (64, 8), (64,), (64, 8), (1, 1), 64, name="t")
+    sm = SharedMemory()
+    tma.tma_load(sm, g.read, tm, (0, 0), 2048)
+    assert sm.findings == []
+    tma.tma_load(sm, g.read, tm, (0, 0), 2432)
+    assert len(sm.findings) == 1 and "512-byte boundary" in sm.findings[0]
+
+
 def test_map_checks():
     with pytest.raises(NotImplementedError, match="under a 128-byte swizzle"):
         tma.TensorMap(8, 0, (64, 4), (64,), (64, 4), (1, 1), 128).check()
