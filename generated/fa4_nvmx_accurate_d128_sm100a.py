@@ -1195,17 +1195,17 @@ def _build():
                 s_max = -Float32.inf
                 for c in cutlass.range_constexpr(TILE_N):
                     tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
-                last_key = i * TILE_N + (TILE_N - 1)
-                need_mask = last_key >= seqlen_k
+                # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
+                # One compare against the column's constant per key, written in place: the old
+                # form (key = i * TILE_N + c, two compares, two selects) kept the masked and the
+                # unmasked scores live at once in ptxas's if-converted code and spilled them.
+                n_valid = seqlen_k - i * TILE_N
                 if const_expr(CAUSAL):
-                    need_mask = need_mask or last_key > diag
-                if need_mask:
+                    n_valid = cutlass.min(n_valid, diag + 1 - i * TILE_N)
+                if n_valid < TILE_N:
                     for c in cutlass.range_constexpr(TILE_N):
-                        key = i * TILE_N + c
-                        u = tS_rc[c // 32][c % 32]
-                        if const_expr(CAUSAL):
-                            u = Float32(cutlass.select_(key > diag, -Float32.inf, u))
-                        tS_rc[c // 32][c % 32] = Float32(cutlass.select_(key >= seqlen_k, -Float32.inf, u))
+                        tS_rc[c // 32][c % 32] = Float32(cutlass.select_(
+                            Int32(c) < n_valid, tS_rc[c // 32][c % 32], -Float32.inf))
                 m_ref = m_run
                 # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
                 p_words = cute.make_rmem_tensor((p_cols,), cutlass.Int32)
