@@ -1262,7 +1262,7 @@ def _build():
                     for w in cutlass.range_constexpr(words_per_part):
                         src_i[w] = p_words[part * words_per_part + w]
                     cute.copy(thr_st, src, dst)
-                    cute.arch.fence_view_async_tmem_store()
+                    cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
             # final statistics for the epilogue

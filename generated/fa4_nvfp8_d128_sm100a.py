@@ -1092,20 +1092,14 @@ def _build():
                     s_max = cute.arch.fmax(s_max, tS_rc[c // 32][c % 32])
                 # online max (exp / FP8 paths): O_j and l are rescaled by 2^(m_old - m_new).
                 # PV_j of the previous tile has completed (its commit precedes this S_j) and
-                # PV_j of this tile waits for P below, so O_j is ours to rescale here.
+                # PV_j of this tile waits for P below, so O_j is ours to rescale until P_j is
+                # published (the exp path does it there, the two-level path after packing P).
                 m_new = cute.arch.fmax(m_run, s_max)
                 m_new_s = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
                 m_old_s = Float32(cutlass.select_(m_run == -Float32.inf, m_new_s, m_run))
                 alpha = cute.math.exp2(m_old_s - m_new_s, fastmath=True)
                 l_run = l_run * alpha
-                if alpha < Float32(1.0):
-                    for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
-                        src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                        reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                        cute.copy(thr_old, src, reg)
-                        for e in cutlass.range_constexpr(32):
-                            reg[e] = reg[e] * alpha
-                        cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                o_alpha = alpha  # O_j *= alpha where P_j is published (below)
                 m_run = m_new
                 m_ref = m_new_s
                 # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
@@ -1133,7 +1127,20 @@ def _build():
                     for w in cutlass.range_constexpr(words_per_part):
                         src_i[w] = p_words[part * words_per_part + w]
                     cute.copy(thr_st, src, dst)
-                    cute.arch.fence_view_async_tmem_store()
+                    if const_expr(part == 0):
+                        # O_j *= alpha between P's first store and its first arrive (PV_j of this
+                        # tile waits for that arrive). Done before P, O's 32-column chunk sat
+                        # beside the 128 values of p (ptxas hoists P's ex2 above the branch) and
+                        # spilled; here the scores are dead and at most half of P is in registers.
+                        if o_alpha < Float32(1.0):
+                            for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
+                                o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
+                                reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
+                                cute.copy(thr_old, o_src, reg)
+                                for e in cutlass.range_constexpr(32):
+                                    reg[e] = reg[e] * o_alpha
+                                cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                    cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
             # final statistics for the epilogue

@@ -1123,13 +1123,14 @@ def _build():
                     s_max = cute.arch.fmax(s_max, tS_rc[c // 32][c % 32])
                 # online max (exp / FP8 paths): O_j and l are rescaled by 2^(m_old - m_new).
                 # PV_j of the previous tile has completed (its commit precedes this S_j) and
-                # PV_j of this tile waits for P below, so O_j is ours to rescale here.
+                # PV_j of this tile waits for P below, so O_j is ours to rescale until P_j is
+                # published (the exp path does it there, the two-level path after packing P).
                 m_new = cute.arch.fmax(m_run, s_max)
                 m_new_s = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
                 m_old_s = Float32(cutlass.select_(m_run == -Float32.inf, m_new_s, m_run))
                 alpha = cute.math.exp2(m_old_s - m_new_s, fastmath=True)
                 l_run = l_run * alpha
-                o_alpha = alpha  # applied to O below, together with r_prev / r of this tile
+                o_alpha = alpha  # O_j *= alpha where P_j is published (below)
                 m_run = m_new
                 m_ref = m_new_s
                 # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
@@ -1198,7 +1199,7 @@ def _build():
                     for w in cutlass.range_constexpr(words_per_part):
                         src_i[w] = p_words[part * words_per_part + w]
                     cute.copy(thr_st, src, dst)
-                    cute.arch.fence_view_async_tmem_store()
+                    cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
             # final statistics for the epilogue
