@@ -679,13 +679,15 @@ class Machine:
         return self._arith(ins, 1, lambda a: np.log2(a).astype(np.float32))
 
     def _c_rcp(self, ins):
-        return self._arith(ins, 1, lambda a: (np.float32(1) / a).astype(np.float32))
+        # rcp.rn / rcp.approx: the IEEE quotient in the operand's precision (the approximation
+        # of rcp.approx.ftz.f64 is refined by the Newton steps that follow it in these kernels)
+        return self._arith(ins, 1, lambda a: (a.dtype.type(1) / a).astype(a.dtype))
 
     def _c_sqrt(self, ins):
-        return self._arith(ins, 1, lambda a: np.sqrt(a).astype(np.float32))
+        return self._arith(ins, 1, lambda a: np.sqrt(a).astype(a.dtype))
 
     def _c_rsqrt(self, ins):
-        return self._arith(ins, 1, lambda a: (np.float32(1) / np.sqrt(a)).astype(np.float32))
+        return self._arith(ins, 1, lambda a: (a.dtype.type(1) / np.sqrt(a)).astype(a.dtype))
 
     # --- logic and shifts (PTX ISA 9.7.8) -------------------------------------------------
 

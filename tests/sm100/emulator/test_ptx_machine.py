@@ -602,3 +602,30 @@ def test_tcgen05_st_completes_by_its_wait(schedule):
     ops = _TmemOps(smem)
     out = run(TMEM_BODY.replace("{WAIT}", ""), schedule=schedule, ops=ops, smem=smem)
     assert (out[:, 0] == (np.arange(32) + 500 if schedule == "eager" else 0)).all()
+
+
+def test_f64_division_sequence():
+    # the correctly rounded fp32 division of the two-level P path (rcp.approx.f64 + Newton)
+    body = """
+\tmov.b32 %r20, 0f3F400000;
+\tcvt.rn.f32.u32 %r21, %r1;
+\tadd.f32 %r21, %r21, 0f3F800000;
+\t{
+.reg .f64 xd, yd, r, e, q;
+cvt.f64.f32 xd, %r20;
+cvt.f64.f32 yd, %r21;
+rcp.approx.ftz.f64 r, yd;
+neg.f64 yd, yd;
+fma.rn.f64 e, yd, r, 0d3FF0000000000000;
+fma.rn.f64 r, r, e, r;
+fma.rn.f64 e, yd, r, 0d3FF0000000000000;
+fma.rn.f64 r, r, e, r;
+mul.rn.f64 q, xd, r;
+fma.rn.f64 e, yd, q, xd;
+fma.rn.f64 q, e, r, q;
+cvt.rn.f32.f64 %r100, q;
+\t}
+"""
+    out = run(body)
+    want = (np.float32(0.75) / (np.arange(32) + 1).astype(np.float32)).astype(np.float32)
+    assert (as_f32(out[:, 0]) == want).all()
