@@ -34,14 +34,16 @@ def _sm100(plan: KernelPlan) -> PipelinePlan:
     s, d = spec.schedule, spec.head_dim
     q, m, n = s.q_stages, s.tile_m, s.tile_n
     qk, pv = plan.mma_choice("QK"), plan.mma_choice("PV")
-    # FA4's D128 split: 2 x 192 (softmax) + 80 (correction) + 48 (others) = 512 per thread-slot of 4 WGs.
-    roles = [WarpRole(f"softmax{st}", 4, 192, f"loads S{st}, row max, P (exp or Direct-P), publishes P{st}")
-             for st in range(q)]
-    roles += [WarpRole("correction", 4, 80, "rescales O when the row max moves; reads O for the epilogue"),
-              WarpRole("mma", 1, 48, "issues tcgen05.mma (QK^T, PV) and tcgen05.cp (scale factors)"),
-              WarpRole("load", 1, 48, "TMA loads of Q, K, V and their scale factors"),
-              WarpRole("epilogue", 1, 48, "TMA store of O"),
-              WarpRole("spare", 1, 48, "idle (keeps the warpgroup whole for setmaxnreg)")]
+    # Register budgets (setmaxnreg) from what each role keeps live (sm100_register_budgets says why).
+    regs = sm100_register_budgets(n, d, spec.p.format.bits)
+    roles = [WarpRole(f"softmax{st}", 4, regs["softmax"][0],
+                      f"loads S{st}, row max, P (exp or Direct-P), publishes P{st}") for st in range(q)]
+    roles += [WarpRole("correction", 4, regs["correction"][0],
+                       "rescales O when the row max moves; reads O for the epilogue"),
+              WarpRole("mma", 1, regs["other"][0], "issues tcgen05.mma (QK^T, PV) and tcgen05.cp (scale factors)"),
+              WarpRole("load", 1, regs["other"][0], "TMA loads of Q, K, V and their scale factors"),
+              WarpRole("epilogue", 1, regs["other"][0], "TMA store of O"),
+              WarpRole("spare", 1, regs["other"][0], "idle (keeps the warpgroup whole for setmaxnreg)")]
 
     def smem(kv: int, o_in_q: bool) -> list[SmemItem]:
         items = [SmemItem("Q", q * _bytes(m, d, spec.q.format.bits), f"{q} x {m}x{d} {spec.q.format.value}"),
@@ -59,24 +61,33 @@ def _sm100(plan: KernelPlan) -> PipelinePlan:
         items.append(SmemItem("barriers", nbar * MBARRIER_BYTES, f"{nbar} mbarriers"))
         return items
 
-    pp = _finish(spec, roles, smem, (4, 3, 2), q, m, n,
-                 "per KV tile j, for each stage s: PV_s(j-1) then QK_s(j) (FA4 order: P's columns are "
-                 "consumed before QK^T rewrites S; the tensor pipe runs tcgen05 ops in issue order)")
-    budget, reason = SM100_FWD_SPILLS[spec.p_production.kind]
-    return replace(pp, spill_budget_bytes=budget, spill_reason=reason)
+    why = "; ".join(f"{role} {n}: {reason}" for role, (n, reason) in regs.items())
+    return _finish(spec, roles, smem, (4, 3, 2), q, m, n,
+                   "per KV tile j, for each stage s: PV_s(j-1) then QK_s(j) (FA4 order: P's columns are "
+                   "consumed before QK^T rewrites S; the tensor pipe runs tcgen05 ops in issue order)",
+                   (f"register budgets per thread (setmaxnreg), from each role's peak live values; "
+                    f"the register gate allows no spills: {why}",))
 
 
-# What ptxas 13.5 still spills in the sm100a forward with every role's setmaxnreg honoured, by P's
-# production (measured 2026-12-01: stores + loads 288 fast / 272 accurate Direct-P, 832 exp, 180
-# two-level), rounded up. Common to all: the CTA's shared-memory base is stored once in the
-# prologue and reloaded by each role (~270 B of loads) instead of being rematerialised. The budget
-# is a ratchet, not a goal: it fails a kernel that spills more (4 KB when setmaxnreg was ignored).
-SM100_FWD_SPILLS = {
-    PKind.DIRECT_P: (320, "the shared-memory base reloaded per role; one softmax value at 192 registers"),
-    PKind.EXP: (896, "the shared-memory base; P's 32 packed FP8 words held across the row sum "
-                     "(the softmax packs all of P before storing it)"),
-    PKind.TWO_LEVEL: (192, "the shared-memory base; 12 softmax values at 192 registers"),
-}
+# The sm100a forward's register budget per role (setmaxnreg: a multiple of 8 in 24..256, PTX ISA
+# 9.7.19.5; the warps of one warpgroup share it) and why, from the values each role keeps live
+# at its peak. At these budgets ptxas 13.5 spills nothing in the four forward kernels (2026-12-01;
+# fp4gen/lowering/ptxas.py allows no spill bytes: PipelinePlan.spill_budget_bytes stays 0). The
+# softmax warps hold the largest live set and get every register the others leave: 8 x 192 +
+# 4 x 80 + 4 x 48 = 2048 per lane = the SM's 64K registers, so a larger budget for one role is
+# a smaller one for another. Measured (SASS): the softmax code's highest register is R177-R187
+# in the four kernels; the single-thread roles keep most of their state in uniform registers.
+def sm100_register_budgets(tile_n: int, head_dim: int, p_bits: int) -> dict:
+    """role group -> (registers per thread, the live values that need them)."""
+    return {
+        "softmax": (192, f"one query row per thread: the tile's {tile_n} fp32 scores ({tile_n // 32} "
+                         f"tcgen05.ld x32), then P's {tile_n * p_bits // 32} packed words or one "
+                         "32-column chunk of O for the rescale (never beside the scores), m, l, addresses"),
+        "correction": (80, f"the epilogue's 32-column chunk of O ({head_dim // 32} tcgen05.ld x32 per "
+                           "row), 1/l, the row index and the output addresses"),
+        "other": (48, "single-thread issue loops (TMA, tcgen05.mma / tcgen05.cp): descriptors, stage "
+                      "indices, barrier addresses, mostly in uniform registers"),
+    }
 
 
 def _finish(spec, roles, smem, kv_choices, q, m, n, order, extra_notes=()) -> PipelinePlan:
