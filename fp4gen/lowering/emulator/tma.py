@@ -21,6 +21,10 @@ module after ``Compiler.compile``). So box and swizzle are derived from the kept
   entries; the dynamic ones come from the caller).
 * the kernel signature / ``cuda.launch_ex`` operands: which kernel argument each atom is.
 
+Assumed, not stated by the ISA text: 4-bit elements (U4, ``.b4x16`` "copied as is", ISA
+5.5.1.1) are numbered low nibble first within a byte, so a box row that ends inside a byte keeps
+the low nibble and zero-fills the high one (only V^T with an odd key count does this).
+
 A basis ``k@a@b@c`` in ``tma_gbasis`` is read as scale k on the global mode path [c][b][a]
 (CuTe prints the innermost index first; checked against the shapes it selects, e.g. the
 scale-factor box ``(2,4,32)`` = 2 x 16-bit scale pairs, 4 row groups, 32 rows).
@@ -62,6 +66,7 @@ class TensorMap:
     swizzle: int = 0
     oob_fill: str = "zero"
     name: str = ""
+    dtype: str = ""  # the atom's tma_format (U4, U8, U16, BF16_RN, ...), for messages
 
     @property
     def rank(self) -> int:
@@ -358,7 +363,7 @@ def tensor_map_of(atom: TmaAtom, address: int, shape, stride, name: str = "") ->
             strides.append(str_t[0] * fb // 8)
         boxes.append(int(np.prod(box_ext)))
     tm = TensorMap(fb, int(address), tuple(dims), tuple(strides), tuple(boxes), (1,) * len(dims),
-                   atom.swizzle, "zero", name)
+                   atom.swizzle, "zero", name, atom.tma_format)
     tm.check()
     if atom.copy_bits % (tm.box_bytes * 8):
         raise TensorOpError(f"TMA atom {atom.kernel_arg}: copy of {atom.copy_bits} bits is not a whole "
