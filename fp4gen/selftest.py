@@ -7,6 +7,10 @@ and then the forward of every sm100a example in ``examples/*.attn`` on a small p
 compared with the same spec's reference backend (``fp4gen.load(spec, target="reference")``:
 the same quantisation and P rules in torch). It prints one table (or JSON).
 
+A unit check that fails or errors is run again right away in its variant with the PTX ISA's
+tcgen05 fences (row ``NAME+fences``): a pass there points at the forward's missing fences,
+not at the MMA form.
+
 Anywhere else it prints what it would run and returns rows with status ``not run``; the command
 then exits 0.
 
@@ -44,6 +48,7 @@ class Planned:
     kind: str  # "unit" | "example"
     what: str
     spec: Optional[str] = None  # examples: the .attn path
+    fenced: bool = False  # unit: the variant with the ISA's tcgen05 fences (a follow-up)
 
 
 @dataclass
@@ -104,13 +109,26 @@ def sm100_device() -> tuple:
 # ------------------------------------------------------------------ one check
 
 
-def run_unit(name: str, device=None) -> Row:
+def fenced_follow_up(item: Planned) -> Planned:
+    """The check to run after unit check ``item`` failed: the same kernel with the ISA's tcgen05
+    fences (selftest_kernels.KernelConfig.fenced). Passing there and failing without them points
+    at the forward's missing fences, not at the form (docs/selftest.md)."""
+    return Planned(item.name, "unit", item.what + " [with tcgen05 fences and, for reuse, a commit+wait]",
+                   fenced=True)
+
+
+def row_name(item: Planned) -> str:
+    return item.name + ("+fences" if item.fenced else "")
+
+
+def run_unit(name: str, device=None, fenced: bool = False) -> Row:
     from fp4gen.device.sm100 import selftest_kernels as sk
 
     t = time.perf_counter()
-    got, _ = sk.run(name, device)
+    got, _ = sk.run(name, device, fenced=fenced)
     ok, err, words = sk.judge(name, got)
-    return Row(name, "unit", sk.WHAT[name], "pass" if ok else "fail", err, time.perf_counter() - t, words)
+    return Row(name + ("+fences" if fenced else ""), "unit", sk.WHAT[name], "pass" if ok else "fail", err,
+               time.perf_counter() - t, words)
 
 
 def run_example(item: Planned, device=None) -> Row:
@@ -153,10 +171,10 @@ def run_one(item: Planned, device=None) -> Row:
     """One check in this process; an exception becomes status ``error``."""
     t = time.perf_counter()
     try:
-        return run_unit(item.name, device) if item.kind == "unit" else run_example(item, device)
+        return run_unit(item.name, device, item.fenced) if item.kind == "unit" else run_example(item, device)
     except Exception as e:  # the check's own failure (compile, launch, trap): reported, not raised
         msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return Row(item.name, item.kind, item.what, "error", None, time.perf_counter() - t,
+        return Row(row_name(item), item.kind, item.what, "error", None, time.perf_counter() - t,
                    " | ".join(msg[:3] + (msg[-1:] if len(msg) > 3 else [])))
 
 
@@ -166,17 +184,19 @@ def run_isolated(item: Planned, timeout: float = CHECK_TIMEOUT_S) -> Row:
     cmd = [sys.executable, "-m", "fp4gen.selftest", "--one", item.name, "--kind", item.kind]
     if item.spec:
         cmd += ["--spec", item.spec]
+    if item.fenced:
+        cmd += ["--fenced"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     except subprocess.TimeoutExpired:
-        return Row(item.name, item.kind, item.what, "error", None, time.perf_counter() - t,
+        return Row(row_name(item), item.kind, item.what, "error", None, time.perf_counter() - t,
                    f"no result within {timeout:.0f} s (a deadlock: a barrier or MMA that never completes?)")
     lines = r.stdout.strip().splitlines()
     try:
         return Row(**_json.loads(lines[-1]))
     except (IndexError, ValueError, TypeError):
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        return Row(item.name, item.kind, item.what, "error", None, time.perf_counter() - t,
+        return Row(row_name(item), item.kind, item.what, "error", None, time.perf_counter() - t,
                    f"check process exited {r.returncode} without a result: " + " | ".join(tail))
 
 
@@ -208,6 +228,7 @@ def run(json: bool = False, *, out=None, examples_dir: Optional[Path] = None, is
                   f"{len(items)} checks:", file=out)
             for n, i in enumerate(items, 1):
                 print(f"  {n:2d}. [{i.kind}] {i.name}: {i.what}", file=out)
+            print("  A unit check that fails is run again with the ISA's tcgen05 fences (NAME+fences).", file=out)
         return rows
     runner = runner or (run_isolated if isolate else run_one)
     rows = []
@@ -215,6 +236,8 @@ def run(json: bool = False, *, out=None, examples_dir: Optional[Path] = None, is
         if not json:
             print(f"selftest: {i.name} ...", file=sys.stderr, flush=True)
         rows.append(runner(i))
+        if i.kind == "unit" and rows[-1].status != "pass":
+            rows.append(runner(fenced_follow_up(i)))
     if json:
         print(_json.dumps({"device": why, "ran": True, "checks": [asdict(r) for r in rows]}, indent=2), file=out)
     else:
@@ -232,11 +255,12 @@ def _main(argv=None) -> int:
     p.add_argument("--one", required=True)
     p.add_argument("--kind", choices=("unit", "example"), required=True)
     p.add_argument("--spec")
+    p.add_argument("--fenced", action="store_true", help="unit: the variant with the ISA's tcgen05 fences")
     a = p.parse_args(argv)
     if a.kind == "unit":
         from fp4gen.device.sm100 import selftest_kernels as sk
 
-        item = Planned(a.one, "unit", sk.WHAT.get(a.one, a.one))
+        item = Planned(a.one, "unit", sk.WHAT.get(a.one, a.one), fenced=a.fenced)
     else:
         item = next((i for i in plan() if i.name == a.one and i.kind == "example"),
                     Planned(a.one, "example", "", a.spec))

@@ -43,6 +43,7 @@ stage 0 (A at 64-79 inside the first accumulator's columns, scales at 80-87, D a
 """
 # no `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -72,6 +73,12 @@ class KernelConfig:
     name: str
     k_steps: int  # K=64 MMA steps issued per product (1: keys 0-63 only)
     products: int  # 1, or 2 for the column-reuse check (second D over the first's A)
+    # the PTX ISA's canonical cross-thread patterns (9.7.16.6.4.3/.4): tcgen05.fence::
+    # before_thread_sync before each arrive that publishes tcgen05 work, after_thread_sync after
+    # each wait that precedes tcgen05 work, and (reuse check) tcgen05.commit + mbarrier wait +
+    # after_thread_sync between the two products, the non-pipelined same-thread pattern of
+    # 9.7.16.6.4.2. False: the forward's synchronisation, which has none of these.
+    fenced: bool = False
 
 
 _CONFIGS = {
@@ -91,11 +98,15 @@ WHAT = {
 }
 
 
-def kernel_config(name: str) -> KernelConfig:
+def kernel_config(name: str, fenced: bool = False) -> KernelConfig:
+    """The kernel of check ``name``; ``fenced``: its variant with the ISA's tcgen05 fences (the
+    follow-up ``fp4gen selftest`` runs when a check fails, to tell a missing fence from a wrong
+    form)."""
     try:
-        return _CONFIGS[name]
+        cfg = _CONFIGS[name]
     except KeyError:
         raise ValueError(f"unknown selftest kernel {name!r}; known: {', '.join(CHECKS)}") from None
+    return dataclasses.replace(cfg, fenced=True) if fenced else cfg
 
 
 # ============================================================================ device code
@@ -116,6 +127,8 @@ def _build(cfg: KernelConfig):
     E8M0 = cutlass.Float8E8M0FNU
     K_STEPS = cfg.k_steps
     PRODUCTS = cfg.products
+    FENCED = cfg.fenced
+    from fp4gen.device.sm100.bwd import tcgen05_fence_after_thread_sync, tcgen05_fence_before_thread_sync
     WORDS = K // 8  # 32-bit TMEM columns of one A row (8 E2M1 codes each)
 
     def coop(n):
@@ -175,6 +188,7 @@ def _build(cfg: KernelConfig):
                 b_bar: cute.struct.MemRange[cutlass.Int64, 2]
                 a_bar: cute.struct.MemRange[cutlass.Int64, 2]
                 d_bar: cute.struct.MemRange[cutlass.Int64, 2]
+                mid_bar: cute.struct.MemRange[cutlass.Int64, 2]  # fenced reuse: first product done
                 tmem_holding_buf: Int32
 
             smem = cmem.SmemAllocator()
@@ -205,6 +219,11 @@ def _build(cfg: KernelConfig):
             d_prod, d_cons = pipeline.PipelineUmmaAsync.create(
                 barrier_storage=st.d_bar.data_ptr(), num_stages=1, producer_group=one,
                 consumer_group=wg).make_participants()
+            m_prod, m_cons = None, None
+            if const_expr(FENCED and PRODUCTS == 2):
+                m_prod, m_cons = pipeline.PipelineUmmaAsync.create(
+                    barrier_storage=st.mid_bar.data_ptr(), num_stages=1, producer_group=one,
+                    consumer_group=one).make_participants()
 
             tmem = cmem.TmemAllocator(
                 st.tmem_holding_buf.ptr,
@@ -251,6 +270,8 @@ def _build(cfg: KernelConfig):
                 sfa_bytes[(((t % 32, t // 32), 0), (0, b % 2)), 0, b // 2, 0] = mSFA[t, b]
             cute.arch.fence_view_async_tmem_store()  # tcgen05.wait::st before the arrive
             cute.arch.fence_proxy("async.shared", space="cta")  # SFA bytes visible to tcgen05.cp
+            if const_expr(FENCED):
+                tcgen05_fence_before_thread_sync()
             ha.commit()
 
             # ---- MMA thread (warp 0) ----
@@ -261,6 +282,8 @@ def _build(cfg: KernelConfig):
                 tA_fake = mma.make_fragment_A(cute.make_tensor(base, tA_l.outer))[None, None, None, 0]
                 hb_c = b_cons.wait_and_advance()
                 ha_c = a_cons.wait_and_advance()
+                if const_expr(FENCED):
+                    tcgen05_fence_after_thread_sync()
                 names = (("A", "SFA", "SFB", "D"), ("A2", "SFA2", "SFB2", "D2"))
                 for p in cutlass.range_constexpr(PRODUCTS):
                     ca, csa, csb, cd = names[p]
@@ -275,6 +298,12 @@ def _build(cfg: KernelConfig):
                         mma.set(tcgen05.Field.SFA, tSFA[None, None, kb].iterator)
                         mma.set(tcgen05.Field.SFB, tSFB[None, None, kb].iterator)
                         cute.gemm(mma, tD, tA[None, None, kb], tBrB[None, None, kb, 0], tD)
+                    if const_expr(FENCED and PRODUCTS == 2 and p == 0):
+                        hm_p = m_prod.acquire_and_advance()
+                        hm_p.commit()  # first product complete ...
+                        hm_c = m_cons.wait_and_advance()
+                        tcgen05_fence_after_thread_sync()  # ... before the second's MMAs
+                        hm_c.release()
                 hd_p = d_prod.acquire_and_advance()
                 hd_p.commit()  # tcgen05.commit: D final once every tcgen05 op above completed
                 ha_c.release()
@@ -282,6 +311,8 @@ def _build(cfg: KernelConfig):
 
             # ---- every thread: its D row(s) -> global (tcgen05.ld.32x32b.x32) ----
             hd = d_cons.wait_and_advance()
+            if const_expr(FENCED):
+                tcgen05_fence_after_thread_sync()
             ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
             d_cols = ("D", "D2")
             for p in cutlass.range_constexpr(PRODUCTS):
@@ -294,9 +325,13 @@ def _build(cfg: KernelConfig):
                     for e in cutlass.range_constexpr(32):
                         mD[t, c * 32 + e, p] = reg[e]
             cute.arch.fence_view_async_tmem_load()
+            if const_expr(FENCED):
+                tcgen05_fence_before_thread_sync()
             hd.release()
             cute.arch.barrier(barrier_id=2, number_of_threads=M)
             if warp == 0:
+                if const_expr(FENCED):
+                    tcgen05_fence_after_thread_sync()
                 tmem.relinquish_alloc_permit()
                 tmem.free(base)
 
@@ -353,14 +388,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FP4GEN_SELFTEST_CACHE", "/tmp/selftest"))
 
 
-def compile_only(name: str, *, cache: bool = True) -> str:
+def compile_only(name: str, *, cache: bool = True, fenced: bool = False) -> str:
     """Compile check ``name``'s kernel for sm_100a without a GPU; return its PTX.
 
     The PTX is cached under ``cache_dir()`` keyed by the sha256 of this file and the config
     (a compile costs seconds of CPU). CuTe DSL reads ``CUTE_DSL_ARCH`` when it compiles; it is
     set to sm_100a here unless already set to something else (then: RuntimeError)."""
-    cfg = kernel_config(name)
-    path = cache_dir() / f"{cfg.name}-{_source_key(cfg)}.ptx"
+    cfg = kernel_config(name, fenced)
+    path = cache_dir() / f"{cfg.name}{'-fenced' if cfg.fenced else ''}-{_source_key(cfg)}.ptx"
     if cache and path.exists():
         return path.read_text()
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
@@ -508,11 +543,11 @@ def require_sm100(device=None):
 _COMPILED = {}
 
 
-def run(name: str, device=None, seed: int = 0):
+def run(name: str, device=None, seed: int = 0, *, fenced: bool = False):
     """Launch check ``name`` on an sm_100 GPU; return ``(got, expected)``, (products, M, N) float32
     / float64 on the CPU. RuntimeError on anything but an sm_100 GPU."""
     dev = require_sm100(device)
-    cfg = kernel_config(name)
+    cfg = kernel_config(name, fenced)
     import cuda.bindings.driver as cuda
 
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
