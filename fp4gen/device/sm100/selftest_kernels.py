@@ -30,7 +30,8 @@ container in TMEM; which nibble holds the even element is only in the ISA's Figu
 
 Three kernels are compiled (``_CONFIGS``): ``pv_mxfp4_tmem_a`` and ``block32_sf_id`` are the same
 code (two K steps) run on different operands; the nibble check issues one K step; the reuse
-check issues two MMAs. Every kernel mirrors the forward's calls: ``tcgen05.st.32x32b`` of
+check issues two products. Each also has a ``fenced`` variant (``KernelConfig.fenced``) with the
+PTX ISA's tcgen05 fences the forward lacks, which ``fp4gen selftest`` runs after a failure. Every kernel mirrors the forward's calls: ``tcgen05.st.32x32b`` of
 fp32-typed words (8 E2M1 codes per 32-bit column, key 8w + c in nibble c, as the forward packs
 P), scale bytes written by threads into SMEM in the tcgen05 scale-factor atom layout then
 ``tcgen05.cp .32x128b.warpx4``, the PV TiledMMA built with
