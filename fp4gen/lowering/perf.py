@@ -1,0 +1,658 @@
+"""A static performance model: predicted speed of an attention forward from its compiled SASS.
+
+What it does, per kernel:
+
+1. compile the kernel on the CPU (fp4gen's generated modules; FA4's BF16 forwards through
+   ``flash_attn.cute.interface`` with fake tensors), assemble the PTX with the pinned ptxas and
+   disassemble it (``fp4gen/lowering/sass.py``);
+2. split the SASS into warp roles (one per ``USETMAXREG``), find each role's KV-tile loops and
+   count one iteration's instructions by pipe;
+3. price one CTA step (one KV tile of N keys against all the CTA's query rows) on a GPU from
+   the table ``GPUS``:
+
+   * tensor: the step's MMA FLOPs / the tensor core's dense rate for the operand format;
+   * each role: per SM sub-partition (SMSP), max over pipes of instructions x cost, where a
+     pipe's cost is 32 lanes / its lanes per clock per SMSP; the role's warps are spread evenly
+     over the 4 SMSPs (warp w runs on SMSP w % 4);
+   * issue: every role's instructions on an SMSP share its one dispatch per clock;
+   * overlap: consumer/softmax warpgroups alternate on the tensor core (FA3/FA4 "ping-pong";
+     fp4gen's sm90a and sm100a forwards do the same), so a step takes at least
+     ``T_mma / groups + T_softmax(one group)``: while one group computes its softmax the
+     other's MMAs run, and a group's own MMA cannot overlap its own softmax;
+   * step = max(tensor, overlap bound, issue, every role's pipes);
+
+4. a shape (B, H, S, D, causal): steps per CTA (causal: the diagonal tiles run the masked loop,
+   the rest the unmasked loop), CTAs over SMs in waves (non-persistent) or spread evenly
+   (persistent), a fixed per-CTA cost (prologue and epilogue, an estimate below) and the HBM
+   bound (Q, K, V, O once); predicted TFLOP/s = FLOPs / time.
+
+``predict(kernel_artifacts, gpu, shape) -> dict``. ``main(argv)``: ``fp4gen perf SPEC...``.
+
+What it is not: a cycle simulator. It has no latency model, no bank conflicts, no L2, and one
+clock per GPU. Its estimates are labelled in ``GPUS`` and in ``OVERLAP_EFFICIENCY``; the H200
+check (bench/perf_model_h200.py) says how far that carries.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import sass as _sass
+
+# ============================================================================ GPUs
+#
+# Per-SM rates. Sources:
+#   [PG]   CUDA C++ Programming Guide, "Arithmetic Instructions" throughput table (results per
+#          clock per SM) for compute capability 9.0 and 10.0: FP32 add/mul/fma 128, special
+#          functions (MUFU: exp2, rcp, lg2, rsqrt) 16, 32-bit integer add/logic/shift 64,
+#          integer multiply-add (IMAD) 64, compare/min/max 64, conversions 16, warp shuffle 32.
+#   [HWP]  NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5), 4 SMSPs per SM
+#          each dispatching one warp instruction per clock, dense FP16/BF16 989.4 TFLOP/s and
+#          FP8 1978.9 TFLOP/s at the boost clock (=> 4096 and 8192 FLOP/clk/SM at 1.83 GHz),
+#          shared memory 128 B/clk/SM.
+#   [H200] NVIDIA H200 datasheet: the same GH100 compute (BF16 989 / FP8 1979 TFLOP/s dense),
+#          HBM3e 4.8 TB/s.
+#   [BWP]  NVIDIA Blackwell architecture technical brief / B200 and GB200 NVL72 datasheets:
+#          B200 dense BF16 2.25 PFLOP/s, FP8 4.5, FP4 9 (HGX B200, 1000 W); GB200 2.5 / 5 / 10
+#          per GPU; HBM3e 8 TB/s. 148 SMs (both).
+#   [I18]  issue 18: MUFU ex2 16/clk/SM on B200 and GB200; FA4 BF16 forward ~1,613 TFLOP/s on B200.
+# Estimates (labelled "estimate"): the sustained clock under a tensor-core load, the per-CTA
+# fixed cost, FFMA2's rate (one packed instruction = 2 FP32 lanes of work on the FMA pipe:
+# the same 128 results/clk/SM, half the issue slots).
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    sms: int
+    clock_ghz: float  # the clock the tensor-core peaks are quoted at
+    smsp_per_sm: int
+    issue_per_smsp: float  # warp instructions dispatched per clock per SMSP
+    lanes: dict  # pipe -> thread results per clock per SM
+    tensor_flops_per_clk: dict  # format -> dense FLOP per clock per SM
+    hbm_gbs: float
+    sources: dict = field(default_factory=dict)
+    serial_mma: bool = False  # step = tensor + busiest SMSP (True) or the max of the bounds
+
+
+_LANES_COMMON = {
+    "fma": 128,  # [PG] FP32 add/mul/fma, min/max, FSEL/FSETP on the FMA pipe
+    "mufu": 16,  # [PG] special functions; [I18] for B200/GB200
+    "alu": 64,  # [PG] 32-bit integer add/logic/shift/compare, IMAD on cc 9.0/10.0
+    "conv": 16,  # [PG] type conversions (F2F, F2I, I2F); F2FP packs take the same pipe (estimate)
+    "lds_sts": 32,  # [HWP] 128 B/clk/SM: one 4-byte word per lane per clock (estimate for wider ld)
+    "ldg_stg": 32,  # LSU issue, same unit as LDS (estimate)
+    "tmem": 32,  # tcgen05.ld/st: one warp-wide 32-lane access per clock per SMSP (estimate)
+    "sync": 32,
+    "uniform": 128,  # one uniform-datapath op per warp: costs the issue slot only
+    "control": 128,
+    "tensor": 128,  # the MMA issue itself: the tensor time is counted from FLOPs
+    "other": 32,
+}
+
+GPUS = {
+    "h200": Gpu("h200", 132, 1.83, 4, 1.0, dict(_LANES_COMMON),
+                {"bf16": 4096, "fp8": 8192, "fp4": 8192},  # [HWP]/[H200]; no FP4 on Hopper (runs as FP8)
+                4800.0,
+                {"sms": "[HWP] 132 SMs (H200 = GH100 SXM)", "clock": "1.83 GHz: 989.4 TFLOP/s / (132 x 4096)",
+                 "tensor": "[HWP]/[H200] 989 BF16, 1979 FP8 TFLOP/s dense", "hbm": "[H200] 4.8 TB/s"},
+                serial_mma=True),
+    "b200": Gpu("b200", 148, 1.855, 4, 1.0, dict(_LANES_COMMON),
+                # 2.25e15 / (148 x 1.855e9) = 8192 FLOP/clk/SM BF16 (clock: derived so that the
+                # datasheet's dense BF16 is 8192/clk/SM, twice Hopper's per SM, estimate)
+                {"bf16": 8192, "fp8": 16384, "fp4": 32768},
+                8000.0,
+                {"sms": "[BWP] 148 SMs", "clock": "estimate: 2.25 PFLOP/s / (148 x 8192) = 1.855 GHz",
+                 "tensor": "[BWP] dense 2.25 / 4.5 / 9 PFLOP/s BF16 / FP8 / FP4", "mufu": "[I18] 16/clk/SM",
+                 "hbm": "[BWP] 8 TB/s"}),
+    "gb200": Gpu("gb200", 148, 2.06, 4, 1.0, dict(_LANES_COMMON),
+                 {"bf16": 8192, "fp8": 16384, "fp4": 32768},
+                 8000.0,
+                 {"sms": "[BWP] 148 SMs", "clock": "estimate: 2.5 PFLOP/s / (148 x 8192) = 2.06 GHz",
+                  "tensor": "[BWP] dense 2.5 / 5 / 10 PFLOP/s per GPU (GB200 NVL72)", "mufu": "[I18] 16/clk/SM",
+                  "hbm": "[BWP] 8 TB/s"}),
+}
+
+# Gpu.serial_mma. Hopper: the step is the tensor time plus the busiest SMSP's instruction time, not their max.
+# Estimate, from the earlier H200 rounds (bench/results/attention-sm90-fwd-d128-*-h200.json):
+# FA4's BF16 forward runs a 128 x 128 step in ~3,000 cycles at 1.83 GHz where its wgmma needs
+# 2,048 and its consumers issue ~920 instructions per SMSP; the max of the two would say
+# 2,048. The likely cause: wgmma's A fragment (P, RS form) and its accumulators live in the
+# consumers' register file, so tensor work and the softmax contend for it. Blackwell's
+# tcgen05 MMAs read SMEM/TMEM and are issued by one MMA warp: there the max (with the
+# ping-pong bound) is used; ``predict(..., serial=True)`` gives the Hopper rule there too, as a
+# pessimistic bound (FA4's published ~1,613 TFLOP/s on B200 [I18] lies between the two).
+
+# Per-CTA fixed cost in cycles (estimate): Q's TMA load and the first K tile from HBM
+# (~1 us of latency), the pipeline fill (the first QK^T cannot overlap a softmax), the
+# epilogue (O normalised, stored). A persistent kernel overlaps most of it with the
+# previous tile's main loop; it is charged once per SM there.
+CTA_FIXED_CYCLES = 4000
+
+# ============================================================================ compile + cache
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("FP4GEN_PERF_CACHE") or Path(tempfile.gettempdir()) / "fp4gen-perf-cache")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_SM90_RUNNER = textwrap.dedent("""
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    c = m._compile("sm_90a", tvm_ffi=False)
+    open(sys.argv[2], "w").write(c.artifacts.PTX)
+""")
+
+# FA4's own compile path on a CPU-only host: fake tensors through
+# flash_attn.cute.interface._flash_attn_fwd with FLASH_ATTENTION_ARCH / CUTE_DSL_ARCH set. Two
+# things need no driver to be stubbed: quack's autotuner imports triton at module load (the
+# forward never autotunes), and the sm100 persistent scheduler asks the device for its SM count.
+_FA4_RUNNER = textwrap.dedent("""
+    import os, sys, types
+    sys.path.insert(0, sys.argv[1])
+    stub = types.ModuleType("quack.autotuner")
+    class AutotuneConfig:
+        def __init__(self, *a, **k): pass
+    class Autotuner:
+        def __init__(self, *a, **k): pass
+    stub.AutotuneConfig, stub.Autotuner = AutotuneConfig, Autotuner
+    stub.autotune = lambda *a, **k: (lambda fn: fn)
+    sys.modules["quack.autotuner"] = stub
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import cutlass.utils
+    import cutlass.cute as cute
+    from flash_attn.cute import interface as I
+    import flash_attn.cute.tile_scheduler as ts
+    class HW:
+        def __init__(self, *a, **k): pass
+        def get_device_multiprocessor_count(self): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
+    cutlass.utils.HardwareInfo = HW
+    ts.HardwareInfo = HW
+    import warnings
+    warnings.filterwarnings("ignore")
+    compiled = []
+    orig = cute.compile
+    def capture(*a, **k):
+        r = orig(*a, **k)
+        compiled.append(r)
+        return r
+    cute.compile = capture
+    causal = sys.argv[2] == "1"
+    B, S, H, D = 2, 4096, 16, 128
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        I._flash_attn_fwd(q, k, v, causal=causal)
+    open(sys.argv[3], "w").write(compiled[-1].artifacts.PTX)
+""")
+
+FA4_PATH_ENV = "FP4GEN_FA4_PATH"  # a folder holding flash_attn (flash-attn-4 4.0.0b36) and quack
+
+
+def _run(args, env, cwd, timeout):
+    r = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"compile failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+
+
+def fp4gen_ptx(path: str, timeout: int = 1800) -> str:
+    """The PTX of a generated fp4gen module (its forward), cached by the source's sha256."""
+    source = Path(path).read_text()
+    target = "sm_100a" if "sm100a" in Path(path).name or 'TARGET = "sm100a"' in source else "sm_90a"
+    key = cache_dir() / f"fp4gen-{_sha(source)[:24]}-{target}.ptx"
+    if key.is_file():
+        return key.read_text()
+    if target == "sm_100a":
+        from .conformance import compile_artifacts
+
+        ptx = compile_artifacts(source, timeout=timeout).ptx
+    else:
+        with tempfile.TemporaryDirectory(prefix="fp4gen_perf_") as d:
+            mod = Path(d) / "module.py"
+            mod.write_text(source)
+            env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=d)
+            _run([sys.executable, "-c", _SM90_RUNNER, str(mod), str(Path(d) / "k.ptx")], env, d, timeout)
+            ptx = (Path(d) / "k.ptx").read_text()
+    tmp = key.with_suffix(".tmp")
+    tmp.write_text(ptx)
+    tmp.replace(key)
+    return ptx
+
+
+def fa4_ptx(arch: str, causal: bool, fa4_path: Optional[str] = None, timeout: int = 1800) -> str:
+    """The PTX of FA4's BF16 forward (D128) for ``arch`` ("sm_90a" | "sm_100a"), cached."""
+    fa4_path = fa4_path or os.environ.get(FA4_PATH_ENV) or "/tmp/perf/fa4"
+    if not (Path(fa4_path) / "flash_attn" / "cute" / "interface.py").is_file():
+        raise FileNotFoundError(f"no flash-attn-4 under {fa4_path}: `pip install --target DIR --no-deps "
+                                f"flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi einops`, "
+                                f"then set ${FA4_PATH_ENV}=DIR")
+    ver = next(Path(fa4_path).glob("flash_attn_4-*.dist-info"), None)
+    key = cache_dir() / f"fa4-{_sha(str(ver) + _FA4_RUNNER)[:16]}-{arch}-{'causal' if causal else 'full'}.ptx"
+    if key.is_file():
+        return key.read_text()
+    with tempfile.TemporaryDirectory(prefix="fp4gen_perf_fa4_") as d:
+        env = dict(os.environ, FLASH_ATTENTION_ARCH=arch, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
+                   CUTE_DSL_DUMP_DIR=d, FLASH_ATTENTION_NUM_SMS="132" if arch == "sm_90a" else "148")
+        _run([sys.executable, "-c", _FA4_RUNNER, fa4_path, "1" if causal else "0", str(Path(d) / "k.ptx")],
+             env, d, timeout)
+        ptx = (Path(d) / "k.ptx").read_text()
+    tmp = key.with_suffix(".tmp")
+    tmp.write_text(ptx)
+    tmp.replace(key)
+    return ptx
+
+
+def sass_cached(ptx: str) -> str:
+    key = cache_dir() / f"sass-{_sha(ptx)[:24]}.sass"
+    if key.is_file():
+        return key.read_text()
+    text = _sass.sass_of_ptx(ptx)
+    tmp = key.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(key)
+    return text
+
+
+# ============================================================================ kernels
+
+
+@dataclass
+class KernelInfo:
+    """What the model needs beyond the SASS: tile shape, roles' warps, formats, scheduling."""
+
+    name: str
+    arch: str  # "sm_90a" | "sm_100a"
+    causal: bool
+    tile_m: int  # query rows per CTA per step (all Q stages / consumer warpgroups together)
+    tile_n: int  # keys per KV tile
+    head_dim: int
+    warps_by_registers: dict  # setmaxnreg count -> warps of the CTA that set it
+    groups: int = 2  # consumer/softmax warpgroups that alternate on the tensor core
+    persistent: bool = False
+    masked_extra: int = 0  # masked tiles per CTA beyond the causal diagonal (a sequence-end mask)
+    qk_format: Optional[str] = None  # sm100a: from the PTX's tcgen05.mma kinds
+    pv_format: Optional[str] = None
+    source: str = ""
+
+
+def _module_constants(source: str) -> dict:
+    import ast
+
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except Exception:
+                pass
+    return out
+
+
+def _warps_from_plan(plan: dict, arch: str) -> dict:
+    """setmaxnreg count -> active warps. A Hopper producer warpgroup issues TMA from one warp."""
+    out = {}
+    roles = plan.get("pipeline", plan).get("roles") or _find_key(plan, "roles") or []
+    for r in roles:
+        w = int(r.get("warps", 1))
+        if arch == "sm_90a" and "idle" in str(r.get("does", "")):
+            w = 1
+        out[int(r["registers"])] = out.get(int(r["registers"]), 0) + w
+    return out
+
+
+def _find_key(obj, key):
+    if isinstance(obj, dict):
+        if key in obj and isinstance(obj[key], list) and obj[key] and isinstance(obj[key][0], dict) \
+                and "registers" in obj[key][0]:
+            return obj[key]
+        for v in obj.values():
+            r = _find_key(v, key)
+            if r:
+                return r
+    elif isinstance(obj, list):
+        for v in obj:
+            r = _find_key(v, key)
+            if r:
+                return r
+    return None
+
+
+def fp4gen_info(path: str) -> KernelInfo:
+    source = Path(path).read_text()
+    c = _module_constants(source)
+    arch = "sm_100a" if c.get("TARGET") == "sm100a" else "sm_90a"
+    plan = json.loads(c["PLAN_JSON"]) if isinstance(c.get("PLAN_JSON"), str) else {}
+    warps = _warps_from_plan(plan, arch)
+    tile_m = int(c.get("TILE_M", 128)) * (int(c.get("Q_STAGES", 1)) if arch == "sm_100a" else 1)
+    causal = bool(c.get("CAUSAL", False))
+    return KernelInfo(name=f"fp4gen-{c.get('KERNEL_NAME', Path(path).stem)}", arch=arch, causal=causal,
+                      tile_m=tile_m, tile_n=int(c.get("TILE_N", 128)), head_dim=int(c.get("HEAD_DIM", 128)),
+                      warps_by_registers=warps, groups=2, persistent=False,
+                      # sm90a: the last key tile always runs the masked step (generated/sm90_*: n_mask_start)
+                      masked_extra=1 if arch == "sm_90a" else 0, source=path)
+
+
+def fa4_info(arch: str, causal: bool) -> KernelInfo:
+    """FA4 4.0.0b36's BF16 D128 forward configuration (flash_attn/cute/interface.py,
+    flash_fwd_sm90.py, flash_fwd_sm100.py): sm90 tile 128 x 128 (``_tile_size_fwd_sm90``),
+    one producer warpgroup (one warp issues TMA, setmaxnreg 24) and two consumer warpgroups
+    (240); sm100 m_block 128 x q_stage 2, n_block 128, softmax warps 0-7, correction 8-11, MMA 12,
+    epilogue 13, load 14, empty 15, persistent static scheduler."""
+    if arch == "sm_90a":
+        return KernelInfo(name="fa4-cute-bf16", arch=arch, causal=causal, tile_m=128, tile_n=128, head_dim=128,
+                          warps_by_registers={24: 1, 240: 8}, groups=2, persistent=False, source="flash-attn-4")
+    return KernelInfo(name="fa4-cute-bf16", arch=arch, causal=causal, tile_m=256, tile_n=128, head_dim=128,
+                      warps_by_registers={}, groups=2, persistent=True, source="flash-attn-4")
+
+
+@dataclass
+class KernelArtifacts:
+    info: KernelInfo
+    ptx: str
+    sass: str
+
+
+def fp4gen_artifacts(path: str) -> KernelArtifacts:
+    ptx = fp4gen_ptx(path)
+    return KernelArtifacts(fp4gen_info(path), ptx, sass_cached(ptx))
+
+
+def fa4_artifacts(arch: str, causal: bool, fa4_path: Optional[str] = None) -> KernelArtifacts:
+    ptx = fa4_ptx(arch, causal, fa4_path)
+    return KernelArtifacts(fa4_info(arch, causal), ptx, sass_cached(ptx))
+
+
+# ============================================================================ the model
+
+# cycles of one SMSP pipe per warp instruction: 32 lanes / (lanes per clock per SM / 4 SMSPs)
+
+
+def pipe_cost(gpu: Gpu, pipe: str) -> float:
+    return 32.0 / (gpu.lanes[pipe] / gpu.smsp_per_sm)
+
+
+_PACKED = ("FFMA2", "FMUL2", "FADD2", "FMNMX2", "HFMA2", "HADD2", "HMUL2")
+
+
+def _pipe_cycles(gpu: Gpu, counts: dict) -> dict:
+    """Cycles on one SMSP for one warp's counted instructions, per pipe, plus "issue".
+    A packed f32x2 instruction (FFMA2...) does two lanes' work on the FMA pipe."""
+    out = {p: n * pipe_cost(gpu, p) for p, n in counts["pipes"].items() if n}
+    packed = sum(counts["opcodes"].get(op, 0) for op in _PACKED[:4])
+    if packed:
+        out["fma"] = out.get("fma", 0.0) + packed * pipe_cost(gpu, "fma")
+    out["issue"] = counts["instructions"] / gpu.issue_per_smsp
+    return out
+
+
+_KIND_FORMAT = (("kind::f16", "bf16"), ("kind::tf32", "bf16"), ("kind::mxf4nvf4", "fp4"), ("kind::mxf4", "fp4"),
+                ("kind::mxf8f6f4", "fp8"), ("kind::f8f6f4", "fp8"), ("kind::i8", "fp8"))
+
+
+def _mma_formats(ptx: str) -> tuple:
+    """(QK^T format, PV format) from the PTX's tcgen05.mma kinds (PTX ISA 9.7.16.10.9
+    "tcgen05.mma"): kind::f16 runs at the BF16 rate, kind::f8f6f4 and kind::mxf8f6f4 at the
+    8-bit rate whatever their operands (E2M1 included), kind::mxf4(nvf4) at the FP4 rate. QK^T
+    reads A (Q) from SMEM, PV reads A (P) from TMEM."""
+    from .descriptors import mma_instructions
+
+    qk = pv = None
+    for m in mma_instructions(ptx):
+        fmt = next((f for k, f in _KIND_FORMAT if m.kind.startswith(k)), "bf16")
+        if m.a_source == "tmem":
+            pv = pv or fmt
+        else:
+            qk = qk or fmt
+    return qk or "bf16", pv or qk or "bf16"
+
+
+def _hgmma_format(instrs: list) -> str:
+    for i in instrs:
+        if i.base in ("HGMMA", "QGMMA"):
+            return "fp8" if any(m.startswith(("E4M3", "E5M2")) for m in i.mods) else "bf16"
+    return "bf16"
+
+
+def _role_warps(info: KernelInfo, role: "_sass.Role", n_same: int, has_mma: bool) -> float:
+    if info.arch == "sm_100a" and not info.warps_by_registers:  # FA4 sm100: by function
+        if role.kind == "alloc":
+            return 8.0  # softmax warps 0-7
+        return 4.0 if role.registers and role.registers >= 72 else 1.0  # correction 8-11; MMA/load/epilogue
+    w = info.warps_by_registers.get(role.registers)
+    if w is None:
+        return 1.0
+    return w / max(n_same, 1)
+
+
+def analyse(art: KernelArtifacts) -> dict:
+    """Roles, their tile loops and one iteration's counts (the cheapest path = an unmasked tile,
+    and the costliest path of the costliest sibling loop = a masked tile)."""
+    k = _sass.KernelSass.from_text(art.sass)
+    f = k.function
+    spin = _sass.spin_blocks(f, k.loops)
+    same = {}
+    for r in k.roles:
+        same[r.registers] = same.get(r.registers, 0) + 1
+    roles = []
+    for r in k.roles:
+        loops = _sass.tile_loops(f, r, k.loops)
+        if not loops:
+            continue
+        main = min(loops, key=lambda lp: (len(_sass.path_instrs(f, lp, spin)), lp.header))
+        masked = max(loops, key=lambda lp: (len(_sass.path_instrs(f, lp, spin, longest=True)), -lp.header))
+        c_main = _sass.loop_counts(f, main, k.loops, "short")
+        c_mask = _sass.loop_counts(f, masked, k.loops, "long")
+        has_mma = c_main["pipes"]["tensor"] > 0
+        roles.append({"role": r.name, "registers": r.registers, "kind": r.kind,
+                      "warps": _role_warps(art.info, r, same[r.registers], has_mma),
+                      "loop_header": main.header, "masked_loop_header": masked.header, "loops": len(loops),
+                      "main": c_main, "masked": c_mask, "hgmma_format": _hgmma_format(main.instrs(f, spin))})
+    return {"function": f.name, "instructions": len(f.instrs), "roles": roles}
+
+
+def step_cycles(art: KernelArtifacts, gpu: Gpu, counts_key: str = "main", analysis: Optional[dict] = None,
+                serial: Optional[bool] = None) -> dict:
+    """Cycles of one CTA step (one KV tile against all the CTA's query rows) and what bounds it."""
+    info = art.info
+    an = analysis or analyse(art)
+    roles = an["roles"]
+    # tensor time of the step
+    rows, n, d = info.tile_m, info.tile_n, info.head_dim
+    if info.arch == "sm_90a":
+        cons = max((r for r in roles if r["main"]["hgmma_flops"]), key=lambda r: r["warps"], default=None)
+        if cons is None:
+            raise ValueError(f"{info.name}: no role issues HGMMA")
+        groups = cons["warps"] / 4  # warpgroups running the consumer loop
+        flops = cons[counts_key]["hgmma_flops"] * groups
+        fmt = cons["hgmma_format"]
+        t_mma = flops / gpu.tensor_flops_per_clk[fmt]
+        qk_fmt = pv_fmt = fmt
+    else:
+        qk_fmt, pv_fmt = (info.qk_format, info.pv_format) if info.qk_format else _mma_formats(art.ptx)
+        flops = 2.0 * rows * n * d * 2
+        t_mma = (2.0 * rows * n * d) / gpu.tensor_flops_per_clk[qk_fmt] + \
+                (2.0 * rows * n * d) / gpu.tensor_flops_per_clk[pv_fmt]
+        cons = max((r for r in roles if r["main"]["pipes"]["tensor"] == 0),
+                   key=lambda r: (r["warps"], r["main"]["instructions"]), default=None)
+    per_role, issue_total, pipe_total = [], 0.0, {}
+    for r in roles:
+        cyc = _pipe_cycles(gpu, r[counts_key] if r is cons else r["main"])
+        per_smsp = r["warps"] / gpu.smsp_per_sm  # warps of the role on one SMSP (average)
+        busiest = math.ceil(per_smsp)
+        role_t = {p: c * busiest for p, c in cyc.items()}
+        for p, c in cyc.items():
+            pipe_total[p] = pipe_total.get(p, 0.0) + c * per_smsp
+        per_role.append({"role": r["role"], "warps": r["warps"], "instructions": r[counts_key if r is cons else "main"]["instructions"],
+                         "cycles": round(max(role_t.values()), 1),
+                         "bound": max(role_t, key=role_t.get), "pipes": {p: round(c, 1) for p, c in role_t.items()}})
+    # a softmax group alone: one warp per SMSP (a warpgroup spans the 4 SMSPs)
+    t_group = max(_pipe_cycles(gpu, cons[counts_key]).values()) if cons else 0.0
+    smsp = {p: c for p, c in pipe_total.items()}
+    busiest = max(smsp, key=smsp.get)
+    bounds = {"tensor": t_mma, "overlap": t_mma / max(info.groups, 1) + t_group}
+    for p, c in smsp.items():
+        bounds["smsp_" + p] = c
+    serial = gpu.serial_mma if serial is None else serial
+    if serial:
+        # the consumers' instructions are taken as not overlapping the tensor time (Gpu.serial_mma)
+        cycles = t_mma + smsp[busiest]
+        name = f"tensor+smsp_{busiest}"
+        bounds["serial"] = cycles
+    else:
+        name = max(bounds, key=bounds.get)
+        cycles = bounds[name]
+    return {"cycles": cycles, "bottleneck": name, "bounds": {k: round(v, 1) for k, v in bounds.items()},
+            "tensor_cycles": round(t_mma, 1), "softmax_group_cycles": round(t_group, 1), "mma_flops": flops,
+            "formats": {"qk": qk_fmt, "pv": pv_fmt}, "roles": per_role,
+            "consumer_role": cons["role"] if cons else None}
+
+
+def attn_flops(B, S, H, D, causal) -> float:
+    """4 B H S^2 D, half when causal (bench/attention.py's convention)."""
+    return 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
+
+
+def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = None) -> dict:
+    """Predicted forward time and TFLOP/s of ``art`` on ``gpu`` for ``shape`` = {B, H, S, D, causal}."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    info = art.info
+    B, H, S = int(shape["B"]), int(shape["H"]), int(shape["S"])
+    D = int(shape.get("D", info.head_dim))
+    causal = bool(shape.get("causal", info.causal))
+    an = analyse(art)
+    main = step_cycles(art, g, "main", an, serial)
+    masked = step_cycles(art, g, "masked", an, serial)
+    m, n = info.tile_m, info.tile_n
+    n_q = math.ceil(S / m)
+    cta_cycles = []
+    for qi in range(n_q):
+        hi = min(S, (qi + 1) * m) if causal else S
+        tiles = math.ceil(hi / n)
+        diag = (math.ceil(hi / n) - (qi * m) // n) if causal else 0
+        n_mask = min(tiles, diag + info.masked_extra)
+        cta_cycles.append((tiles - n_mask) * main["cycles"] + n_mask * masked["cycles"])
+    ctas = B * H * n_q
+    total = sum(cta_cycles) * B * H
+    if info.persistent:
+        compute = total / g.sms + CTA_FIXED_CYCLES * math.ceil(ctas / g.sms)
+    elif not causal:
+        compute = math.ceil(ctas / g.sms) * (cta_cycles[0] + CTA_FIXED_CYCLES)
+    else:  # longest-first blocks over SMs: the average, at least the longest CTA
+        compute = max((total + ctas * CTA_FIXED_CYCLES) / g.sms, max(cta_cycles) + CTA_FIXED_CYCLES)
+    seconds = compute / (g.clock_ghz * 1e9)
+    in_bytes = {"bf16": 2, "fp8": 1, "fp4": 0.5}
+    qkv = in_bytes.get(main["formats"]["qk"], 2)
+    mem_bytes = B * H * S * D * (2 * qkv + in_bytes.get(main["formats"]["pv"], 2) + 2)
+    mem_s = mem_bytes / (g.hbm_gbs * 1e9)
+    bottleneck = main["bottleneck"]
+    if mem_s > seconds:
+        seconds, bottleneck = mem_s, "hbm"
+    flops = attn_flops(B, S, H, D, causal)
+    return {"kernel": info.name, "gpu": g.name, "shape": {"B": B, "H": H, "S": S, "D": D, "causal": causal},
+            "predicted_tflops": round(flops / seconds / 1e12, 1), "predicted_ms": round(seconds * 1e3, 4),
+            "bottleneck": bottleneck, "cycles_per_tile": round(main["cycles"], 1),
+            "cycles_per_masked_tile": round(masked["cycles"], 1), "tile": {"m": m, "n": n},
+            "ctas": ctas, "kv_tiles_per_cta": [math.ceil((min(S, (q + 1) * m) if causal else S) / n) for q in (0, n_q - 1)],
+            "memory_ms": round(mem_s * 1e3, 4), "step": main, "masked_step": {k: masked[k] for k in ("cycles", "bottleneck", "bounds")},
+            "sass_instructions": an["instructions"]}
+
+
+# ============================================================================ FA4 ratio, CLI
+
+
+def with_fa4_ratio(pred: dict, fa4_pred: dict) -> dict:
+    """``pred`` with ``ratio_vs_fa4_bf16``: its predicted TFLOP/s over FA4 BF16's (same pass,
+    mask, shape and model)."""
+    out = dict(pred)
+    out["fa4_bf16_predicted_tflops"] = fa4_pred["predicted_tflops"]
+    out["ratio_vs_fa4_bf16"] = round(pred["predicted_tflops"] / fa4_pred["predicted_tflops"], 3)
+    return out
+
+
+def _spec_sources(path: str) -> list:
+    """Generated-module paths for one command-line SPEC: a generated module (.py, or its name
+    under generated/), or an .attn spec rendered kernel by kernel into the cache."""
+    p = Path(path)
+    if p.suffix == ".py" or not p.suffix:
+        if not p.is_file():
+            root = Path(__file__).resolve().parents[2] / "generated"
+            p = root / (p.name if p.suffix else p.name + ".py")
+        if not p.is_file():
+            raise FileNotFoundError(f"no generated module {path}")
+        return [str(p)]
+    import fp4gen
+    from fp4gen.ir.passes import plan_kernel
+
+    from . import render
+
+    out = []
+    for spec in fp4gen.parse_text(p.read_text(), filename=str(p)):
+        source = render(plan_kernel(spec))
+        dst = cache_dir() / f"spec-{spec.name}-{_sha(source)[:16]}.py"
+        if not dst.is_file():
+            dst.write_text(source)
+        out.append(str(dst))
+    return out
+
+
+def main(argv=None) -> int:
+    """``fp4gen perf SPEC... [--gpu h200|b200|gb200] [--json]``: predicted forward TFLOP/s of
+    each kernel and its ratio to FA4's BF16 forward of the same mask, by the same model."""
+    ap = argparse.ArgumentParser(prog="fp4gen perf", description=main.__doc__.split("\n")[0])
+    ap.add_argument("specs", nargs="+", help=".attn specs or generated modules (path or name)")
+    ap.add_argument("--gpu", default=None, choices=sorted(GPUS), help="default: h200 for sm90a, b200 for sm100a")
+    ap.add_argument("--seqlens", default="4096,8192,16384")
+    ap.add_argument("--tokens", type=int, default=32768, help="B = tokens // S")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--serial", action="store_true", help="the Hopper rule (tensor + busiest SMSP) on every GPU")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = []
+    fa4_cache = {}
+    for spec in a.specs:
+        for src in _spec_sources(spec):
+            art = fp4gen_artifacts(src)
+            gpu = a.gpu or ("h200" if art.info.arch == "sm_90a" else "b200")
+            key = (art.info.arch, art.info.causal)
+            if key not in fa4_cache:
+                fa4_cache[key] = fa4_artifacts(*key)
+            for s in (int(x) for x in a.seqlens.split(",") if x):
+                shape = {"B": max(1, a.tokens // s), "H": a.heads, "S": s, "D": art.info.head_dim,
+                         "causal": art.info.causal}
+                serial = True if a.serial else None
+                p = predict(art, gpu, shape, serial)
+                f = predict(fa4_cache[key], gpu, shape, serial)
+                rows.append(with_fa4_ratio(p, f))
+    if a.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "step"} | {"roles": r["step"]["roles"]}
+                          for r in rows], indent=1))
+    else:
+        print(f"{'kernel':36s} {'gpu':6s} {'S':>6s} {'causal':6s} {'TFLOP/s':>8s} {'xFA4':>6s} "
+              f"{'cyc/tile':>8s}  bottleneck   (predicted)")
+        for r in rows:
+            print(f"{r['kernel']:36s} {r['gpu']:6s} {r['shape']['S']:6d} {str(r['shape']['causal']):6s} "
+                  f"{r['predicted_tflops']:8.1f} {r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  "
+                  f"{r['bottleneck']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
