@@ -109,6 +109,19 @@ def test_fenced_variants_add_the_isa_fences_and_nothing_else(ptx, fenced_ptx):
 
 
 @pytest.mark.slow
+def test_unit_kernels_assemble_for_sm100a(ptx, fenced_ptx):
+    """The standalone ptxas (the register gate's) accepts every kernel for sm_100a, no spills."""
+    from fp4gen.lowering import ptxas
+
+    for text in list(ptx.values()) + list(fenced_ptx.values()):
+        try:
+            (r,) = ptxas.assemble(text)
+        except ptxas.PtxasUnavailable as e:
+            pytest.skip(str(e))
+        assert r.spill_store_bytes == r.spill_load_bytes == 0, r
+
+
+@pytest.mark.slow
 def test_ptx_checks_catch_the_wrong_kernel(ptx):
     """Planted fault for the form test: the one-step kernel's PTX lacks the sf_id 2 step."""
     m = _mmas(ptx["e2m1_nibble_order_tmem"])
