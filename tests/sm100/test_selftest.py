@@ -400,10 +400,11 @@ def test_isolated_check_reports_an_error_row():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fenced", [False, True], ids=["forward_sync", "fenced"])
 @pytest.mark.parametrize("name", sk.CHECKS)
-def test_unit_kernels_on_blackwell(name):
+def test_unit_kernels_on_blackwell(name, fenced):
     if torch.cuda.get_device_capability() != (10, 0):
         pytest.skip("needs an sm_100 GPU (B200/GB200)")
-    got, exp = sk.run(name)
+    got, exp = sk.run(name, fenced=fenced)
     ok, err, words = sk.judge(name, got)
-    assert ok, f"{name}: rel. error {err:.3g}: {words}"
+    assert ok, f"{name}{' (fenced)' if fenced else ''}: rel. error {err:.3g}: {words}"
