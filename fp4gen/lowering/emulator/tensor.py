@@ -21,10 +21,16 @@ Implemented:
   swizzle (16-byte atomicity), ``collector::a::discard`` only, with or without a
   ``{disable-output-lane}`` mask (no ``scale-input-d``).
 
-Arithmetic: each MMA forms its products and their sum in numpy float64 (exact for the FP4 and
-FP8 kinds: E2M1/E4M3 products with their scales, summed over K <= 64, fit in 53 bits; for bf16
-the float64 sum is itself rounded), adds D in float64 and rounds once to fp32 when it writes D. The hardware's internal accumulation
-width and rounding are not documented; only hardware can tell how far this is from it.
+Arithmetic: each MMA forms its products (exact in float64 for every kind here) and their sum
+in numpy float64 (exact unless the products of one row and column span more than ~40 binades;
+otherwise rounded far below fp32 resolution), adds D in float64 and rounds once to fp32 when it
+writes D. The hardware's internal accumulation width and rounding are not documented; only
+hardware can tell how far this is from it.
+
+Swizzles are computed from absolute SMEM address bits, for the TMA that writes a tile and the
+MMA that reads it alike, so a tile whose pattern does not start at its 256/512/1024-byte
+boundary reads back correctly here; the ISA asks for a base offset then (9.7.16.4.1 Table 41),
+and such uses are recorded in ``SharedMemory.findings`` rather than modelled.
 
 What the ISA text does not state (its figures are images this copy does not have; where a
 transcription of a figure exists it is cited) and what is assumed here, to be confirmed on
