@@ -203,10 +203,16 @@ def _span_str(s):
     return f"TMEM lanes[{s.lane_lo},{s.lane_hi}) cols[{s.col_lo},{s.col_hi})"
 
 
+_OPTIONAL = (T.Access, T.BarrierInit)  # events one warp of a group may have alone
+
+
 def _signature(events):
+    """A warp's event sequence without spans and op numbers, fences, and the events one warp of
+    a group may execute alone (synchronous accesses, mbarrier.init: e.g. the elected warp
+    that initialises the barriers or writes the block's vote)."""
     out = []
     for e in events:
-        if isinstance(e, T.Fence):
+        if isinstance(e, (T.Fence,) + _OPTIONAL):
             continue
         d = {k: v for k, v in vars(e).items() if k not in ("reads", "writes", "spans", "op")}
         out.append((type(e).__name__, tuple(sorted(d.items()))))
@@ -221,6 +227,33 @@ def _group(trace, group_warps):
     for w in warps:
         by_sig.setdefault(_signature(trace.warps[w]), []).append(w)
     return sorted(by_sig.values())
+
+
+def _align(seqs):
+    """The lock-step program of a group: tuples of the members' events executed as one step.
+    Optional events (``_OPTIONAL``) of some members are steps of those members alone, merged
+    when they are the same instruction; every other event is common to all members (the
+    signatures agree)."""
+    seqs = [[e for e in s if not isinstance(e, T.Fence)] for s in seqs]
+    n = len(seqs)
+    idx = [0] * n
+    out = []
+
+    def key(e):
+        return (type(e).__name__, e.line, getattr(e, "write", None), getattr(e, "bar", None))
+    while any(idx[i] < len(seqs[i]) for i in range(n)):
+        nxt = [seqs[i][idx[i]] if idx[i] < len(seqs[i]) else None for i in range(n)]
+        opt = [i for i in range(n) if isinstance(nxt[i], _OPTIONAL)]
+        if opt:
+            k = key(nxt[opt[0]])
+            members = [i for i in opt if key(nxt[i]) == k]
+        else:
+            members = list(range(n))
+            assert all(e is not None for e in nxt), "group members' traces disagree"
+        out.append(tuple(nxt[i] for i in members))
+        for i in members:
+            idx[i] += 1
+    return out
 
 
 class _Model:
@@ -253,13 +286,12 @@ class _Model:
         return f"{name}({role})" if role else name
 
     def _compile(self, a, seqs):
-        n = len(seqs)
-        seqs = [[e for e in s if not isinstance(e, T.Fence)] for s in seqs]
         prog = []
         tc_ops = []  # this agent's tcgen05 ops so far
         tmem_open = {"ld": [], "st": []}
-        for j, evs in enumerate(zip(*seqs)):
+        for j, evs in enumerate(_align(seqs)):
             e = evs[0]
+            n = len(evs)
             if isinstance(e, T.BarrierInit):
                 prog.append(("init", e.line, self._bar(e.bar), e.count))
             elif isinstance(e, T.Arrive):
@@ -685,6 +717,8 @@ class _Search:
                 cur[a] = (dw, da, E, dt)
                 bw[a] = dw | da
 
+        changers = {}  # barrier -> the agents that may still change it
+
         def dependent(b, S, CW, CA, CR, CT):
             d = dyn.get(b)
             if d is not None and ((CW & (d[0] | d[1])) or (CA & d[0]) or (CR & (d[0] | d[1]))
@@ -702,9 +736,12 @@ class _Search:
                     return False
                 _, _, bar, parity = prog[k]
                 st = bars[bar]
-                if (st is None or st[0] == parity) and \
-                        not any(bar in bw[c] for c in live if c not in S):
-                    return False  # blocked until an agent of S moves
+                if st is None or st[0] == parity:
+                    ch = changers.get(bar)
+                    if ch is None:
+                        ch = changers[bar] = frozenset(c for c in live if bar in bw[c])
+                    if ch <= S:
+                        return False  # blocked until an agent of S moves
                 if (CW & {bar}) or (CT & wait_c[k]):
                     return True
                 k += 1
