@@ -149,6 +149,9 @@ _INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@(!?U?P[0-9T]+)\s+)?([A-Z][A-Z0
 _LABEL = re.compile(r"^(\.L_x_\d+|[$\w.]+):\s*$")
 _FUNC_HDR = re.compile(r"^\s*\.type\s+(\S+),@function")
 _TARGET_LABEL = re.compile(r"`\((\.L_x_\d+)\)")
+# an indirect branch (a switch) lists its targets in nvdisasm's annotation:
+#   BRX R2 -0x7a0 (*"BRANCH_TARGETS .L_x_313,.L_x_314,.L_x_6"*)
+_BRANCH_TARGETS = re.compile(r'BRANCH_TARGETS\s+([^"]+)"')
 
 
 def parse_sass(text: str) -> list:
@@ -245,7 +248,11 @@ def _build_cfg(f: Function) -> None:
         fall = k + 1 if k + 1 < len(blocks) else None
         succ = []
         if last.base in _BRANCH and not _never(last.pred):
-            targets = [block_at_label[t] for t in _TARGET_LABEL.findall(last.operands) if t in block_at_label]
+            labels_named = _TARGET_LABEL.findall(last.operands)
+            m = _BRANCH_TARGETS.search(last.operands)
+            if m:
+                labels_named += [t.strip() for t in m[1].split(",")]
+            targets = [block_at_label[t] for t in labels_named if t in block_at_label]
             succ += targets
             if (last.base == "BRA" and _is_conditional_bra(last)) and fall is not None:
                 succ.append(fall)
@@ -355,16 +362,16 @@ _ALU = {"IADD3", "IADD", "IADD32I", "VIADD", "VIADDMNMX", "LOP3", "LOP", "SHF", 
         "VIMNMX", "VIMNMX3", "PRMT", "BFI", "BFE", "BMSK", "SEL", "ISETP", "ICMP", "LEA", "LEA.HI", "IABS", "POPC",
         "FLO", "BREV", "PLOP3", "PSETP", "P2R", "R2P", "MOV", "MOV32I", "CS2R", "S2R", "IDP", "IDP4A", "I2IP",
         "SGXT", "IMNMX3", "VOTE", "SHFL", "MATCH", "REDUX", "CCTL", "LDC", "NOP", "SETLMEMBASE"}
-_CONV = {"F2F", "F2FP", "I2F", "F2I", "I2I", "FRND", "F2IP"}
+_CONV = {"F2F", "F2FP", "I2F", "I2FP", "F2I", "I2I", "FRND", "F2IP"}
 _MUFU = {"MUFU"}
-_LDS = {"LDS", "STS", "LDSM", "STSM", "ATOMS", "LDGSTS"}
+_LDS = {"LDS", "STS", "STAS", "LDSM", "STSM", "ATOMS", "LDGSTS"}
 _LDG = {"LDG", "STG", "LD", "ST", "LDL", "STL", "ATOMG", "ATOM", "RED", "UTMALDG", "UTMASTG", "UTMAPF",
         "UTMACCTL", "UTMAREDG", "UBLKCP", "UBLKRED", "UBLKPF"}
 _TMEM = {"LDTM", "STTM"}
 _SYNC = {"SYNCS", "BAR", "BSSY", "BSYNC", "WARPSYNC", "WARPGROUP", "DEPBAR", "MEMBAR", "FENCE", "ERRBAR", "ELECT",
          "ARRIVES", "NANOSLEEP", "USETMAXREG", "ACQBULK", "ACQSHMINIT", "CGAERRBAR", "CCTLT", "UCGABAR_ARV",
          "UCGABAR_WAIT", "UTCATOMSWS"}
-_CONTROL = {"BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL", "BREAK", "BMOV", "YIELD", "KILL", "BPT", "WARPSYNC"}
+_CONTROL = {"BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL", "RPCMOV", "BREAK", "BMOV", "YIELD", "KILL", "BPT", "WARPSYNC"}
 
 
 def classify(opcode: str) -> str:

@@ -206,3 +206,20 @@ def test_nvdisasm_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv(sass.NVDISASM_ENV, str(tmp_path / "missing"))
     with pytest.raises(sass.NvdisasmUnavailable):
         sass.find_nvdisasm()
+
+
+def test_indirect_branch_targets_from_the_annotation():
+    # nvdisasm prints a switch's targets in a comment; without them the role branches behind it
+    # are unreachable
+    f = sass.parse_sass("\n".join([
+        "\t.type\t\tf,@function",
+        "        /*0000*/  BRX R2 -0x10 (*\"BRANCH_TARGETS .L_x_1,.L_x_2\"*) ;",
+        ".L_x_1:",
+        "        /*0010*/  USETMAXREG.DEALLOC.CTAPOOL 0x38 ;",
+        "        /*0020*/  EXIT ;",
+        ".L_x_2:",
+        "        /*0030*/  USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0 ;",
+        "        /*0040*/  EXIT ;",
+    ]))[0]
+    assert f.blocks[0].succs == [1, 2]
+    assert sorted(r.registers for r in sass.roles(f)) == [56, 192]
