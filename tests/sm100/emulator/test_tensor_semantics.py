@@ -577,3 +577,49 @@ def test_refusals():
     with pytest.raises(T.TensorOpError, match="sf ids"):
         T.mma(tm, sm, kind="kind::mxf4nvf4.block_scale.block16", idesc=nv, scale_a_taddr=128, scale_b_taddr=136,
               **dict(base, a_in_tmem=False, a=encode_smem_desc(version=1, sbo=32, swizzle=4)))
+
+
+# ------------------------------------------------------------------ coverage of the kernels' forms -----
+
+KERNELS = ["fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128", "sage3_fp4_d128", "sm100_bwd_causal_d128"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KERNELS)
+def test_every_tcgen05_form_of_the_kernels_is_implemented(name):
+    """Each distinct tcgen05.ld/st/cp/mma opcode (and operand shape) in the compiled PTX maps to
+    an implemented form: a regenerated kernel with a new form fails here, not mid-emulation."""
+    import re
+
+    from tests.sm100.emulator.test_tma import _artifacts
+
+    ptx, _ = _artifacts(name)
+    forms = set(re.findall(r"^\s*(?:@!?%\w+\s+)?(tcgen05\.(?:ld|st|cp|mma)\S*)\s+(.*);", ptx, re.M))
+    assert forms
+    for op, args in forms:
+        parts = op.split(".")
+        if parts[1] in ("ld", "st"):
+            assert not any(p.startswith(("pack", "unpack")) for p in parts), op
+            shape = next(p for p in parts if p[0].isdigit())
+            num = next(p for p in parts if re.fullmatch(r"x\d+", p))
+            tm = T.TensorMemory()
+            tm.alloc(512)
+            if parts[1] == "ld":
+                T.tmem_load(tm, shape, num, 0, 0)
+            else:
+                T.tmem_store(tm, shape, num, 0, 0, np.zeros((32, int(num[1:])), np.uint32))
+        elif parts[1] == "cp":
+            shape = next(p for p in parts if p[0].isdigit())
+            mc = next((p for p in parts if p.startswith("warpx")), None)
+            sm, tm = T.SharedMemory(), T.TensorMemory()
+            tm.alloc(512)
+            T.tmem_copy(tm, sm, shape, mc, 0, encode_smem_desc(version=1, lbo=1, sbo=8))
+        else:
+            kind = next(p for p in parts if p.startswith("kind::"))
+            i = parts.index(kind)
+            T._parse_mma_form(".".join([kind] + parts[i + 1:]), ())
+            ops = [a.strip() for a in re.split(r",(?![^{]*})", args)]
+            vec = [a for a in ops if a.startswith("{")]
+            # operands: [d], a, b, idesc, ([sfa], [sfb],) ({disable-output-lane},) enable-input-d
+            assert len(ops) == 5 + 2 * ("block_scale" in parts) + len(vec), (op, args)
+            assert all(len(v.strip("{}").split(",")) == 4 for v in vec), args
