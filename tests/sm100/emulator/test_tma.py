@@ -328,3 +328,24 @@ def test_backward_maps():
     assert m.global_dims == (128, S, 1, 1)
     with pytest.raises(TensorOpError, match="stride 2"):
         tma.tensor_map_of(a, 0, (S, 128, 2, 1), (128, 2, 128, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128", "sage3_fp4_d128"])
+def test_every_forward_atom_gets_a_map(name):
+    """Every TMA atom of each forward resolves to a map over the operand it is built on, and
+    each cp.async.bulk.tensor of the PTX has the rank of some map."""
+    import re
+
+    ops, gm, maps = _setup(name)
+    ptx, _ = _artifacts(name)
+    want = {"q", "k", "v", "sfq", "sfk"} | ({"sfv"} if "sfv" in maps else set())
+    assert want <= set(maps)
+    ranks = {int(r) for r in re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.", ptx)}
+    assert ranks <= {m.rank for m in maps.values()}
+    for nm, m in maps.items():
+        assert m.global_address == gm_address(gm, ops, nm)
+
+
+def gm_address(gm, ops, nm):
+    return 0x1_0000_0000 * (list(ops.layouts()).index(nm) + 1)
