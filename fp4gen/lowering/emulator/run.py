@@ -59,7 +59,8 @@ class EmulationResult:
     max_lse_err: float
     trace: T.Trace
     seconds: float
-    instructions: int = 0
+    instructions: int = 0  # warp instructions executed
+    emulation_seconds: float = 0.0  # the machine alone (seconds: also compile lookup, host prep, reference)
     schedule: str = "eager"
     seqlen_q: int = 256
     seqlen_k: int = 448
@@ -339,6 +340,22 @@ def make_inputs(seqlen_q, seqlen_k, seed, heads=1, heads_kv=1, batch=1, head_dim
     return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
 
 
+def warp_roles(mod) -> dict:
+    """warp -> role name from the module's plan (``PLAN_JSON`` pipeline roles, in warp order)."""
+    import json
+
+    try:
+        roles = json.loads(mod.PLAN_JSON)["pipeline"]["roles"]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return {}
+    out, w = {}, 0
+    for r in roles:
+        for _ in range(int(r.get("warps", 0))):
+            out[w] = r["name"]
+            w += 1
+    return out
+
+
 def _spec_of(mod):
     from fp4gen.frontend import parse_file
 
@@ -389,7 +406,7 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
     smem = tensor.SharedMemory(fill=smem_fill)
     tmem = tensor.TensorMemory(fill=tmem_fill)
     spec = _spec_of(mod)
-    tr = T.Trace(kernel=mod.KERNEL_NAME, kv_tiles=math.ceil(Sk / 128))
+    tr = T.Trace(kernel=mod.KERNEL_NAME, kv_tiles=math.ceil(Sk / 128), roles=warp_roles(mod))
     mach = M.Machine(module, smem=smem, tmem=tmem, gmem=gmem, params=launch.params,
                      ctaid=(0, 0, 0), nctaid=(math.ceil(Sq / 256), B * H, 1), schedule=schedule,
                      tensor_maps=launch.tensor_maps, ops=ops, trace=tr, strict_aligned=strict_aligned)
@@ -405,12 +422,18 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
     rows = slice(0, min(256, Sq))  # the rows CTA 0 owns
     got = out[:, rows].float()
     want = ref_o[:, rows].float()
-    err = float((got - want).abs().max())
+    d = (got - want).abs()
+    # a NaN the reference does not have is the largest error, not an incomparable one
+    d = torch.where(torch.isnan(d) & ~(torch.isnan(got) & torch.isnan(want)), torch.full_like(d, float("inf")),
+                    torch.nan_to_num(d, nan=0.0))
+    err = float(d.max())
     gl, rl = out_lse[:, :, rows], ref_lse[:, :, rows]
     both_inf = torch.isinf(gl) & torch.isinf(rl) & (torch.sign(gl) == torch.sign(rl))
-    lse_err = float(torch.where(both_inf, torch.zeros_like(gl), (gl - rl).abs()).max())
+    dl = torch.where(both_inf, torch.zeros_like(gl), (gl - rl).abs())
+    lse_err = float(torch.nan_to_num(dl, nan=float("inf")).max())
     return EmulationResult(kernel=mod.KERNEL_NAME, out=got, lse=gl, reference_out=want,
                            reference_lse=rl, max_abs_err=err, max_lse_err=lse_err, trace=tr,
                            seconds=time.time() - t0, instructions=mach.instructions,
+                           emulation_seconds=mach.seconds,
                            schedule=schedule, seqlen_q=Sq, seqlen_k=Sk, machine=mach,
                            notes=list(dict.fromkeys(mach.divergent_aligned)))

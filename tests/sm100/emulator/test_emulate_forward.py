@@ -1,0 +1,217 @@
+"""End to end: one CTA of each generated sm100a forward executed from its compiled PTX
+(fp4gen.lowering.emulator.run) against the reference numerics, and planted faults (PTX text
+mutations of the compiled kernel) that must each make O disagree.
+
+Each emulation takes ~30 s of CPU (about 530k warp instructions) plus one sm_100a compile per
+kernel (~12 s, cached on disk by the source's sha256), so the module is marked slow.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# (kernel, Sk): 4 KV tiles with a ragged tail (448 = 3.5 tiles, 400 = 3.125 tiles); causal
+# where the spec is (fa4_fp4, fa4_nvfp8): bottom-right aligned, so the last tiles are masked
+CASES = [("fa4_fp4_d128", 448), ("fa4_nvfp8_d128", 400), ("fa4_nvmx_accurate_d128", 400),
+         ("sage3_fp4_d128", 448)]
+
+
+def _source(name):
+    return (ROOT / "generated" / f"{name}_sm100a.py").read_text()
+
+
+def _tolerance(res):
+    """fp32 summation order plus the bf16 rounding of O: a few bf16 ulps of the row's scale."""
+    scale = float(res.reference_out.abs().max())
+    return 4 * 2.0 ** -8 * max(scale, 1e-3)
+
+
+_RESULTS = {}
+
+
+def _emulate(name, sk, **kw):
+    """One emulation per (kernel, Sk, options) and test session. Non-strict about .aligned
+    instructions run by part of a warp (so the numerics of a kernel with that defect are still
+    checked); test_no_divergent_warp_collectives checks the defect itself."""
+    from fp4gen.lowering.emulator.run import emulate_forward
+
+    kw.setdefault("strict_aligned", False)
+    key = (name, sk, tuple(sorted(kw.items())))
+    if key not in _RESULTS:
+        _RESULTS[key] = emulate_forward(_source(name), seqlen_q=256, seqlen_k=sk, seed=0, **kw)
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize("name,sk", CASES)
+def test_o_matches_the_reference(name, sk):
+    res = _emulate(name, sk)
+    tol = _tolerance(res)
+    assert res.max_abs_err <= tol, (name, res.max_abs_err, tol)
+    # the kernel really ran its pipeline: every KV tile's MMAs were issued
+    mma = [e for evs in res.trace.warps.values() for e in evs if getattr(e, "kind", "") == "mma"]
+    assert len(mma) >= 4 * 4, len(mma)
+
+
+# Found by the emulator (2026-12-01): the two Direct-P kernels write LSE = (m + log2 l - log2 6)
+# ln 2 (LSE_SHIFT, fp4gen/lowering/sm100.py), the reference subtracts log2(DIRECT_P_GAIN[policy])
+# (2.9 fast, 5.0 accurate; fp4gen/numerics/directp.py): LSE differs by a constant 0.73 / 0.18 nats
+# while O agrees exactly.
+_LSE_SHIFT_DIFFERS = pytest.mark.xfail(
+    strict=True, reason="the sm100a template's LSE_SHIFT = log2 6 vs the reference's log2(DIRECT_P_GAIN)")
+
+
+@pytest.mark.parametrize("name,sk", [
+    pytest.param(n, k, marks=_LSE_SHIFT_DIFFERS) if n in ("fa4_fp4_d128", "fa4_nvmx_accurate_d128") else (n, k)
+    for n, k in CASES])
+def test_lse_matches_the_reference(name, sk):
+    res = _emulate(name, sk)
+    assert res.max_lse_err <= 1e-3, (name, res.max_lse_err)
+
+
+# Found by the emulator (2026-12-01): the FP8 kernel rescales O in TMEM under a per-row
+# condition (`if o_alpha < 1`), so the warp-collective tcgen05.ld/st.sync.aligned run with only
+# the rows whose max grew -- undefined on the hardware (PTX ISA 9.7.16.8.3/4: all threads of the
+# warp must execute the same instruction). The two-level kernel's `if o_fac != 1` has the same
+# shape, but o_fac = alpha * r_prev / r is exactly 1 for no row of these inputs, so it runs
+# converged here.
+_DIVERGENT_RESCALE = pytest.mark.xfail(
+    strict=True, reason="O rescale: tcgen05.ld/st.sync.aligned under a per-row branch")
+
+
+@pytest.mark.parametrize("name,sk", [
+    pytest.param(n, k, marks=_DIVERGENT_RESCALE) if n == "fa4_nvfp8_d128" else (n, k)
+    for n, k in CASES])
+def test_no_divergent_warp_collectives(name, sk):
+    res = _emulate(name, sk)
+    assert not res.notes, res.notes[:3]
+
+
+def test_strict_mode_raises_at_the_divergent_collective():
+    from fp4gen.lowering.emulator.machine import EmulationError
+
+    res = _emulate("fa4_nvfp8_d128", 400)
+    if not res.notes:
+        pytest.skip("the kernel no longer has a divergent warp collective")
+    with pytest.raises(EmulationError, match=r"tcgen05\.(ld|st)\.sync\.aligned.*executed by \d+ of the warp's 32"):
+        _emulate("fa4_nvfp8_d128", 400, strict_aligned=True)
+
+
+def test_trace_has_the_kernels_synchronisation():
+    """The recorded trace against the plan: every mbarrier the plan counts is initialised, each
+    role's warps are named, every tensor-pipe op has its spans, every commit is a warp 12 op."""
+    from fp4gen.frontend import parse_file
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.lowering import conformance
+    from fp4gen.lowering.emulator import trace as T
+
+    res = _emulate("fa4_fp4_d128", 448)
+    plan = plan_kernel(parse_file(ROOT / "examples" / "fa4_fp4_d128.attn")[0])
+    evs = [e for w in res.trace.warps.values() for e in w]
+    inits = {e.bar for e in evs if isinstance(e, T.BarrierInit)}
+    assert len(inits) == conformance.expected_barriers(plan)
+    assert res.trace.roles[12] == "mma" and res.trace.roles[13] == "load" and res.trace.roles[0] == "softmax0"
+    for e in evs:
+        if isinstance(e, T.AsyncOp) and e.kind in ("mma", "cp", "tma"):
+            assert e.writes, e
+        if isinstance(e, T.AsyncOp) and e.kind == "tma":
+            assert e.tx > 0
+    assert {w for w, ws in res.trace.warps.items() if any(isinstance(e, T.Commit) for e in ws)} == {12}
+    assert set(res.trace.setmaxnreg) == set(range(16))
+
+
+def test_two_schedules_give_the_same_o_and_trace():
+    import dataclasses
+
+    eager = _emulate("fa4_fp4_d128", 448)
+    lazy = _emulate("fa4_fp4_d128", 448, schedule="lazy")
+    assert (eager.out == lazy.out).all() and (eager.lse == lazy.lse).all()
+
+    def per_warp(tr):  # op numbers count CTA-wide issue order, which the schedule changes
+        return {w: [dataclasses.replace(e, op=0) if hasattr(e, "op") else e for e in evs]
+                for w, evs in tr.warps.items()}
+    assert per_warp(eager.trace) == per_warp(lazy.trace)
+    assert eager.trace.schedule == "eager" and lazy.trace.schedule == "lazy"
+
+
+# ----------------------------------------------------------------------------- planted faults
+
+def _lines(ptx):
+    return ptx.split("\n")
+
+
+def swap_p_nibbles(ptx):
+    """(a) P's E2M1 codes packed high nibble first: every bfi of a 4-bit code at bit 4i goes to
+    bit 4(i^1) (Direct-P fast packs codes with bfi)."""
+    def fix(m):
+        pos = int(m.group(2))
+        return f"{m.group(1)}{pos ^ 4}, 4;"
+    return re.sub(r"(bfi\.b32 [^;]*?, )(\d+), 4;", fix, ptx)
+
+
+def _nth(lines, pred, n=0):
+    hits = [i for i, s in enumerate(lines) if pred(s)]
+    return hits[n]
+
+
+def wrong_pv_sf_id(ptx):
+    """(b) the second block32 P.V MMA of the loop (keys 64..127) with scale-factor id 0: the
+    instruction descriptor's a_sf_id bits (29-30), taken from the SFP address, masked off."""
+    ls = _lines(ptx)
+    mma = _nth(ls, lambda s: "block32" in s and "tcgen05.mma" in s, 1)
+    j = max(i for i in range(mma) if "1610612736;" in ls[i])
+    ls[j] = ls[j].replace("1610612736;", "0;")
+    return "\n".join(ls)
+
+
+def pv_reads_p_part2(ptx):
+    """(c) the first P.V MMA (keys 0..63, P part 1) reads its A operand at P part 2's address."""
+    ls = _lines(ptx)
+    regs = [re.search(r"\], \[(%r\d+)\]", ls[_nth(ls, lambda s: "block32" in s and "tcgen05.mma" in s, n)]).group(1)
+            for n in (0, 1)]
+    assert regs[0] != regs[1]
+    i = _nth(ls, lambda s: "block32" in s and "tcgen05.mma" in s, 0)
+    ls[i] = ls[i].replace(f"[{regs[0]}]", f"[{regs[1]}]", 1)
+    return "\n".join(ls)
+
+
+def swap_sfp_coords(ptx):
+    """(d) stage 0's P scale bytes stored at b//2 + 2*(b%2) instead of b%2 + 2*(b//2): blocks 1
+    and 2 trade places (their shared-memory byte offsets)."""
+    ls = _lines(ptx)
+    st = [i for i, s in enumerate(ls) if "st.shared.b8" in s]
+    offs = [int(re.search(r"\+(\d+)\]", ls[i]).group(1)) for i in st[:4]]
+    assert offs == [offs[0] + k for k in range(4)], offs
+    ls[st[1]] = ls[st[1]].replace(f"+{offs[1]}]", f"+{offs[2]}]")
+    ls[st[2]] = ls[st[2]].replace(f"+{offs[2]}]", f"+{offs[1]}]")
+    return "\n".join(ls)
+
+
+def cp_after_mma(ptx):
+    """(e) the tcgen05.cp of P's scales (to the first P.V MMA's scale-A address) issued after
+    that MMA instead of before it."""
+    ls = _lines(ptx)
+    i = _nth(ls, lambda s: "block32" in s and "tcgen05.mma" in s, 0)
+    sfa = re.search(r"%r\d+, \[(%r\d+)\], \[%r\d+\], %p\d+;", ls[i]).group(1)
+    j = max(k for k in range(i) if "tcgen05.cp" in ls[k] and f"[{sfa}]" in ls[k])
+    cp = ls.pop(j)
+    i = _nth(ls, lambda s: "block32" in s and "tcgen05.mma" in s, 0)
+    ls.insert(i + 1, cp)
+    return "\n".join(ls)
+
+
+FAULTS = {"a_nibble_order": swap_p_nibbles, "b_sf_id": wrong_pv_sf_id, "c_p_part": pv_reads_p_part2,
+          "d_sfp_coords": swap_sfp_coords, "e_cp_after_mma": cp_after_mma}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_planted_fault_makes_o_mismatch(fault):
+    good = _emulate("fa4_fp4_d128", 448)
+    assert good.max_abs_err <= _tolerance(good)
+    bad = _emulate("fa4_fp4_d128", 448, ptx_mutation=FAULTS[fault])
+    assert bad.max_abs_err > 10 * _tolerance(good), (fault, bad.max_abs_err)
