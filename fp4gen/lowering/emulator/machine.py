@@ -1317,9 +1317,9 @@ class Machine:
             elif st[1] != expected:
                 raise EmulationError(f"warp {w.idx}, line {line}: barrier {bid} with {expected} threads "
                                      f"while {st[1]} are expected")
-            # a warp arrives for all its threads: barriers are counted per warp (PTX ISA bar:
-            # "the barrier is executed on a per-warp basis as if all the threads in a warp are
-            # active")
+            # the arrival is the warp's (PTX ISA 9.7.13.1: the instruction waits for the
+            # non-exited threads of its warp and marks the warp's arrival; thread counts are
+            # multiples of the warp size): a warp counts 32 threads
             st[0] += W
             self._record(w, T.NamedBarrier(line, bid, expected, arrive))
             self.progress += 1

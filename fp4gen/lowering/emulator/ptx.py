@@ -97,7 +97,9 @@ class Instr:
     aligned: bool = False  # a '.aligned' warp-collective: the whole warp must execute it
 
     def __post_init__(self):
-        self.aligned = "aligned" in self.opcode.split(".")
+        parts = self.opcode.split(".")
+        # bar{.cta}.sync/arrive/red are barrier.*.aligned (PTX ISA 9.7.13.1)
+        self.aligned = "aligned" in parts or (parts[0] == "bar" and len(parts) > 1 and parts[1] != "warp")
 
     @property
     def parts(self) -> list:
