@@ -629,3 +629,89 @@ cvt.rn.f32.f64 %r100, q;
     out = run(body)
     want = (np.float32(0.75) / (np.arange(32) + 1).astype(np.float32)).astype(np.float32)
     assert (as_f32(out[:, 0]) == want).all()
+
+
+TMA_HEAD = """
+.version 9.4
+.target sm_100a
+.address_size 64
+.extern .shared .align 1024 .b8 smem[];
+
+.visible .entry k(
+\t.param .u64 k_param_0,
+\t.param .align 64 .b8 k_param_1[128],
+\t.param .align 64 .b8 k_param_2[128]
+)
+.reqntid 32, 1, 1
+{
+\t.reg .pred %p<10>;
+\t.reg .b32 %r<200>;
+\t.reg .b64 %rd<60>;
+\tld.param.u64 %rd1, [k_param_0];
+\tmov.u32 %r1, %tid.x;
+\tmov.b64 %rd5, k_param_2;
+\tcvta.param.u64 %rd6, %rd5;
+\tprefetch.tensormap [%rd6];
+\tmov.b32 %r2, smem;
+\tadd.s32 %r8, %r2, 1024;
+\telect.sync %r3|%p1, -1;
+\t@!%p1 bra $W;
+\tmov.b32 %r4, 1;
+\tmbarrier.init.shared.b64 [%r2], %r4;
+\tmov.b32 %r5, 96;
+\tmbarrier.arrive.expect_tx.shared.b64 %rd7, [%r2], %r5;
+\tmov.b32 %r6, 3;
+\tmov.b32 %r7, -2;
+\tcp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r8], [%rd6, {%r6, %r7}], [%r2];
+$W:
+\tbar.sync 0;
+\t{
+\t.reg .pred P1;
+\tLAB_WAIT:
+\tmbarrier.try_wait.parity.shared.b64 P1, [%r2], 0, 10000000;
+\t@P1 bra.uni DONE;
+\tbra.uni LAB_WAIT;
+\tDONE:
+\t}
+\tshl.b32 %r9, %r1, 2;
+\tadd.s32 %r10, %r8, %r9;
+\tld.shared.b32 %r100, [%r10];
+\tmul.wide.u32 %rd2, %r1, 4;
+\tadd.s64 %rd3, %rd1, %rd2;
+\tst.global.b32 [%rd3], %r100;
+\tret;
+}
+"""
+
+
+class _TmaOps:
+    """tma_load stand-in: 96 bytes whose values say which map and coordinates were asked for."""
+
+    def __init__(self):
+        self.calls = []
+
+    def tma_load(self, smem, gmem_read, tmap, coords, smem_addr):
+        self.calls.append((tmap, coords, smem_addr))
+        data = np.full(24, tmap * 1000 + coords[0] * 10 + coords[1], dtype=np.int32).tobytes()
+        smem.write(smem_addr, data)
+        return len(data), (T.SmemSpan(smem_addr, smem_addr + len(data)),)
+
+
+@pytest.mark.parametrize("schedule", ["eager", "lazy"])
+def test_tma_resolves_its_tensor_map_parameter_and_completes_tx(schedule):
+    mod = P.parse(TMA_HEAD)
+    gm = M.GlobalMemory()
+    out = gm.alloc(bytes(128))
+    ops = _TmaOps()
+    smem = _Smem(4096)
+    params = bytearray(M.param_offsets(mod)["k_param_2"] + 128)
+    params[0:8] = struct.pack("<Q", out)
+    mach = M.Machine(mod, smem=smem, gmem=gm, params=bytes(params), schedule=schedule,
+                     tensor_maps={1: 11, 2: 22}, ops=ops).run()
+    assert ops.calls == [(22, (3, -2), 1024)]  # the map of the parameter whose address it used
+    res = np.frombuffer(gm.read(out, 128), dtype=np.int32)
+    assert (res[:24] == 22000 + 30 - 2).all()
+    ev = mach.trace.warps[0]
+    tma = next(e for e in ev if isinstance(e, T.AsyncOp) and e.kind == "tma")
+    assert tma.tx == 96 and tma.bar == 0 and tma.writes == (T.SmemSpan(1024, 1120),)
+    assert [type(e).__name__ for e in ev[:4]] == ["BarrierInit", "Arrive", "AsyncOp", "NamedBarrier"]
