@@ -20,6 +20,8 @@ Two halves, two machines:
 
     python3 bench/perf_model_h200.py                       # on the H200 (device tool), writes $OUT
     python3 bench/perf_model_h200.py --predict $OUT/perf-model-h200-measured.json
+    python3 bench/perf_model_h200.py --predict bench/results/attention-sm90-fwd-d128-fusedquant-h200.json \
+        --name perf-model-h200-vs-fusedquant-run     # against an earlier run's rows
 
 FA4 on the CPU side: flash-attn-4 4.0.0b36 in a folder named by $FP4GEN_FA4_PATH
 (fp4gen/lowering/perf.py ``fa4_ptx`` says how to install it there).
@@ -134,6 +136,21 @@ def predictions(seqlens=SEQLENS, gpu: str = "h200") -> list:
     return rows
 
 
+def as_measured(rows: list) -> list:
+    """Measured rows as ``measure`` writes them; rows of bench/attention.py's own JSON (an
+    earlier run: ``ratio_vs_fa4_bf16``) are taken too, forward D128 at the S values here."""
+    out = []
+    for r in rows:
+        if "measured_ratio" in r:
+            out.append(r)
+        elif (r.get("pass", "fwd") == "fwd" and r.get("D", HEAD_DIM) == HEAD_DIM and r.get("S") in SEQLENS
+              and r.get("ratio_vs_fa4_bf16") is not None):
+            out.append({"kernel": r["kernel"], "S": r["S"], "causal": r["causal"],
+                        "measured_ratio": r["ratio_vs_fa4_bf16"], "ms": r.get("ms"), "tflops": r.get("tflops"),
+                        "device": r.get("device"), "date": r.get("date")})
+    return out
+
+
 def predicted_ratio(measured: list, predicted: list) -> list:
     """Join measured rows (kernel, S, causal, measured_ratio) with predicted ones. A kernel
     measured both end to end and ``-kernel-only`` is compared on its kernel-only row (the model
@@ -225,7 +242,7 @@ def main(argv=None) -> int:
             return 2
         measure(out_dir, a.rounds, a.warmup, a.rep)
         return 0
-    measured = json.loads(Path(a.predict).read_text())
+    measured = as_measured(json.loads(Path(a.predict).read_text()))
     rows = predicted_ratio(measured, predictions())
     ok = [r for r in rows if r["compared"]]
     worst = max(ok, key=lambda r: abs(r["error"]))

@@ -355,12 +355,13 @@ def fa4_info(arch: str, causal: bool) -> KernelInfo:
     flash_fwd_sm90.py, flash_fwd_sm100.py): sm90 tile 128 x 128 (``_tile_size_fwd_sm90``),
     one producer warpgroup (one warp issues TMA, setmaxnreg 24) and two consumer warpgroups
     (240); sm100 m_block 128 x q_stage 2, n_block 128, softmax warps 0-7, correction 8-11, MMA 12,
-    epilogue 13, load 14, empty 15, persistent static scheduler."""
+    epilogue 13, load 14, empty 15; the static persistent scheduler when not causal."""
     if arch == "sm_90a":
         return KernelInfo(name="fa4-cute-bf16", arch=arch, causal=causal, tile_m=128, tile_n=128, head_dim=128,
                           warps_by_registers={24: 1, 240: 8}, groups=2, persistent=False, source="flash-attn-4")
+    # interface.py: is_static_persistent for non-causal (causal: one work tile per CTA, longest first)
     return KernelInfo(name="fa4-cute-bf16", arch=arch, causal=causal, tile_m=256, tile_n=128, head_dim=128,
-                      warps_by_registers={}, groups=2, persistent=True, source="flash-attn-4")
+                      warps_by_registers={}, groups=2, persistent=not causal, source="flash-attn-4")
 
 
 @dataclass
@@ -551,8 +552,8 @@ def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = Non
         cta_cycles.append((tiles - n_mask) * main["cycles"] + n_mask * masked["cycles"])
     ctas = B * H * n_q
     total = sum(cta_cycles) * B * H
-    if info.persistent:
-        compute = total / g.sms + CTA_FIXED_CYCLES * math.ceil(ctas / g.sms)
+    if info.persistent:  # work tiles spread evenly; the fixed cost once per SM (later tiles overlap it)
+        compute = total / g.sms + CTA_FIXED_CYCLES
     elif not causal:
         compute = math.ceil(ctas / g.sms) * (cta_cycles[0] + CTA_FIXED_CYCLES)
     else:  # longest-first blocks over SMs: the average, at least the longest CTA

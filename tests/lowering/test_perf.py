@@ -201,3 +201,21 @@ def test_fa4_sm90_forward_if_installed(bf16_sm90):
     shape = {"B": 2, "H": 16, "S": 16384, "D": 128, "causal": False}
     r = perf.with_fa4_ratio(perf.predict(bf16_sm90, "h200", shape), perf.predict(fa, "h200", shape))
     assert 0.5 < r["ratio_vs_fa4_bf16"] < 1.5
+
+
+def test_bench_join_prefers_kernel_only_rows():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("perf_model_h200", ROOT / "bench" / "perf_model_h200.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    pred = [{"kernel": "k", "S": 4096, "causal": False, "predicted_ratio": 1.2, "predicted_tflops": 1.0,
+             "bottleneck": "tensor"}]
+    meas = [{"kernel": "k", "S": 4096, "causal": False, "measured_ratio": 1.0},
+            {"kernel": "k-kernel-only", "S": 4096, "causal": False, "measured_ratio": 1.25}]
+    rows = {r["kernel"]: r for r in m.predicted_ratio(meas, pred)}
+    assert rows["k-kernel-only"]["compared"] and not rows["k"]["compared"]
+    assert rows["k-kernel-only"]["error"] == pytest.approx(1.2 / 1.25 - 1, abs=1e-3)
+    # bench/attention.py's own rows are read as measurements too
+    assert m.as_measured([{"kernel": "k", "pass": "fwd", "S": 4096, "D": 128, "causal": False,
+                           "ratio_vs_fa4_bf16": 0.9}])[0]["measured_ratio"] == 0.9
