@@ -204,7 +204,10 @@ _FA4_RUNNER = textwrap.dedent("""
     open(sys.argv[3], "w").write(compiled[-1].artifacts.PTX)
 """)
 
-FA4_PATH_ENV = "FP4GEN_FA4_PATH"  # a folder holding flash_attn (flash-attn-4 4.0.0b36) and quack
+# a folder holding flash_attn (flash-attn-4 4.0.0b36), quack (quack-kernels 0.6.5), tvm_ffi and
+# einops, installed there with `pip install --target DIR --no-deps ...` (not into the venv);
+# without it, a flash_attn importable in this environment
+FA4_PATH_ENV = "FP4GEN_FA4_PATH"
 
 
 def _run(args, env, cwd, timeout):
@@ -237,9 +240,22 @@ def fp4gen_ptx(path: str, timeout: int = 1800) -> str:
     return ptx
 
 
+def _installed_fa4() -> str:
+    """The folder holding an importable flash_attn (flash-attn-4 in this environment), or ""."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("flash_attn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    return str(Path(list(spec.submodule_search_locations)[0]).parent)
+
+
 def fa4_ptx(arch: str, causal: bool, fa4_path: Optional[str] = None, timeout: int = 1800) -> str:
     """The PTX of FA4's BF16 forward (D128) for ``arch`` ("sm_90a" | "sm_100a"), cached."""
-    fa4_path = fa4_path or os.environ.get(FA4_PATH_ENV) or "/tmp/perf/fa4"
+    fa4_path = fa4_path or os.environ.get(FA4_PATH_ENV) or _installed_fa4()
     if not (Path(fa4_path) / "flash_attn" / "cute" / "interface.py").is_file():
         raise FileNotFoundError(f"no flash-attn-4 under {fa4_path}: `pip install --target DIR --no-deps "
                                 f"flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi einops`, "
