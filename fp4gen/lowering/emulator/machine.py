@@ -404,6 +404,9 @@ class Machine:
             return lambda w: const
         if isinstance(op, P.Sym):
             return self._sym_reader(op.name, dt)
+        if isinstance(op, P.Not):
+            inner = self._reader(op.reg, np.bool_)
+            return lambda w: ~inner(w)
         if isinstance(op, P.Vec):  # mov.b64 d, {a, b}: a in the low half
             parts = [self._reader(x, _UNSIGNED[dt.itemsize // len(op.items)]) for x in op.items]
             sh = 8 * dt.itemsize // len(op.items)
@@ -1078,7 +1081,7 @@ class Machine:
         a_rd, b_rd, c_rd = (self._reader(o, np.uint32) for o in ins.operands[1:4])
 
         def h(w, m, full):
-            a, b, c = a_rd(w), b_rd(w).astype(np.int64), c_rd(w).astype(np.int64)
+            a, b, c = a_rd(w), b_rd(w).astype(np.int64) & 31, c_rd(w).astype(np.int64)
             lane = LANES.astype(np.int64)
             clamp, segmask = c & 0x1F, (c >> 8) & 0x1F
             min_lane = lane & segmask

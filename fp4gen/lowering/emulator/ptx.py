@@ -54,13 +54,19 @@ class Addr:
 
 
 @dataclass(frozen=True)
+class Not:
+    """``!%p``: a negated predicate source (setp's combining operand, vote)."""
+    reg: Reg
+
+
+@dataclass(frozen=True)
 class Pair:
     """``d|p``: a value destination and a predicate destination (elect.sync, shfl.sync)."""
     value: Union[Reg, Sym]
     pred: Reg
 
 
-Operand = Union[Reg, Imm, Sym, Vec, Addr, Pair]
+Operand = Union[Reg, Imm, Sym, Vec, Addr, Pair, Not]
 
 SPECIAL_REGS = re.compile(r"^%(tid|ntid|ctaid|nctaid|laneid|warpid|nwarpid|smid|clock|clock64|"
                           r"globaltimer|dynamic_smem_size|total_smem_size|lanemask_\w+|"
@@ -223,6 +229,8 @@ def _operand(tok: str, sc: _Scopes) -> Operand:
         if off_s:
             off = _int(off_s) * (-1 if sign == "-" else 1)
         return Addr(base, off, coords)
+    if tok.startswith("!"):
+        return Not(_operand(tok[1:], sc))
     if "|" in tok:
         a, b = tok.split("|")
         return Pair(_operand(a, sc), _operand(b, sc))

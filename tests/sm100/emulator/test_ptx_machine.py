@@ -715,3 +715,32 @@ def test_tma_resolves_its_tensor_map_parameter_and_completes_tx(schedule):
     tma = next(e for e in ev if isinstance(e, T.AsyncOp) and e.kind == "tma")
     assert tma.tx == 96 and tma.bar == 0 and tma.writes == (T.SmemSpan(1024, 1120),)
     assert [type(e).__name__ for e in ev[:4]] == ["BarrierInit", "Arrive", "AsyncOp", "NamedBarrier"]
+
+
+def test_shuffle_modes_vote_and_negated_predicates():
+    body = """
+\tadd.s32 %r2, %r1, 100;
+\tshfl.sync.down.b32 %r100|%p1, %r2, 3, 31, -1;
+\tshfl.sync.up.b32 %r101, %r2, 2, 0, -1;
+\tshfl.sync.bfly.b32 %r102, %r2, 5, 31, -1;
+\tshfl.sync.idx.b32 %r103, %r2, 33, 0x1c1f, -1;
+\tselp.b32 %r104, 1, 0, %p1;
+\tsetp.lt.u32 %p2, %r1, 10;
+\tsetp.gt.and.u32 %p3, %r1, 3, !%p2;
+\tselp.b32 %r105, 1, 0, %p3;
+\tvote.sync.any.pred %p4, %p3, -1;
+\tvote.sync.all.pred %p5, %p3, -1;
+\tselp.b32 %r106, 1, 0, %p4;
+\tselp.b32 %r107, 1, 0, %p5;
+"""
+    out = run(body, nout=8)
+    t = np.arange(32)
+    # down: lanes past 31 keep their own value, pred false (PTX ISA shfl.sync pseudo-code)
+    assert (out[:, 0] == np.where(t + 3 <= 31, t + 3, t) + 100).all()
+    assert (out[:, 4] == (t + 3 <= 31)).all()
+    assert (out[:, 1] == np.where(t - 2 >= 0, t - 2, t) + 100).all()
+    assert (out[:, 2] == (t ^ 5) + 100).all()
+    # idx with segmask 0x1c (groups of 4 lanes) and clamp 31: lane (t & ~3) | (33 & 3)
+    assert (out[:, 3] == ((t & ~3) | 1) + 100).all()
+    assert (out[:, 5] == (t >= 10)).all()  # t > 3 and not (t < 10)
+    assert (out[:, 6] == 1).all() and (out[:, 7] == 0).all()
