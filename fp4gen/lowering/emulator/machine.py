@@ -1474,6 +1474,12 @@ class Machine:
             evs[a.event_index] = dataclasses.replace(evs[a.event_index], **res)
         self.progress += 1
 
+    def _flush_tmem_stores(self, warps=None):
+        for w in (warps or self.warps):
+            for a in w.st_queue:
+                self._complete(a)
+            w.st_queue = []
+
     def _complete_one(self) -> bool:
         """Lazy schedule: complete the oldest pending op (ops of one warp stay in order)."""
         if not self.pending:
@@ -1566,6 +1572,7 @@ class Machine:
             n_rd = self._reader(ops[1], np.uint32)
 
             def h_dealloc(w, m, full):
+                self._flush_tmem_stores()  # a store nobody waited for lands before the memory goes
                 i = np.argmax(m)
                 self.tmem.dealloc(int(t_rd(w)[i]), int(n_rd(w)[i]))
             return h_dealloc
@@ -1744,6 +1751,7 @@ class Machine:
             if pc >= n:  # fell off the end: those lanes exit
                 w.live = w.live & ~mask
                 if not w.live.any():
+                    self._flush_tmem_stores([w])
                     return done
                 self._recheck(w)
                 continue
@@ -1765,7 +1773,8 @@ class Machine:
                 continue
             if kind == "exit":
                 w.live = w.live & ~m
-                if not w.live.any():
+                if not w.live.any():  # an exiting warp's outstanding tcgen05.st land now
+                    self._flush_tmem_stores([w])
                     return done
                 self._advance(w, pc, mask & ~m)
                 continue
@@ -1856,10 +1865,7 @@ class Machine:
                 raise EmulationError(self._deadlock_report())
         while self._complete_one():  # ops still in flight when every thread has exited
             pass
-        for w in self.warps:
-            for a in w.st_queue:
-                self._complete(a)
-            w.st_queue = []
+        self._flush_tmem_stores()
         self.instructions = total
 
     def _partial_aligned(self, w, ins, m):

@@ -215,3 +215,20 @@ def test_planted_fault_makes_o_mismatch(fault):
     assert good.max_abs_err <= _tolerance(good)
     bad = _emulate("fa4_fp4_d128", 448, ptx_mutation=FAULTS[fault])
     assert bad.max_abs_err > 10 * _tolerance(good), (fault, bad.max_abs_err)
+
+
+def drop_wait_st(ptx):
+    """(f) every tcgen05.wait::st deleted: P's tcgen05.st is no longer known complete when the
+    softmax warps arrive on the P barrier."""
+    return "\n".join(s for s in ptx.split("\n") if "tcgen05.wait::st" not in s)
+
+
+def test_a_missing_wait_st_shows_under_the_lazy_schedule():
+    """The eager schedule completes each tcgen05.st at issue, so the kernel still computes the
+    right O; the lazy one completes it at the latest point the ISA allows (its wait::st,
+    9.7.16.8.5), here never before the P.V MMA reads P: the missing wait is caught."""
+    good = _emulate("fa4_fp4_d128", 448)
+    eager = _emulate("fa4_fp4_d128", 448, ptx_mutation=drop_wait_st)
+    lazy = _emulate("fa4_fp4_d128", 448, ptx_mutation=drop_wait_st, schedule="lazy")
+    assert eager.max_abs_err <= _tolerance(good)
+    assert lazy.max_abs_err > 10 * _tolerance(good), lazy.max_abs_err
