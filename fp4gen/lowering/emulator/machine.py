@@ -21,7 +21,16 @@ tcgen05.st) complete in issue order per issuing warp (PTX ISA 9.7.16.6.2 "Pipeli
 instructions": mma/cp/commit of one thread execute in order; 9.7.9.25.1.2 "mbarrier based
 mechanism" for the TMA's complete_tx). ``schedule="eager"`` completes each at issue;
 ``schedule="lazy"`` completes one only when no warp can run (the oldest first), i.e. as late as
-the synchronisation allows, so a read that is not ordered after its producer sees stale data.
+the synchronisation allows, so a read that is not ordered after its producer sees stale data;
+a lazy tcgen05.st lands at its warp's ``tcgen05.wait::st`` (9.7.16.8.5), or at the latest when
+the warp exits or TMEM is deallocated. tcgen05.ld reads TMEM at issue (its registers are
+ordered by true dependencies, 9.7.16.6.4.5; the anti-dependency its wait::ld covers is the
+protocol checker's business, from the trace).
+
+``.aligned`` instructions (tcgen05.ld/st/alloc/wait, bar.sync, setmaxnreg, ...) must be executed
+by the whole warp; executed by part of it (a per-thread branch around them) they raise
+``EmulationError``, or with ``strict_aligned=False`` run for the lanes present and are listed in
+``divergent_aligned``.
 
 Arithmetic follows the PTX ISA per instruction (section named at each handler); fp32 through
 numpy float32, which rounds to nearest even like ``.rn``. Deviations stated, not hidden:
