@@ -127,7 +127,7 @@ def test_predict_shape_arithmetic():
     step = perf.step_cycles(art, g)["cycles"]
     ctas = 2 * 16 * math.ceil(4096 / 256)
     tiles = 4096 // 128
-    cycles = math.ceil(ctas / g.sms) * (tiles * step + perf.CTA_FIXED_CYCLES)
+    cycles = math.ceil(ctas / g.sms) * (tiles * step + perf.CTA_FIXED_CYCLES["stg"])  # no UTMASTG in the toy
     secs = cycles / (g.clock_ghz * 1e9)
     assert p["ctas"] == ctas
     assert p["predicted_tflops"] == pytest.approx(4 * 2 * 16 * 4096 * 4096 * 128 / secs / 1e12, rel=1e-3)
@@ -219,3 +219,16 @@ def test_bench_join_prefers_kernel_only_rows():
     # bench/attention.py's own rows are read as measurements too
     assert m.as_measured([{"kernel": "k", "pass": "fwd", "S": 4096, "D": 128, "causal": False,
                            "ratio_vs_fa4_bf16": 0.9}])[0]["measured_ratio"] == 0.9
+
+
+def test_cta_fixed_cost_follows_the_epilogue():
+    tma = "\n".join(["\t.type\t\tk,@function", "        /*0000*/  UTMASTG.4D [UR8], [UR4] ;",
+                     "        /*0010*/  EXIT ;"])
+    assert perf.cta_fixed_cycles(tma) == ("tma_store", perf.CTA_FIXED_CYCLES["tma_store"])
+    assert perf.cta_fixed_cycles(sm100_like(4)) == ("stg", perf.CTA_FIXED_CYCLES["stg"])
+    # the fixed cost reaches the prediction: a TMA-store copy of the same kernel is faster
+    shape = {"B": 2, "H": 16, "S": 4096, "D": 128, "causal": False}
+    a = sm100_art(4)
+    b = perf.KernelArtifacts(a.info, "", a.sass.replace("EXIT ;", "UTMASTG.4D [UR8], [UR4] ;\n        /*ffff*/  EXIT ;", 1))
+    if perf.CTA_FIXED_CYCLES["stg"] > perf.CTA_FIXED_CYCLES["tma_store"]:
+        assert perf.predict(b, "b200", shape)["predicted_tflops"] > perf.predict(a, "b200", shape)["predicted_tflops"]
