@@ -35,8 +35,10 @@ by the whole warp; executed by part of it (a per-thread branch around them) they
 Arithmetic follows the PTX ISA per instruction (section named at each handler); fp32 through
 numpy float32, which rounds to nearest even like ``.rn``. Deviations stated, not hidden:
 
-* ``ex2.approx``/``lg2.approx`` use the correctly rounded numpy ``exp2``/``log2`` (the hardware's
-  approximation error, max 2 ulp for ex2.approx.ftz.f32 over its range, is a tolerance);
+* ``ex2.approx``/``lg2.approx`` use numpy's float32 ``exp2``/``log2`` (within about an ulp of
+  the exact value); the hardware's approximation error (bounded in the PTX ISA's ex2 / lg2
+  sections, not reproduced) is a tolerance of the comparison, so a result that hinges on the
+  last bit of an ex2 (a code at an E2M1 rounding midpoint) may differ from the hardware's;
 * ``add``/``mul`` without a rounding modifier are rounded separately; ptxas may contract them
   into an FMA on the hardware (a difference only at rounding ties);
 * ``fma.rn.f32`` is computed exactly (a double-precision sum with its two-sum error term).
