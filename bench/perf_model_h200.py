@@ -25,6 +25,11 @@ Two halves, two machines:
 
 FA4 on the CPU side: flash-attn-4 4.0.0b36 in a folder named by $FP4GEN_FA4_PATH
 (fp4gen/lowering/perf.py ``fa4_ptx`` says how to install it there).
+
+Through the device tool (docs/runtime.md; ~3-5 minutes of command time for 3 rounds):
+
+    run(carry=[".dev"], timeout_s=600, command="source .dev/activate && export PYTHONUNBUFFERED=1 && "
+        "python3 bench/perf_model_h200.py --rounds 3")
 """
 from __future__ import annotations
 
@@ -228,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--predict", metavar="MEASURED_JSON", help="CPU half: join these measured rows with the model")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--out-dir", default=None, help="default: $OUT (device), else bench/results")
     ap.add_argument("--name", default="perf-model-h200")
     a = ap.parse_args(argv)
