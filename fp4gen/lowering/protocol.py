@@ -643,7 +643,8 @@ class _Search:
         any transition is enabled at all; records misuse findings."""
         m = self.m
         pos, bars, pend, nba, nbw = state
-        enabled = {}  # agent -> its enabled transitions
+        enabled = []  # transitions, each named by its thread: ("w", agent) a warp's next
+        # event, ("c", op) an op's completion, ("f", commit) a commit's arrival
         for a, prog in enumerate(m.programs):
             if pos[a] >= len(prog) or a in nbw:
                 continue
@@ -656,23 +657,20 @@ class _Search:
                     continue
                 if b[0] == ev[3]:
                     continue  # the phase of this parity has not completed (9.7.13.15.16)
-            enabled.setdefault(a, []).append(("w", a))
+            enabled.append(("w", a))
         for p in pend:
             if p < self.n_ops:
                 op = m.ops[p]
                 if op.kind in ("tmem_ld", "tmem_st") or (op.preds & pend):
                     continue
-                enabled.setdefault(op.agent, []).append(("c", p))
+                enabled.append(("c", p))
             else:
                 c = m.commits[p - self.n_ops]
                 if not (c.needs & pend):
-                    enabled.setdefault(c.agent, []).append(("f", p - self.n_ops))
+                    enabled.append(("f", p - self.n_ops))
         if not enabled:
             return [], False
-        if self.reduce and len(enabled) > 1:
-            trans = self._persistent(state, enabled)
-        else:
-            trans = [t for ts in enabled.values() for t in ts]
+        trans = self._persistent(state, enabled) if self.reduce and len(enabled) > 1 else enabled
         out = []
         for t in trans:
             r = self._apply(state, t, sidx)
@@ -681,49 +679,62 @@ class _Search:
         return out, True
 
     def _persistent(self, state, enabled):
-        """A persistent set (Godefroid): the enabled transitions of a set S of agents such
-        that no agent outside S can, on a path that executes nothing of S, execute a
-        transition dependent on a current transition of an agent in S. An agent's current
-        transitions are its next event -- also a blocked wait, so that every agent that could
-        complete that phase joins S -- and its in-flight ops' completions and pending commits'
-        arrivals. An outside agent's future is scanned up to its first wait that is blocked now
-        on an mbarrier whose every writer is in S (S is frozen on such paths, so that wait
-        stays blocked). Exploring only the set keeps every deadlock and the relative order of
-        every two dependent transitions -- among them the start and end of every two
-        conflicting accesses, which decides whether both are active in one state."""
+        """A persistent set (Godefroid): the enabled transitions of a set S of threads such that
+        no thread outside S can, on a path that executes nothing of S, execute a transition
+        dependent on a current transition of a thread in S. Threads: each warp's program (its
+        next event -- a blocked wait too, so every thread that could complete that phase joins
+        S), each in-flight TMA / mma / cp (its completion) and each pending commit (its
+        arrival); a blocked op or commit brings the ops it waits for. A program thread's future
+        is read up to its first wait that is blocked now on an mbarrier that only threads of S
+        can still change (S is frozen on such paths, so that wait stays blocked). Exploring only
+        the set keeps every deadlock and the relative order of every two dependent transitions
+        -- among them the start and end of every two conflicting accesses, which decides
+        whether both are active in one state."""
         m = self.m
         pos, bars, pend, nba, nbw = state
         E = frozenset()
-        dyn = {}  # agent -> (W, A, touch, conflict closure) of its in-flight ops / commits
+        n_ops = self.n_ops
+        units = []
+        cur, fut_static = {}, {}
+        for a, prog in enumerate(m.programs):
+            if pos[a] < len(prog):
+                u = ("w", a)
+                units.append(u)
+                ew, ea, er, et = m.ev_fp[a][pos[a]]
+                cur[u] = (ew, ea, er, et)
+        blockers = {}  # a blocked op / commit thread -> the op threads it waits for
+        changes = {}  # thread -> the barriers it may still change
         for p in pend:
-            if p < self.n_ops:
-                a = m.ops[p].agent
-                w, a_, t, c = dyn.get(a, (E, E, E, E))
-                dyn[a] = (w | m.op_w[p], a_, t | m.op_touch[p], c | m.op_c[p])
+            if p < n_ops:
+                op = m.ops[p]
+                if op.kind in ("tmem_ld", "tmem_st"):
+                    continue  # retired by its warp's tcgen05.wait: part of the program thread
+                u = ("c", p)
+                cur[u] = (m.op_w[p], E, E, m.op_touch[p])
+                fut_static[u] = (m.op_w[p], E, E, m.op_c[p])
+                changes[u] = m.op_w[p]
+                if op.preds & pend:
+                    blockers[u] = [("c", q) for q in op.preds & pend]
             else:
-                a = m.commits[p - self.n_ops].agent
-                w, a_, t, c = dyn.get(a, (E, E, E, E))
-                dyn[a] = (w, a_ | m.commit_a[p - self.n_ops], t, c)
-        live = [a for a, prog in enumerate(m.programs) if pos[a] < len(prog) or a in dyn]
-        cur, bw = {}, {}
-        for a in live:
-            dw, da, dt, _ = dyn.get(a, (E, E, E, E))
-            k = pos[a]
-            if k < len(m.programs[a]):
-                ew, ea, er, et = m.ev_fp[a][k]
-                cur[a] = (ew | dw, ea | da, er, et | dt)
-                bw[a] = m.fut_bw[a][k] | dw | da
-            else:
-                cur[a] = (dw, da, E, dt)
-                bw[a] = dw | da
+                j = p - n_ops
+                u = ("f", j)
+                cur[u] = fut_static[u] = (E, m.commit_a[j], E, E)
+                changes[u] = m.commit_a[j]
+                need = m.commits[j].needs & pend
+                if need:
+                    blockers[u] = [("c", q) for q in need]
+            units.append(u)
+        for u in units:
+            if u[0] == "w":
+                changes[u] = m.fut_bw[u[1]][pos[u[1]]]
+        changers = {}  # barrier -> the threads that may still change it
 
-        changers = {}  # barrier -> the agents that may still change it
-
-        def dependent(b, S, CW, CA, CR, CT):
-            d = dyn.get(b)
-            if d is not None and ((CW & (d[0] | d[1])) or (CA & d[0]) or (CR & (d[0] | d[1]))
-                                  or (CT & d[3])):
-                return True
+        def dependent(u, S, CW, CA, CR, CT):
+            if u[0] != "w":
+                fw, fa, fr, fc = fut_static[u]
+                return bool((CW & (fw | fa | fr)) or (CA & (fw | fr)) or (CR & (fw | fa))
+                            or (CT & fc))
+            b = u[1]
             prog = m.programs[b]
             seg, nxt, wait_c = m.seg[b], m.next_wait[b], m.wait_c[b]
             k, n = pos[b], len(prog)
@@ -739,33 +750,46 @@ class _Search:
                 if st is None or st[0] == parity:
                     ch = changers.get(bar)
                     if ch is None:
-                        ch = changers[bar] = frozenset(c for c in live if bar in bw[c])
+                        ch = changers[bar] = frozenset(v for v in units if bar in changes[v])
                     if ch <= S:
-                        return False  # blocked until an agent of S moves
+                        return False  # blocked until a thread of S moves
                 if (CW & {bar}) or (CT & wait_c[k]):
                     return True
                 k += 1
             return False
 
+        en = set(enabled)
         best, best_n = None, None
-        for seed in sorted(enabled, key=lambda a: len(enabled[a])):
+        for seed in enabled:
             S = {seed}
             CW, CA, CR, CT = cur[seed]
+            work = [seed]
             grew = True
             while grew:
                 grew = False
-                for b in live:
-                    if b not in S and dependent(b, S, CW, CA, CR, CT):
-                        S.add(b)
-                        bw_, ba, br, bt = cur[b]
-                        CW, CA, CR, CT = CW | bw_, CA | ba, CR | br, CT | bt
+                while work:  # a blocked op / commit brings what it waits for
+                    u = work.pop()
+                    for v in blockers.get(u, ()):
+                        if v not in S:
+                            S.add(v)
+                            work.append(v)
+                            vw, va, vr, vt = cur[v]
+                            CW, CA, CR, CT = CW | vw, CA | va, CR | vr, CT | vt
+                for v in units:
+                    if v not in S and dependent(v, S, CW, CA, CR, CT):
+                        S.add(v)
+                        work.append(v)
+                        vw, va, vr, vt = cur[v]
+                        CW, CA, CR, CT = CW | vw, CA | va, CR | vr, CT | vt
                         grew = True
-            n = sum(len(enabled.get(a, ())) for a in S)
+                if work:
+                    grew = True
+            n = len(S & en)
             if best_n is None or n < best_n:
                 best, best_n = S, n
                 if n == 1:
                     break
-        return [t for a in sorted(best) for t in enabled.get(a, ())]
+        return [t for t in enabled if t in best]
 
     def _misuse(self, key, a, ev, msg, sidx, label=None):
         m = self.m
