@@ -272,7 +272,8 @@ def fa4_ptx(arch: str, causal: bool, fa4_path: Optional[str] = None, timeout: in
     """The PTX of FA4's BF16 forward (D128) for ``arch`` ("sm_90a" | "sm_100a"), cached."""
     fa4_path = fa4_path or os.environ.get(FA4_PATH_ENV) or _installed_fa4()
     if not (Path(fa4_path) / "flash_attn" / "cute" / "interface.py").is_file():
-        raise FileNotFoundError(f"no flash-attn-4 under {fa4_path}: `pip install --target DIR --no-deps "
+        raise FileNotFoundError(f"no flash-attn-4 {'under ' + fa4_path if fa4_path else 'importable'}: "
+                                f"`pip install --target DIR --no-deps "
                                 f"flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi einops`, "
                                 f"then set ${FA4_PATH_ENV}=DIR")
     ver = next(Path(fa4_path).glob("flash_attn_4-*.dist-info"), None)
@@ -660,6 +661,26 @@ def main(argv=None) -> int:
     ap.add_argument("--serial", action="store_true", help="the Hopper rule (tensor + busiest SMSP) on every GPU")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        rows = _rows(a)
+    except (FileNotFoundError, _sass.NvdisasmUnavailable, RuntimeError) as e:
+        # no FA4 folder, no nvdisasm/ptxas, a compile that failed: say so, exit 1
+        print(f"fp4gen perf: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "step"} | {"roles": r["step"]["roles"]}
+                          for r in rows], indent=1))
+    else:
+        print(f"{'kernel':36s} {'gpu':6s} {'S':>6s} {'causal':6s} {'TFLOP/s':>8s} {'xFA4':>6s} "
+              f"{'cyc/tile':>8s}  bottleneck   (predicted)")
+        for r in rows:
+            print(f"{r['kernel']:36s} {r['gpu']:6s} {r['shape']['S']:6d} {str(r['shape']['causal']):6s} "
+                  f"{r['predicted_tflops']:8.1f} {r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  "
+                  f"{r['bottleneck']}")
+    return 0
+
+
+def _rows(a) -> list:
     rows = []
     fa4_cache = {}
     for spec in a.specs:
@@ -676,17 +697,7 @@ def main(argv=None) -> int:
                 p = predict(art, gpu, shape, serial)
                 f = predict(fa4_cache[key], gpu, shape, serial)
                 rows.append(with_fa4_ratio(p, f))
-    if a.json:
-        print(json.dumps([{k: v for k, v in r.items() if k != "step"} | {"roles": r["step"]["roles"]}
-                          for r in rows], indent=1))
-    else:
-        print(f"{'kernel':36s} {'gpu':6s} {'S':>6s} {'causal':6s} {'TFLOP/s':>8s} {'xFA4':>6s} "
-              f"{'cyc/tile':>8s}  bottleneck   (predicted)")
-        for r in rows:
-            print(f"{r['kernel']:36s} {r['gpu']:6s} {r['shape']['S']:6d} {str(r['shape']['causal']):6s} "
-                  f"{r['predicted_tflops']:8.1f} {r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  "
-                  f"{r['bottleneck']}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
