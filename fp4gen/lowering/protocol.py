@@ -395,9 +395,13 @@ class _Model:
         (init, expect-tx, arrive.expect_tx, a TMA's complete-tx: W); a bar.sync is W on its
         named barrier. Arrive-ons commute with each other (the counts add up and the phase
         completes once either way), so A-A and R-R are independent, every other pair on one
-        barrier is dependent. Beyond barriers a transition "touches" the accesses whose
-        activity it may start or end; two transitions are also dependent when one touches an
-        access that the other touches or that conflicts with one it touches."""
+        barrier is dependent. Beyond barriers a transition may start or end the activity of
+        accesses (an issue or a predecessor's completion starts an op, its completion or the
+        tcgen05.wait ends it; stepping in front of a synchronous access starts it, executing
+        it ends it). Whether two conflicting accesses are ever active together is decided by
+        the order of the start of each against the end of the other, so a transition that
+        starts x is dependent on one that ends x or an access conflicting with x, and vice
+        versa (two starts, or two ends, commute for this property)."""
         nb = len(self.bar_addr)
         nbar_ids = {}
 
@@ -417,28 +421,33 @@ class _Model:
             for k, ev in enumerate(prog):
                 if ev[0] == "nbar" and k + 1 < len(prog) and prog[k + 1][0] == "access":
                     after_nbar.setdefault(ev[2], set()).add(prog[k + 1][2])
-        self.op_touch, self.op_w, self.op_c = [], [], []
+        # per op: its completion's barrier writes, starts (successors it may activate) and
+        # ends (itself), and their conflict closures
+        self.op_w, self.op_s, self.op_e, self.op_cs, self.op_ce = [], [], [], [], []
         succs = {}
         for q, op in enumerate(self.ops):
             for p in op.preds:
                 succs.setdefault(p, []).append(q)
         for p, op in enumerate(self.ops):
-            t = {op.acc} if op.acc is not None else set()
-            t |= {self.ops[q].acc for q in succs.get(p, ()) if self.ops[q].acc is not None}
-            self.op_touch.append(frozenset(t))
-            self.op_c.append(closure(t))
+            st = frozenset(self.ops[q].acc for q in succs.get(p, ()) if self.ops[q].acc is not None)
+            en = frozenset({op.acc}) if op.acc is not None and op.kind not in (
+                "tmem_ld", "tmem_st") else E
+            self.op_s.append(st)
+            self.op_e.append(en)
+            self.op_cs.append(closure(st))
+            self.op_ce.append(closure(en))
             self.op_w.append(frozenset({op.bar}) if op.kind == "tma" else E)
         self.commit_a = [frozenset({c.bar}) for c in self.commits]
-        # per agent and position: the event's own (W, A, R, touch), and the future split
-        # into segments between waits: seg[k] = (W, A, R, conflict closure) of the events
-        # from k up to the next wait next_wait[k] (op completions and commit arrivals
-        # included); fut_bw[k] = the barriers the agent may change from k on
+        # per agent and position: the event's own (W, A, R, starts, ends), and the future
+        # split into segments between waits: seg[k] = (W, A, R, closure of starts, closure of
+        # ends) of the events from k up to the next wait next_wait[k] (op completions and
+        # commit arrivals included); fut_bw[k] = the barriers the agent may change from k on
         self.ev_fp, self.seg, self.next_wait, self.fut_bw, self.wait_c = [], [], [], [], []
         for prog in self.programs:
             n = len(prog)
             evfp = []
             for k, ev in enumerate(prog):
-                w, a_, r, t = set(), set(), set(), set()
+                w, a_, r, ts, te = set(), set(), set(), set(), set()
                 code = ev[0]
                 if code == "wait":
                     r.add(ev[2])
@@ -448,42 +457,45 @@ class _Model:
                     w.add(ev[2])
                 elif code == "nbar":
                     w.add(nres(ev[2]))
-                    t |= after_nbar.get(ev[2], set())
+                    ts |= after_nbar.get(ev[2], set())
                 elif code == "access":
-                    t.add(ev[2])
+                    te.add(ev[2])
                 elif code == "op":
                     if self.ops[ev[2]].acc is not None:
-                        t.add(self.ops[ev[2]].acc)
+                        ts.add(self.ops[ev[2]].acc)
                 elif code == "tmwait":
-                    t |= {self.ops[q].acc for q in ev[2] if self.ops[q].acc is not None}
+                    te |= {self.ops[q].acc for q in ev[2] if self.ops[q].acc is not None}
                 if k + 1 < n and prog[k + 1][0] == "access":
-                    t.add(prog[k + 1][2])  # the agent now stands before that access
-                evfp.append((frozenset(w), frozenset(a_), frozenset(r), frozenset(t)))
+                    ts.add(prog[k + 1][2])  # the agent now stands before that access
+                evfp.append((frozenset(w), frozenset(a_), frozenset(r), frozenset(ts),
+                             frozenset(te)))
             seg, nxt, fbw = [None] * (n + 1), [n] * (n + 1), [E] * (n + 1)
-            seg[n] = (E, E, E, E)
-            fw, fa, fr, ft = set(), set(), set(), set()
+            seg[n] = (E, E, E, E, E)
+            fw, fa, fr, fs, fe = set(), set(), set(), set(), set()
             bw = set()
             for k in range(n - 1, -1, -1):
                 ev = prog[k]
-                w, a_, r, t = evfp[k]
+                w, a_, r, ts, te = evfp[k]
                 if ev[0] == "op":
                     w = w | self.op_w[ev[2]]
-                    t = t | self.op_touch[ev[2]]
+                    ts = ts | self.op_s[ev[2]]
+                    te = te | self.op_e[ev[2]]
                 elif ev[0] == "commit":
                     a_ = a_ | self.commit_a[ev[2]]
                 bw |= w | a_
                 fbw[k] = frozenset(bw)
                 if ev[0] == "wait":
-                    fw, fa, fr, ft = set(), set(), set(), set()
-                    seg[k] = (E, E, E, E)
+                    fw, fa, fr, fs, fe = set(), set(), set(), set(), set()
+                    seg[k] = (E, E, E, E, E)
                     nxt[k] = k
                     continue
                 nxt[k] = nxt[k + 1]
                 fw |= w
                 fa |= a_
                 fr |= r
-                ft |= t
-                seg[k] = (frozenset(fw), frozenset(fa), frozenset(fr), closure(ft))
+                fs |= ts
+                fe |= te
+                seg[k] = (frozenset(fw), frozenset(fa), frozenset(fr), closure(fs), closure(fe))
             self.ev_fp.append(evfp)
             self.seg.append(seg)
             self.next_wait.append(nxt)
@@ -695,13 +707,12 @@ class _Search:
         E = frozenset()
         n_ops = self.n_ops
         units = []
-        cur, fut_static = {}, {}
+        cur, fut_static = {}, {}  # thread -> (W, A, R, starts, ends) / (W, A, R, CS, CE)
         for a, prog in enumerate(m.programs):
             if pos[a] < len(prog):
                 u = ("w", a)
                 units.append(u)
-                ew, ea, er, et = m.ev_fp[a][pos[a]]
-                cur[u] = (ew, ea, er, et)
+                cur[u] = m.ev_fp[a][pos[a]]
         blockers = {}  # a blocked op / commit thread -> the op threads it waits for
         changes = {}  # thread -> the barriers it may still change
         for p in pend:
@@ -710,15 +721,15 @@ class _Search:
                 if op.kind in ("tmem_ld", "tmem_st"):
                     continue  # retired by its warp's tcgen05.wait: part of the program thread
                 u = ("c", p)
-                cur[u] = (m.op_w[p], E, E, m.op_touch[p])
-                fut_static[u] = (m.op_w[p], E, E, m.op_c[p])
+                cur[u] = (m.op_w[p], E, E, m.op_s[p], m.op_e[p])
+                fut_static[u] = (m.op_w[p], E, E, m.op_cs[p], m.op_ce[p])
                 changes[u] = m.op_w[p]
                 if op.preds & pend:
                     blockers[u] = [("c", q) for q in op.preds & pend]
             else:
                 j = p - n_ops
                 u = ("f", j)
-                cur[u] = fut_static[u] = (E, m.commit_a[j], E, E)
+                cur[u] = fut_static[u] = (E, m.commit_a[j], E, E, E)
                 changes[u] = m.commit_a[j]
                 need = m.commits[j].needs & pend
                 if need:
@@ -729,18 +740,21 @@ class _Search:
                 changes[u] = m.fut_bw[u[1]][pos[u[1]]]
         changers = {}  # barrier -> the threads that may still change it
 
-        def dependent(u, S, CW, CA, CR, CT):
+        def dep(C, f):
+            CW, CA, CR, CS, CE = C
+            fw, fa, fr, fcs, fce = f
+            return bool((CW & (fw | fa | fr)) or (CA & (fw | fr)) or (CR & (fw | fa))
+                        or (CS & fce) or (CE & fcs))
+
+        def dependent(u, S, C):
             if u[0] != "w":
-                fw, fa, fr, fc = fut_static[u]
-                return bool((CW & (fw | fa | fr)) or (CA & (fw | fr)) or (CR & (fw | fa))
-                            or (CT & fc))
+                return dep(C, fut_static[u])
             b = u[1]
             prog = m.programs[b]
             seg, nxt, wait_c = m.seg[b], m.next_wait[b], m.wait_c[b]
             k, n = pos[b], len(prog)
             while k < n:
-                fw, fa, fr, fc = seg[k]
-                if (CW & (fw | fa | fr)) or (CA & (fw | fr)) or (CR & (fw | fa)) or (CT & fc):
+                if dep(C, seg[k]):
                     return True
                 k = nxt[k]
                 if k >= n:
@@ -753,16 +767,19 @@ class _Search:
                         ch = changers[bar] = frozenset(v for v in units if bar in changes[v])
                     if ch <= S:
                         return False  # blocked until a thread of S moves
-                if (CW & {bar}) or (CT & wait_c[k]):
+                if ((C[0] | C[1]) & {bar}) or (C[4] & wait_c[k]):  # W/A vs this wait's R
                     return True
                 k += 1
             return False
+
+        def add(C, v):
+            return tuple(x | y for x, y in zip(C, cur[v]))
 
         en = set(enabled)
         best, best_n = None, None
         for seed in enabled:
             S = {seed}
-            CW, CA, CR, CT = cur[seed]
+            C = cur[seed]
             work = [seed]
             grew = True
             while grew:
@@ -773,14 +790,12 @@ class _Search:
                         if v not in S:
                             S.add(v)
                             work.append(v)
-                            vw, va, vr, vt = cur[v]
-                            CW, CA, CR, CT = CW | vw, CA | va, CR | vr, CT | vt
+                            C = add(C, v)
                 for v in units:
-                    if v not in S and dependent(v, S, CW, CA, CR, CT):
+                    if v not in S and dependent(v, S, C):
                         S.add(v)
                         work.append(v)
-                        vw, va, vr, vt = cur[v]
-                        CW, CA, CR, CT = CW | vw, CA | va, CR | vr, CT | vt
+                        C = add(C, v)
                         grew = True
                 if work:
                     grew = True
