@@ -232,3 +232,25 @@ def test_a_missing_wait_st_shows_under_the_lazy_schedule():
     lazy = _emulate("fa4_fp4_d128", 448, ptx_mutation=drop_wait_st, schedule="lazy")
     assert eager.max_abs_err <= _tolerance(good)
     assert lazy.max_abs_err > 10 * _tolerance(good), lazy.max_abs_err
+
+
+def drop_first_p_arrive(ptx):
+    """(g) the softmax warps never announce P part 1: the first mbarrier.arrive after the
+    first P store is deleted."""
+    ls = _lines(ptx)
+    st = _nth(ls, lambda s: "tcgen05.st.sync.aligned" in s)
+    j = next(i for i in range(st, len(ls)) if "mbarrier.arrive" in ls[i])
+    del ls[j]
+    return "\n".join(ls)
+
+
+def test_a_lost_arrive_is_reported_as_a_deadlock():
+    from fp4gen.lowering.emulator.machine import EmulationError
+
+    with pytest.raises(EmulationError) as e:
+        _emulate("fa4_fp4_d128", 448, ptx_mutation=drop_first_p_arrive)
+    msg = str(e.value)
+    assert msg.startswith("deadlock")
+    # the MMA warp waits in a try_wait loop on an mbarrier, named with its PTX line
+    mma = next(s for s in msg.splitlines() if s.strip().startswith("warp 12:"))
+    assert "mbarrier.try_wait.parity" in mma and "PTX line" in mma, mma
