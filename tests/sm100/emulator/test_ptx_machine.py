@@ -744,3 +744,39 @@ def test_shuffle_modes_vote_and_negated_predicates():
     assert (out[:, 3] == ((t & ~3) | 1) + 100).all()
     assert (out[:, 5] == (t >= 10)).all()  # t > 3 and not (t < 10)
     assert (out[:, 6] == 1).all() and (out[:, 7] == 0).all()
+
+
+def test_packed_fp8_fp4_conversions_at_their_edges():
+    """cvt.rn.satfinite.{e2m1x2,e4m3x2}.f32 at ties, saturation, NaN and infinities, against
+    hand-derived codes (PTX ISA 9.7.9.21: RNE; .satfinite clamps to MAX_NORM; NaN -> NaN for
+    e4m3, -> +MAX_NORM for e2m1)."""
+    e2m1 = [(0.25, 0x0), (0.75, 0x2), (2.5, 0x4), (5.0, 0x6), (7.0, 0x7), (1e10, 0x7),
+            (-0.25, 0x8), (float("nan"), 0x7), (float("-inf"), 0xF), (-3.0, 0xD), (1.25, 0x2),
+            (1.75, 0x4), (0.2, 0x0), (0.3, 0x1), (-6.0, 0xF), (4.9, 0x6)]
+    e4m3 = [(448.0, 0x7E), (464.0, 0x7E), (1e6, 0x7E), (float("nan"), 0x7F), (float("-inf"), 0xFE),
+            (2.0 ** -9, 0x01), (2.0 ** -10, 0x00), (3 * 2.0 ** -10, 0x02), (1.0, 0x38),
+            (1.0625, 0x38), (1.1875, 0x3A), (-0.0, 0x80), (240.0, 0x77), (-17.0, 0xD8),
+            (0.015625, 0x08), (2.0 ** -7 * 1.125, 0x04)]
+    vals = np.zeros(32, np.float32)
+    vals[:16] = [v for v, _ in e2m1]
+    vals[16:] = [v for v, _ in e4m3]
+    body = """
+\tmul.wide.u32 %rd20, %r1, 4;
+\tadd.s64 %rd21, %rd1, %rd20;
+\tld.global.b32 %r2, [%rd21];
+\tmov.b32 %r3, 0f00000000;
+\tcvt.rn.satfinite.e2m1x2.f32 %rs1, %r2, %r3;
+\tcvt.u32.u16 %r100, %rs1;
+\tcvt.rn.satfinite.e4m3x2.f32 %rs2, %r3, %r2;
+\tcvt.u32.u16 %r101, %rs2;
+"""
+    text = HEAD.format(ntid=32, stride=8, body=body,
+                       stores="\tst.global.b32 [%rd3+0], %r100;\n\tst.global.b32 [%rd3+4], %r101;")
+    gm = M.GlobalMemory()
+    buf = gm.alloc(vals.tobytes() + bytes(256 - 128))
+    M.Machine(P.parse(text), smem=_Smem(), gmem=gm, params=struct.pack("<QIf", buf, 0, 0.0)).run()
+    res = np.frombuffer(gm.read(buf, 256), dtype=np.uint32).reshape(32, 2)
+    for i, (v, code) in enumerate(e2m1):
+        assert res[i, 0] >> 4 == code and res[i, 0] & 0xF == 0, (v, hex(int(res[i, 0])), hex(code))
+    for i, (v, code) in enumerate(e4m3):
+        assert res[16 + i, 1] & 0xFF == code and res[16 + i, 1] >> 8 == 0, (v, hex(int(res[16 + i, 1])), hex(code))
