@@ -8,6 +8,7 @@
     fp4gen verify SPEC... [--kernel K] [--json]  compile sm100a kernels on the CPU, check them against the plan
     fp4gen regenerate [--check] [--root DIR]   generated/ from examples/*.attn
     fp4gen selftest [--json]                   Blackwell smoke kit: unit kernels + sm100a examples (sm_100 only)
+    fp4gen perf SPEC... [--gpu G] [--json]     predicted TFLOP/s and ratio to FA4 BF16 from the SASS (a model)
     fp4gen demo                                compile + schedule + accuracy of the paper's recipe
 
 Exit status: 0 success; 1 a spec error or another user error (one-line
@@ -353,6 +354,13 @@ def cmd_verify(args) -> int:
     return EXIT_USER if failed else EXIT_OK
 
 
+def cmd_perf(args) -> int:
+    """The model's own command line (fp4gen/lowering/perf.py: ``main``)."""
+    from fp4gen.lowering import perf
+
+    return perf.main(args.perf_args)
+
+
 def cmd_selftest(args) -> int:
     """Unit kernels of the risky tcgen05 forms, then every sm100a example against its reference
     backend, on an sm_100 GPU; elsewhere the list of what it would run (exit 0)."""
@@ -512,6 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the checks as JSON")
     st.set_defaults(func=cmd_selftest)
 
+    pf = sub.add_parser("perf", add_help=False,
+                        help="static performance model: predicted TFLOP/s and ratio to FA4's BF16 forward, "
+                        "from each kernel's SASS (see 'fp4gen perf --help')")
+    pf.add_argument("perf_args", nargs=argparse.REMAINDER)
+    pf.set_defaults(func=cmd_perf)
+
     r = sub.add_parser("regenerate", help="rebuild generated/ from examples/*.attn")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
     r.add_argument("--root", help="repository root, with examples/ and generated/ (default: this checkout)")
@@ -539,8 +553,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from fp4gen.driver import UserError
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        if argv[:1] == ["perf"]:  # the model parses its own options (and --help)
+            args = argparse.Namespace(command="perf", perf_args=argv[1:], func=cmd_perf)
+        else:
+            args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:

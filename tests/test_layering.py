@@ -25,7 +25,7 @@ LAYERS = [
     ("planner", ("fp4gen.ir.passes",)),
     ("plan dumps", ("fp4gen.ir.dump",)),
     ("lowering", ("fp4gen.lowering",)),
-    ("drivers", ("fp4gen.driver", "fp4gen.api")),
+    ("drivers", ("fp4gen.driver", "fp4gen.api", "fp4gen.selftest")),
     ("torch op", ("fp4gen.torch_ops",)),
     ("command line", ("fp4gen.cli",)),
 ]

@@ -363,3 +363,11 @@ def test_run_refuses_gpu_targets_without_a_gpu(cli):
     r = cli("run", EXAMPLES / "sm90_fp8_exp_d128.attn", "--kernel", "sm90_fp8_exp_d128", "--target", "reference",
             "--backward")
     assert r.rc == 2 and "has no backward block" in r.err
+
+
+def test_perf_subcommand_is_the_models_own_command_line(cli, tmp_path):
+    r = cli("perf", "--help")
+    assert r.rc == 0 and "fp4gen perf" in r.out and "--gpu" in r.out
+    assert cli("perf").rc == 2  # no spec: usage error
+    r = cli("perf", tmp_path / "missing.attn")
+    assert r.rc == 1 and "missing.attn" in r.err and "Traceback" not in r.err
