@@ -358,7 +358,10 @@ def cmd_perf(args) -> int:
     """The model's own command line (fp4gen/lowering/perf.py: ``main``)."""
     from fp4gen.lowering import perf
 
-    return perf.main(args.perf_args)
+    try:
+        return perf.main(args.perf_args)
+    except SystemExit as e:  # its argparse: --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
 
 
 def cmd_selftest(args) -> int:

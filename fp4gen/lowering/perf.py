@@ -652,7 +652,10 @@ def _spec_sources(path: str) -> list:
 def main(argv=None) -> int:
     """``fp4gen perf SPEC... [--gpu h200|b200|gb200] [--json]``: predicted forward TFLOP/s of
     each kernel and its ratio to FA4's BF16 forward of the same mask, by the same model."""
-    ap = argparse.ArgumentParser(prog="fp4gen perf", description=main.__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="fp4gen perf",
+        description="Predicted forward TFLOP/s of each kernel and its ratio to FA4's BF16 forward of "
+                    "the same mask, by a static model of the compiled SASS (a prediction, not a timing).")
     ap.add_argument("specs", nargs="+", help=".attn specs or generated modules (path or name)")
     ap.add_argument("--gpu", default=None, choices=sorted(GPUS), help="default: h200 for sm90a, b200 for sm100a")
     ap.add_argument("--seqlens", default="4096,8192,16384")
