@@ -91,12 +91,13 @@ def compiled(source: str, cache: Path = CACHE):
 
 
 def _load_module(source: str):
-    d = Path(tempfile.mkdtemp(prefix="fp4gen_emu_"))
-    path = d / "module.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"fp4gen_emulated_{abs(hash(source))}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory(prefix="fp4gen_emu_") as d:
+        path = Path(d) / "module.py"
+        path.write_text(source)
+        key = hashlib.sha256(source.encode()).hexdigest()[:12]
+        spec = importlib.util.spec_from_file_location(f"fp4gen_emulated_{key}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     return mod
 
 
@@ -369,12 +370,13 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
                     schedule: str = "eager", ptx_mutation: Optional[Callable[[str], str]] = None,
                     inputs=None, softmax_scale=None, ops=None, tensor_maps_fn=None,
                     smem_fill: int = 0, tmem_fill: int = 0, cache: Path = CACHE,
-                    strict_aligned: bool = True) -> EmulationResult:
+                    strict_aligned: bool = True, keep_machine: bool = False) -> EmulationResult:
     """Emulate CTA (0, 0) of a generated sm100a forward and compare with the reference.
 
     ``ptx_mutation``: text -> text applied to the compiled PTX before it runs (planted faults).
     ``smem_fill``/``tmem_fill``: the initial byte / 32-bit word of shared and tensor memory
     (uninitialised on the hardware; a NaN pattern makes reads of never-written data visible).
+    ``keep_machine``: keep the ``Machine`` (registers, memories) on the result, for debugging.
     ``strict_aligned``: a ``.sync.aligned`` instruction executed by part of a warp raises
     ``EmulationError`` (undefined on the hardware); with False the lanes present act alone and
     the result's ``notes`` list each such execution.
@@ -435,5 +437,6 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
                            reference_lse=rl, max_abs_err=err, max_lse_err=lse_err, trace=tr,
                            seconds=time.time() - t0, instructions=mach.instructions,
                            emulation_seconds=mach.seconds,
-                           schedule=schedule, seqlen_q=Sq, seqlen_k=Sk, machine=mach,
+                           schedule=schedule, seqlen_q=Sq, seqlen_k=Sk,
+                           machine=mach if keep_machine else None,
                            notes=list(dict.fromkeys(mach.divergent_aligned)))
