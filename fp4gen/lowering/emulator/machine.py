@@ -61,6 +61,7 @@ LANES = np.arange(W, dtype=np.uint32)
 ALL = np.ones(W, dtype=bool)
 PARAM_GENERIC = 0x7F00_0000_0000  # generic address of the kernel parameter space
 SHARED_GENERIC = 0x7E00_0000_0000  # generic address of the CTA's shared window
+LOCAL_GENERIC = 0x7D00_0000_0000  # generic address of the executing thread's local window
 
 
 # floating-point exceptions are the kernel's business (NaN/inf propagate as on the hardware):
@@ -209,6 +210,7 @@ class Warp:
         self.st_queue: list = []  # lazy tcgen05.st awaiting wait::st
         self.setmaxnreg: list = []
         self.park_after: Optional[_Block] = None
+        self.local: Optional[np.ndarray] = None  # (32, local bytes): each thread's .local memory
 
     @property
     def done(self):
@@ -357,6 +359,7 @@ class Machine:
         self.op_counter = 0
         self.progress = 0  # bumped by every shared-state change (test_wait parking)
         self.shared_sym = shared_layout(module)
+        self.local_sym, self.local_size = local_layout(module)
         self.log: list = []  # (warp, line, note) for setmaxnreg and other recorded no-ops
         self.divergent_aligned: list = []  # messages: .aligned instructions run by partial warps
         self._store_dt = {}
@@ -463,6 +466,9 @@ class Machine:
             return lambda w: _conv(v, dt)
         if name in self.shared_sym:
             v = np.full(W, self.shared_sym[name], dtype=np.uint64)
+            return lambda w: _conv(v, dt)
+        if name in self.local_sym:
+            v = np.full(W, self.local_sym[name], dtype=np.uint64)
             return lambda w: _conv(v, dt)
         raise EmulationError(f"unknown symbol {name}")
 
@@ -935,7 +941,7 @@ class Machine:
         parts = ins.parts
         to = "to" in parts
         space = next(p for p in parts[1:] if p in ("param", "shared", "global", "local", "const"))
-        base = {"param": PARAM_GENERIC, "shared": SHARED_GENERIC}.get(space, 0)
+        base = {"param": PARAM_GENERIC, "shared": SHARED_GENERIC, "local": LOCAL_GENERIC}.get(space, 0)
         dt = np.dtype(_DT[parts[-1]])
         rd = self._reader(ins.operands[1], np.uint64)
         wr = self._writer(ins.operands[0])
@@ -1176,6 +1182,9 @@ class Machine:
             if a.base.name in self.shared_sym:
                 v = np.full(W, self.shared_sym[a.base.name] + a.offset, np.uint64)
                 return lambda w: v
+            if a.base.name in self.local_sym:
+                v = np.full(W, self.local_sym[a.base.name] + a.offset, np.uint64)
+                return lambda w: v
             raise EmulationError(f"unknown address symbol {a.base.name}")
         if a.base is None:
             v = np.full(W, a.offset, np.uint64)
@@ -1183,15 +1192,29 @@ class Machine:
         rd = self._reader(a.base, np.uint64)
         return lambda w: rd(w) + off
 
-    def _mem_read(self, space, addrs: np.ndarray, n: int) -> np.ndarray:
-        """(len(addrs), n) bytes."""
+    def _local(self, w, addrs, n, lanes):
+        if w.local is None:
+            w.local = np.zeros((W, self.local_size), dtype=np.uint8)
+        off = addrs.astype(np.int64)
+        if off.size and (off.min() < 0 or off.max() + n > self.local_size):
+            raise EmulationError(f"warp {w.idx}: local access at {int(off.max())} outside the "
+                                 f"{self.local_size}-byte .local window")
+        return lanes[:, None], off[:, None] + np.arange(n)
+
+    def _mem_read(self, space, addrs: np.ndarray, n: int, w=None, lanes=None) -> np.ndarray:
+        """(len(addrs), n) bytes; ``w``/``lanes``: the threads, for their .local memory."""
         if space == "generic":
             a0 = int(addrs[0]) if addrs.size else 0
             if a0 >= PARAM_GENERIC:
                 return self._mem_read("param", addrs - np.uint64(PARAM_GENERIC), n)
             if a0 >= SHARED_GENERIC:
                 return self._mem_read("shared", addrs - np.uint64(SHARED_GENERIC), n)
+            if a0 >= LOCAL_GENERIC:
+                return self._mem_read("local", addrs - np.uint64(LOCAL_GENERIC), n, w, lanes)
             space = "global"
+        if space == "local":
+            r, c = self._local(w, addrs, n, lanes)
+            return w.local[r, c]
         if space == "param":
             pv = np.frombuffer(bytes(self.params), dtype=np.uint8)
             off = addrs.astype(np.int64)
@@ -1207,14 +1230,20 @@ class Machine:
             return self.gmem.gather(addrs, n)
         raise EmulationError(f"{space} memory is not emulated")
 
-    def _mem_write(self, space, addrs: np.ndarray, data: np.ndarray):
+    def _mem_write(self, space, addrs: np.ndarray, data: np.ndarray, w=None, lanes=None):
         if space == "generic":
             a0 = int(addrs[0]) if addrs.size else 0
             if a0 >= PARAM_GENERIC:
                 raise EmulationError("store to the parameter space")
             if a0 >= SHARED_GENERIC:
                 return self._mem_write("shared", addrs - np.uint64(SHARED_GENERIC), data)
+            if a0 >= LOCAL_GENERIC:
+                return self._mem_write("local", addrs - np.uint64(LOCAL_GENERIC), data, w, lanes)
             space = "global"
+        if space == "local":
+            r, c = self._local(w, addrs, data.shape[1], lanes)
+            w.local[r, c] = data
+            return
         if space == "shared":
             off = addrs.astype(np.int64) & 0xFFFFFFFF
             n = data.shape[1]
@@ -1246,7 +1275,7 @@ class Machine:
         def h(w, m, full):
             a = addr(w)
             idx = np.nonzero(m)[0]
-            raw = self._mem_read(space, a[idx], n * vec)
+            raw = self._mem_read(space, a[idx], n * vec, w, idx)
             if space == "shared":
                 self._record(w, T.Access(line, False, _spans(a[idx] & np.uint64(0xFFFFFFFF), n * vec)))
             for k, wr in enumerate(wrs):
@@ -1278,7 +1307,7 @@ class Machine:
                 return
             data = np.concatenate([np.ascontiguousarray(r(w)[idx]).view(np.uint8).reshape(idx.size, n)
                                    for r in rds], axis=1)
-            self._mem_write(space, a[idx], data)
+            self._mem_write(space, a[idx], data, w, idx)
             if space == "shared":
                 self._record(w, T.Access(line, True, _spans(a[idx] & np.uint64(0xFFFFFFFF), n * vec)))
         return h
@@ -1917,6 +1946,16 @@ def param_offsets(module: P.Module) -> dict:
         out[p.name] = off
         off += p.size
     return out
+
+
+def local_layout(module: P.Module):
+    """Local-space offsets of the module's .local variables and the window's size (bytes)."""
+    out, off = {}, 0
+    for s in module.local:
+        off = (off + s.align - 1) // s.align * s.align
+        out[s.name] = off
+        off += s.size
+    return out, off
 
 
 def shared_layout(module: P.Module) -> dict:

@@ -124,6 +124,7 @@ class Module:
     reg_types: dict  # register name or '%r<' prefix -> PTX type ('.b32', '.pred', ...)
     labels: dict = field(default_factory=dict)  # outer-scope label -> index
     reqntid: Optional[tuple] = None
+    local: list = field(default_factory=list)  # .local variables (per-thread memory), SharedVar form
 
     def reg_type(self, name: str) -> str:
         t = self.reg_types.get(name)
@@ -297,6 +298,7 @@ def _statements(text: str):
 
 _DECL_REG = re.compile(r"^\.reg\s+(\.\w+)\s+(.*)$")
 _DECL_SHARED = re.compile(r"^(?:\.extern\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.\w+\s+([$\w]+)\s*\[(\d*)\]$")
+_DECL_LOCAL = re.compile(r"^\.local\s+(?:\.align\s+(\d+)\s+)?\.\w+\s+([$\w]+)\s*\[(\d+)\]$")
 _PARAM = re.compile(r"^\.param\s+(?:\.align\s+(\d+)\s+)?(\.\w+)\s+([$\w]+)(?:\[(\d+)\])?$")
 _TYPE_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
                "b32": 4, "u32": 4, "s32": 4, "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
@@ -326,7 +328,7 @@ def parse(text: str) -> Module:
     if rm:
         reqntid = tuple(int(x) for x in rm.groups() if x)
 
-    shared, reg_types, instrs = [], {}, []
+    shared, local, reg_types, instrs = [], [], {}, []
     sc = _Scopes()
     pending_labels = []  # (scope chain, name) waiting for the next instruction
     label_defs = {}  # (block id, name) -> instruction index
@@ -383,9 +385,11 @@ def parse(text: str) -> Module:
                 shared.append(SharedVar(sm.group(2), int(sm.group(1) or 1),
                                         int(sm.group(3)) if sm.group(3) else None))
                 continue
-            if st.startswith((".pragma", ".loc", ".file", ".local", ".maxnreg")):
-                if st.startswith(".local"):
-                    raise PtxParseError(f"line {ln}: .local variables are not supported: {st}")
+            lm2 = _DECL_LOCAL.match(re.sub(r"\s+", " ", st))
+            if lm2:
+                local.append(SharedVar(lm2.group(2), int(lm2.group(1) or 1), int(lm2.group(3))))
+                continue
+            if st.startswith((".pragma", ".loc", ".file", ".maxnreg")):
                 continue
             raise PtxParseError(f"line {ln}: unsupported directive {st!r}")
         guard = None
@@ -416,4 +420,4 @@ def parse(text: str) -> Module:
         else:
             raise PtxParseError(f"line {ins.line}: branch to undefined label {name}")
     labels = {name: i for (blk, name), i in label_defs.items() if blk == 0}
-    return Module(entry, params, shared, instrs, reg_types, labels, reqntid)
+    return Module(entry, params, shared, instrs, reg_types, labels, reqntid, local)

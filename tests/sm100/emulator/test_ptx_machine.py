@@ -780,3 +780,23 @@ def test_packed_fp8_fp4_conversions_at_their_edges():
         assert res[i, 0] >> 4 == code and res[i, 0] & 0xF == 0, (v, hex(int(res[i, 0])), hex(code))
     for i, (v, code) in enumerate(e4m3):
         assert res[16 + i, 1] & 0xFF == code and res[16 + i, 1] >> 8 == 0, (v, hex(int(res[16 + i, 1])), hex(code))
+
+
+def test_local_memory_is_per_thread():
+    # the stack-frame pattern of spilled or indexed arrays: a .local depot reached through
+    # its local address and through cvta.local's generic address
+    body = """
+\t.local .align 8 .b8 __local_depot0[64];
+\tmov.u64 %rd10, __local_depot0;
+\tcvta.local.u64 %rd11, %rd10;
+\tmul.lo.s32 %r2, %r1, 7;
+\tst.local.b32 [%rd10+8], %r2;
+\tadd.s32 %r3, %r1, 1000;
+\tst.b32 [%rd11+12], %r3;
+\tbar.sync 0;
+\tld.local.v2.b32 {%r100, %r101}, [%rd10+8];
+\tld.b32 %r102, [%rd11+8];
+"""
+    out = run(body, ntid=64, nout=3)
+    t = np.arange(64)
+    assert (out[:, 0] == 7 * t).all() and (out[:, 1] == t + 1000).all() and (out[:, 2] == 7 * t).all()
