@@ -1072,6 +1072,10 @@ class Machine:
                 wr(w, (hi << np.uint32(bits)) | lo, m, full)
             return hq
         if dt_name == "ue8m0x2":
+            # .rz -> the power of two at or below, .rp -> at or above (formats.encode_e8m0 "down" /
+            # "up"); NaN -> 0xFF, beyond 2^127 -> 0xFE (ISA 9.7.9.21 .satfinite). Unused by the
+            # generated kernels; negative inputs follow the encoder (0xFF), where the ISA says
+            # only that the format has no sign.
             import torch
 
             from fp4gen.numerics import formats
