@@ -13,7 +13,8 @@ quotient). Checked here on the CPU:
   cannot be emulated; the proof's lemma is checked instead: on the hardest inputs (x chosen so
   that x / y is as close as fp32 allows to a rounding midpoint) x / y stays more than 2^-49
   (relative) from the midpoint, exactly in rational arithmetic, so any fp64 result within
-  2^-51 of x / y rounds to fl32(x / y).
+  2^-51 of x / y rounds to fl32(x / y);
+- the CuTe DSL helpers compile (``division_probe``, sm_90a) into that PTX and no fp32 division.
 
 With a CUDA GPU (the PTX needs no sm_100 instruction: Hopper runs it), the PTX text itself runs
 through CuPy against numpy's fp32 division on random and near-midpoint inputs
