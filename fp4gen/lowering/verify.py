@@ -10,6 +10,10 @@ backward), each compiled for sm_100a on the CPU:
   descriptors are the plan's (``descriptors.py``, fields from the PTX ISA's tables);
 * ``registers``: ptxas honours the plan's setmaxnreg budgets and spills within the plan's
   budget (``ptxas.py``);
+* ``emulator`` (forwards): one CTA executed from the compiled PTX on the CPU
+  (``emulator/``: TMA, tcgen05 ld/st/cp/mma with block scales, mbarriers, every warp) over four
+  KV tiles with a ragged tail; O and LSE must match the reference numerics, and no warp
+  collective may run with part of a warp;
 * ``cute-warnings``: every warning of CuTe DSL's own checker (arrive counts, TMEM loads at a
   release or dealloc) is triaged in the template beside the code it names
   (``cute_warnings.py``; one extra compile per kernel).
@@ -29,7 +33,7 @@ from dataclasses import asdict, dataclass
 class Check:
     kernel: str
     part: str  # forward | backward
-    check: str  # conformance | descriptors | registers | cute-warnings | skipped
+    check: str  # conformance | descriptors | registers | emulator | cute-warnings | skipped
     ok: bool
     detail: str  # one line: what was found, or every mismatch
     seconds: float = 0.0
@@ -53,6 +57,30 @@ def _descriptors(kernel: str, part: str, bad: list, ptx: str) -> Check:
     return Check(kernel, part, "descriptors", not bad,
                  f"{n} tcgen05.mma: descriptors, operand columns and sf ids as planned" if not bad
                  else "; ".join(map(str, bad)))
+
+
+EMULATED_SHAPE = dict(seqlen_q=256, seqlen_k=448)  # one CTA (two query tiles), 3.5 KV tiles
+
+
+def _emulator(kernel: str, source: str, art) -> tuple:
+    """(Check, trace or None) of one emulated CTA."""
+    from .emulator import run
+    from .emulator.machine import EmulationError
+
+    t = time.perf_counter()
+    run.prime(source, art.ptx, art.mlir)  # the PTX verify just compiled
+    try:
+        res = run.emulate_forward(source, seed=0, **EMULATED_SHAPE)
+    except EmulationError as e:
+        return Check(kernel, "forward", "emulator", False, f"emulation stopped: {e}".splitlines()[0],
+                     time.perf_counter() - t), None
+    tol = run.o_tolerance(res)
+    ok = res.max_abs_err <= tol and res.max_lse_err <= run.LSE_TOLERANCE
+    shape = f"Sq {res.seqlen_q}, Sk {res.seqlen_k}"
+    detail = (f"{shape}: O max err {res.max_abs_err:.2g} (tol {tol:.2g}), LSE {res.max_lse_err:.2g} "
+              f"(tol {run.LSE_TOLERANCE:g}); {res.instructions} warp instructions")
+    return Check(kernel, "forward", "emulator", ok, detail if ok else "vs reference: " + detail,
+                 time.perf_counter() - t), res.trace
 
 
 def _cute_warnings(kernel: str, part: str, source: str, backward: bool) -> Check:
@@ -95,6 +123,8 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(_descriptors(spec.name, "forward", D.check_descriptors(plan, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, plan.pipeline.roles, plan.pipeline.spill_budget_bytes)
     out.append(Check(spec.name, "forward", "registers", ok, detail))
+    emulated, trace = _emulator(spec.name, source, art)
+    out.append(emulated)
     out.append(_cute_warnings(spec.name, "forward", source, backward=False))
     if spec.backward is None:
         return out

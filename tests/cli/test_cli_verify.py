@@ -46,6 +46,7 @@ def test_forward_and_backward_of_the_backward_example(cli):
     assert r.rc == 0, r.out + r.err
     rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
     assert set(rows) == {(part, check) for part in ("forward", "backward")
-                         for check in ("conformance", "descriptors", "registers", "cute-warnings")}
+                         for check in ("conformance", "descriptors", "registers", "cute-warnings")} | {
+        ("forward", "emulator")}
     assert all(x["ok"] for x in rows.values())
     assert "spills 0 B st + 0 B ld (budget 0)" in rows[("backward", "registers")]["detail"]

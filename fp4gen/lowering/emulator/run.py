@@ -68,25 +68,43 @@ class EmulationResult:
     notes: list = field(default_factory=list)
 
 
+LSE_TOLERANCE = 1e-3  # nats: LSE is fp32 m + log2 l on both sides
+
+
+def o_tolerance(res: "EmulationResult") -> float:
+    """fp32 summation order plus the bf16 rounding of O: a few bf16 ulps of the output's scale."""
+    scale = float(res.reference_out.abs().max())
+    return 4 * 2.0 ** -8 * max(scale, 1e-3)
+
+
 # ----------------------------------------------------------------------------- compile cache
+
+def _cache_dir(source: str, cache: Path) -> Path:
+    return cache / hashlib.sha256(source.encode()).hexdigest()[:20]
+
+
+def prime(source: str, ptx: str, mlir: str, cache: Path = CACHE) -> None:
+    """Record a compile made elsewhere (``fp4gen verify`` has the artifacts already)."""
+    d = _cache_dir(source, cache)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f"tmp{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
+    (tmp / "kernel.ptx").write_text(ptx)
+    (tmp / "kernel.mlir").write_text(mlir)
+    for n in ("kernel.ptx", "kernel.mlir"):  # atomic: a concurrent reader sees all or nothing
+        os.replace(tmp / n, d / n)
+    tmp.rmdir()
+
 
 def compiled(source: str, cache: Path = CACHE):
     """(ptx, mlir) of a generated sm100a module, compiled once per source text."""
-    key = hashlib.sha256(source.encode()).hexdigest()[:20]
-    d = cache / key
+    d = _cache_dir(source, cache)
     if (d / "kernel.ptx").exists() and (d / "kernel.mlir").exists():
         return (d / "kernel.ptx").read_text(), (d / "kernel.mlir").read_text()
     from fp4gen.lowering import conformance
 
     a = conformance.compile_artifacts(source)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f"tmp{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
-    (tmp / "kernel.ptx").write_text(a.ptx)
-    (tmp / "kernel.mlir").write_text(a.mlir)
-    for n in ("kernel.ptx", "kernel.mlir"):  # atomic: a concurrent reader sees all or nothing
-        os.replace(tmp / n, d / n)
-    tmp.rmdir()
+    prime(source, a.ptx, a.mlir, cache)
     return a.ptx, a.mlir
 
 

@@ -27,9 +27,9 @@ def _source(name):
 
 
 def _tolerance(res):
-    """fp32 summation order plus the bf16 rounding of O: a few bf16 ulps of the row's scale."""
-    scale = float(res.reference_out.abs().max())
-    return 4 * 2.0 ** -8 * max(scale, 1e-3)
+    from fp4gen.lowering.emulator.run import o_tolerance
+
+    return o_tolerance(res)
 
 
 _RESULTS = {}
