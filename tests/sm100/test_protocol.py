@@ -420,3 +420,90 @@ def test_named_barrier_orders_plain_shared_accesses():
 def test_max_states_is_reported():
     r = protocol.check_protocol(pipeline(3), max_states=50)
     assert not r.exhaustive and r.states <= 50 and not r.ok
+
+
+# --- the real traces: fa4_fp4_d128 run by the emulator ---------------------------------------
+# One emulation per KV-tile count and session (~30 s of CPU each, plus one cached compile).
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+_REAL = {}
+
+
+def _real_trace(tiles):
+    run = pytest.importorskip("fp4gen.lowering.emulator.run")
+    if tiles not in _REAL:
+        src = (ROOT / "generated" / "fa4_fp4_d128_sm100a.py").read_text()
+        _REAL[tiles] = run.emulate_forward(src, seqlen_q=256, seqlen_k=128 * tiles,
+                                           strict_aligned=False).trace
+    return _REAL[tiles]
+
+
+_ONE_TILE = pytest.mark.xfail(
+    raises=ValueError, strict=True,
+    reason="emulator.run: Sk = 128 gives a host layout stride 0 where the MLIR layout is static")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiles", [pytest.param(1, marks=_ONE_TILE), 2, 3, 4])
+def test_fa4_fp4_real_trace_passes_with_in_order_issue(tiles):
+    t = _real_trace(tiles)
+    # docs/sm100.md: 4 QK^T + 4 PV MMAs per KV tile for FP4
+    mma = [e for e in t.warps[12] if isinstance(e, AsyncOp) and e.kind == "mma"]
+    assert len(mma) == 8 * tiles
+    r = protocol.check_protocol(t)
+    assert r.exhaustive and r.findings == [], r.summary()
+    # the four softmax warps of each stage and the correction warps act as one agent each
+    assert [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] == [g for g in r.agents if len(g) == 4]
+
+
+@pytest.mark.slow
+def test_fa4_fp4_real_trace_relies_on_in_order_issue_for_s_reuse_only():
+    t = _real_trace(2)
+    rel = protocol.check_tensor_pipe_reliance(t)
+    assert rel.in_order.ok and rel.without.exhaustive, rel.without.summary()
+    by_line = {e.line: e for e in t.warps[12] if isinstance(e, AsyncOp)}
+
+    def cols(spans):
+        return [(s.col_lo, s.col_hi) for s in spans if isinstance(s, TmemSpan)]
+
+    def stage_of_qk(e):  # writes all of S_j (docs/sm100.md: S0 0-127, S1 128-255)
+        return {j for j in (0, 1) if (128 * j, 128 * j + 128) in cols(e.writes)}
+
+    def stage_of_pv(e):  # writes O_j (256 + 128 j) and reads P_j's columns inside S_j
+        return {j for j in (0, 1) if (256 + 128 * j, 384 + 128 * j) in cols(e.writes)
+                and any(128 * j + 64 <= lo and hi <= 128 * j + 80 for lo, hi in cols(e.reads))}
+    stages = set()
+    assert rel.relies_on
+    for f in rel.relies_on:
+        a, b = (by_line[l] for l in f.lines)
+        assert a.kind == b.kind == "mma", f
+        qk, pv = (a, b) if stage_of_qk(a) else (b, a)
+        assert stage_of_qk(qk) and stage_of_qk(qk) == stage_of_pv(pv), f
+        stages |= stage_of_qk(qk)
+    assert stages == {0, 1}
+
+
+@pytest.mark.slow
+def test_fa4_fp4_real_trace_with_the_ld_wait_after_the_release():
+    # planted in the real trace: every softmax warp's tcgen05.wait::ld moved behind the arrive
+    # that follows it (the "S drained" release), so the MMA warp may write S_j's columns
+    # while the scores are still being loaded
+    t = _real_trace(2)
+    warps = {}
+    moved = 0
+    for w, evs in t.warps.items():
+        evs = list(evs)
+        if w < 8:
+            for i in range(len(evs) - 1):
+                if isinstance(evs[i], TmemWait) and evs[i].kind == "ld" and \
+                        isinstance(evs[i + 1], Arrive):
+                    evs[i], evs[i + 1] = evs[i + 1], evs[i]
+                    moved += 1
+        warps[w] = evs
+    assert moved == 8 * 2  # each softmax warp, each tile
+    r = protocol.check_protocol(Trace(t.kernel, t.kv_tiles, warps, t.roles))
+    lds = {e.line for w in range(8) for e in t.warps[w]
+           if isinstance(e, AsyncOp) and e.kind == "tmem_ld"}
+    mma_warp = {e.line for e in t.warps[12] if isinstance(e, AsyncOp)}
+    hits = [f for f in r.races if set(f.lines) & lds and set(f.lines) & mma_warp]
+    assert hits, r.summary()
