@@ -64,21 +64,24 @@ Reductions (why each is sound, or what it gives up):
    side, ignoring pairs program order rules out) are dropped, and fences with them.
 3. Partial-order reduction by persistent sets (Godefroid, "Partial-Order Methods for the
    Verification of Concurrent Systems", ch. 4): from each state only the enabled
-   transitions of a set S of agents are explored, where no agent outside S can -- on a path
-   that executes nothing of S -- execute a transition dependent on a current transition of
-   S (``_Search._persistent``; dependency in ``_Model._footprints``: same mbarrier unless
-   both are reads or both plain arrive-ons, same named barrier, or touching two conflicting
-   accesses). An agent's "current" transitions include its blocked wait, so every agent
-   that could complete that phase joins S, and its in-flight ops / pending commits; its
-   future is read up to its first wait that is blocked now on an mbarrier no agent outside
-   S can change any more. Every path of the full graph then has an equivalent (same order
-   of every two dependent transitions) one in the reduced graph, possibly extended by
-   transitions independent of it, so every deadlock is kept, every misuse (a barrier
-   transition in a given barrier state), and every race: the start and end of the activity
-   of two conflicting accesses are dependent transitions, and their order decides whether
-   both are active in one state. The state graph is acyclic (every transition advances a
-   position or retires an op), so no cycle proviso is needed. The tests check the reduced
-   search against the plain one on every planted fault.
+   transitions of a set S of threads are explored -- a thread is a warp's program, an
+   in-flight TMA / mma / cp (its completion) or a pending commit (its arrival) -- where no
+   thread outside S can, on a path that executes nothing of S, execute a transition
+   dependent on a current transition of S (``_Search._persistent``). Dependent
+   (``_Model._footprints``): on one mbarrier unless both read it (parity waits) or both only
+   arrive on it; on one named barrier; or one starts the activity of an access that the
+   other ends, or of one conflicting with it. A thread's current transition includes its
+   blocked wait, so every thread that could complete that phase joins S, and a blocked op or
+   commit brings the ops it waits for; a program's future is read up to its first wait that
+   is blocked now on an mbarrier only threads of S can still change (S is frozen on such
+   paths). Every path of the full graph then has an equivalent one (same order of every two
+   dependent transitions) in the reduced graph, possibly extended by transitions
+   independent of it, so every deadlock is kept, every misuse (a barrier transition in a
+   given barrier state), and every race: two conflicting accesses are active together iff
+   each starts before the other ends, an order between dependent transitions. The state
+   graph is acyclic (every transition advances a position or retires an op), so no cycle
+   proviso is needed. The tests check the reduced search against the plain one on every
+   planted fault of the hand-built pipeline.
 4. Optional (``group_warps=True``): warps whose traces show the same event sequence on the
    same barriers (same opcodes, lines, barriers, parities; spans may differ, e.g. the four
    softmax warps of a stage) are one agent: arrival counts, tx bytes and named-barrier
@@ -86,7 +89,21 @@ Reductions (why each is sound, or what it gives up):
    explore interleavings among the group's own warps (a race between two warps of one
    group, or one that needs one warp of a group to run ahead of another, is not seen);
    barriers that count every warp of the group make most of those interleavings
-   equivalent anyway. ``group_warps=False`` checks without it.
+   equivalent anyway. A member's own synchronous accesses and mbarrier inits (the elected
+   warp that initialises the barriers or writes the block's vote) are steps of that member
+   alone within the lock step. ``group_warps=False`` checks without it.
+
+Limitations (stated, not hidden):
+
+* One trace per run: the trace is the control flow of one schedule of the emulator; a kernel
+  whose control flow depends on timing is outside this check (the emulator compares two
+  schedules for that).
+* Fences and proxies are not modelled (above); neither are tcgen05.alloc / dealloc,
+  tcgen05.shift, clusters or multicast (the traces have none of them).
+* "Same accumulator" is equal write spans; MMA shape is not in the trace.
+* Warp grouping is a lock-step under-approximation of the group's own interleavings.
+* ``in_order_tensor_pipe=False`` keeps far more ops active at once: the real fa4_fp4 trace
+  needs ~7e4 states at 2 KV tiles and ~5e5 at 4 (minutes), against ~6e3 with in-order issue.
 """
 from __future__ import annotations
 
@@ -107,6 +124,7 @@ class Finding:
     lines: tuple  # PTX lines involved (a race: the two accesses, sorted)
     warps: tuple  # warps involved
     interleaving: tuple = ()  # the transitions from the initial state that reach it
+    accesses: tuple = ()  # a race: the two accesses in short ("L1266 mma of w12")
 
     def __str__(self):
         return f"{self.kind}: {self.message}"
@@ -160,7 +178,7 @@ class TensorPipeReliance:
         if not self.relies_on:
             return "relies on in-order tensor-pipe issue for: nothing"
         return "relies on in-order tensor-pipe issue for: " + "; ".join(
-            f.message for f in self.relies_on)
+            " vs ".join(f.accesses) if f.accesses else f.message for f in self.relies_on)
 
 
 # ---------------------------------------------------------------------------------------
@@ -645,9 +663,11 @@ class _Search:
             return (f"L{z.line} {z.what} of {m.agent_name(z.agent)} ({', '.join(rw)}"
                     f"{f', +{more} spans' if more > 0 else ''})")
         msg = f"{desc(x)} can overlap {desc(y)}"
+        short = tuple(f"L{z.line} {z.what.split(' op ')[0]} of {m.agent_name(z.agent)}"
+                      for z in (x, y))
         self._record(key, lambda path: Finding(
             "race", msg, (x.line, y.line),
-            tuple(sorted(set(m.groups[x.agent]) | set(m.groups[y.agent]))), path), sidx)
+            tuple(sorted(set(m.groups[x.agent]) | set(m.groups[y.agent]))), path, short), sidx)
 
     # --- transitions -------------------------------------------------------------------
     def successors(self, state, sidx):
