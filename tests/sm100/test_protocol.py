@@ -345,6 +345,19 @@ def test_fa4_shaped_trace_needs_the_other_stage_drained():
     assert frozenset(("cp_sfqk", "sm_ld")) in _named(r, names), r.summary()
 
 
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_fa4_shaped_reduction_keeps_the_findings(in_order, skip):
+    # the persistent sets against the plain search on the 16-warp shape (one tile)
+    t, _ = fa4_like(1, skip_other_drained=skip)
+    full = protocol.check_protocol(t, in_order_tensor_pipe=in_order, reduce=False)
+    red = protocol.check_protocol(t, in_order_tensor_pipe=in_order)
+    assert full.exhaustive and red.exhaustive
+    assert _fingerprint(red) == _fingerprint(full)
+    assert bool(full.findings) == skip
+    assert red.states * 5 < full.states
+
+
 # --- mbarrier semantics on tiny traces ---------------------------------------------------
 
 B = 0x200
