@@ -197,127 +197,137 @@ def test_reductions_keep_the_findings(fault, in_order):
 
 
 def fa4_like(tiles, kv_stages=2, chunks=4, skip_other_drained=False):
+    """(trace, {site name: line}) of the FA4 shape above."""
     ops = iter(range(100000))
-    L = {}
-    def ln(name):
-        return L.setdefault(name, 100 + len(L))
+    lines = {}
+
+    def ln(name):  # one PTX "line" per code site
+        return lines.setdefault(name, 100 + len(lines))
     bars = {}
+
     def bar(name, count):
         bars[name] = (0x100 + 8 * len(bars), count)
         return bars[name][0]
-    Qf = [bar(f"qf{j}", 1) for j in range(2)]
-    Kf = [bar(f"kf{s}", 1) for s in range(kv_stages)]; Ke = [bar(f"ke{s}", 1) for s in range(kv_stages)]
-    Vf = [bar(f"vf{s}", 1) for s in range(kv_stages)]; Ve = [bar(f"ve{s}", 1) for s in range(kv_stages)]
-    Sf = [bar(f"sf{j}", 1) for j in range(2)]; Se = [bar(f"se{j}", 128) for j in range(2)]
-    Pf = [bar(f"pf{j}", 128) for j in range(2)]; Pe = [bar(f"pe{j}", 1) for j in range(2)]
-    Of = [bar(f"of{j}", 1) for j in range(2)]
-    Tf = [bar(f"tf{j}", 128) for j in range(2)]
-    QS = [SmemSpan(0x1000 + 0x2000 * j, 0x3000 + 0x2000 * j) for j in range(2)]
-    KS = [SmemSpan(0x10000 + 0x2000 * s, 0x12000 + 0x2000 * s) for s in range(kv_stages)]
-    VS = [SmemSpan(0x20000 + 0x2000 * s, 0x22000 + 0x2000 * s) for s in range(kv_stages)]
-    SFPs = [SmemSpan(0x30000 + 0x200 * j, 0x30200 + 0x200 * j) for j in range(2)]
-    STATS = [SmemSpan(0x31000 + 0x400 * j, 0x31400 + 0x400 * j) for j in range(2)]
-    def T_(j, lo, hi, lanes=(0, 128)):
+
+    def per(prefix, n, count):
+        return [bar(f"{prefix}{x}", count) for x in range(n)]
+    q_full = per("qf", 2, 1)
+    k_full, k_empty = per("kf", kv_stages, 1), per("ke", kv_stages, 1)
+    v_full, v_empty = per("vf", kv_stages, 1), per("ve", kv_stages, 1)
+    s_full, s_drained = per("sf", 2, 1), per("se", 2, 128)
+    p_full, p_empty = per("pf", 2, 128), per("pe", 2, 1)
+    o_full, t_full = per("of", 2, 1), per("tf", 2, 128)
+
+    def smem(base, size, n):
+        return [SmemSpan(base + size * x, base + size * (x + 1)) for x in range(n)]
+    QS, KS, VS = smem(0x1000, 0x2000, 2), smem(0x10000, 0x2000, kv_stages), \
+        smem(0x20000, 0x2000, kv_stages)
+    SFPS, STATS = smem(0x30000, 0x200, 2), smem(0x31000, 0x400, 2)
+
+    def tm(lo, hi, lanes=(0, 128)):
         return TmemSpan(lanes[0], lanes[1], lo, hi)
-    S = [T_(j, 128 * j, 128 * j + 128) for j in range(2)]
-    P = [T_(j, 128 * j + 64, 128 * j + 80) for j in range(2)]
-    SFP = [T_(j, 128 * j + 80, 128 * j + 84) for j in range(2)]
-    SFV = [T_(j, 128 * j + 84, 128 * j + 88) for j in range(2)]
-    O = [T_(j, 256 + 128 * j, 384 + 128 * j) for j in range(2)]
-    SFQK = [T_(j, 128 * (1 - j), 128 * (1 - j) + 16) for j in range(2)]
-    nthreads = 16 * 32
-    sync = NamedBarrier(ln("sync"), 1, nthreads)
+    S = [tm(128 * j, 128 * j + 128) for j in range(2)]
+    P = [tm(128 * j + 64, 128 * j + 80) for j in range(2)]
+    SFP = [tm(128 * j + 80, 128 * j + 84) for j in range(2)]
+    SFV = [tm(128 * j + 84, 128 * j + 88) for j in range(2)]
+    O = [tm(256 + 128 * j, 384 + 128 * j) for j in range(2)]
+    SFQK = [tm(128 * (1 - j), 128 * (1 - j) + 16) for j in range(2)]  # in the other S
+
+    def op(site, kind, reads=(), writes=(), **kw):
+        return AsyncOp(ln(site), next(ops), kind, reads=reads, writes=writes, **kw)
+    sync = NamedBarrier(ln("sync"), 1, 16 * 32)
     warps = {}
     # load warp 13
     ld = [BarrierInit(ln("init"), a, c) for a, c in bars.values()] + [sync]
     for j in range(2):
-        ld += [Arrive(ln("q_arrive"), Qf[j], 1, 0x2000), AsyncOp(ln("q_tma"), next(ops), "tma", writes=(QS[j],), bar=Qf[j], tx=0x2000)]
+        ld += [Arrive(ln("q_arrive"), q_full[j], 1, 0x2000),
+               op("q_tma", "tma", writes=(QS[j],), bar=q_full[j], tx=0x2000)]
     for i in range(tiles):
         s, ph = i % kv_stages, (i // kv_stages) & 1
-        ld += [Wait(ln("k_empty"), Ke[s], ph ^ 1), Arrive(ln("k_arrive"), Kf[s], 1, 0x2000),
-               AsyncOp(ln("k_tma"), next(ops), "tma", writes=(KS[s],), bar=Kf[s], tx=0x2000),
-               Wait(ln("v_empty"), Ve[s], ph ^ 1), Arrive(ln("v_arrive"), Vf[s], 1, 0x2000),
-               AsyncOp(ln("v_tma"), next(ops), "tma", writes=(VS[s],), bar=Vf[s], tx=0x2000)]
+        ld += [Wait(ln("k_empty"), k_empty[s], ph ^ 1),
+               Arrive(ln("k_arrive"), k_full[s], 1, 0x2000),
+               op("k_tma", "tma", writes=(KS[s],), bar=k_full[s], tx=0x2000),
+               Wait(ln("v_empty"), v_empty[s], ph ^ 1),
+               Arrive(ln("v_arrive"), v_full[s], 1, 0x2000),
+               op("v_tma", "tma", writes=(VS[s],), bar=v_full[s], tx=0x2000)]
     warps[13] = ld
-    # mma warp 12
-    m = [sync]
-    s_cnt = [0, 0]  # QKs issued per stage
-    p_cnt = [0, 0]
+    # MMA warp 12
+    qks, pvs = [0, 0], [0, 0]  # QK^T / PV issued per stage
+
     def qk(j, i):
         s, ph = i % kv_stages, (i // kv_stages) & 1
-        ev = []
-        if j == 0:
-            ev.append(Wait(ln("mk_full"), Kf[s], ph))
+        ev = [Wait(ln("mk_full"), k_full[s], ph)] if j == 0 else []
         if i == 0:
-            ev.append(Wait(ln("mq_full"), Qf[j], 0))
-        o = 1 - j
-        if not skip_other_drained:
-            ev.append(Wait(ln("s_other"), Se[o], (s_cnt[o] & 1) ^ 1))
-        ev.append(Wait(ln("s_own"), Se[j], (s_cnt[j] & 1) ^ 1))
-        ev += [AsyncOp(ln("cp_sfqk"), next(ops), "cp", reads=(QS[j],), writes=(SFQK[j],))]
-        for k in range(2):
-            ev.append(AsyncOp(ln("qk"), next(ops), "mma", reads=(QS[j], KS[s], SFQK[j]), writes=(S[j],)))
-        ev.append(Commit(ln("qk_commit"), Sf[j]))
-        s_cnt[j] += 1
+            ev.append(Wait(ln("mq_full"), q_full[j], 0))
+        if not skip_other_drained:  # SFQ_j/SFK_j go into S_{1-j}
+            ev.append(Wait(ln("s_other"), s_drained[1 - j], (qks[1 - j] & 1) ^ 1))
+        ev += [Wait(ln("s_own"), s_drained[j], (qks[j] & 1) ^ 1),
+               op("cp_sfqk", "cp", reads=(QS[j],), writes=(SFQK[j],))]
+        ev += [op("qk", "mma", reads=(QS[j], KS[s], SFQK[j]), writes=(S[j],)) for _ in range(2)]
+        ev.append(Commit(ln("qk_commit"), s_full[j]))
+        qks[j] += 1
         if j == 1:
-            ev.append(Commit(ln("k_release"), Ke[s]))
+            ev.append(Commit(ln("k_release"), k_empty[s]))
         return ev
+
     def pv(j, i):
         s, ph = i % kv_stages, (i // kv_stages) & 1
-        ev = []
-        if j == 0:
-            ev.append(Wait(ln("mv_full"), Vf[s], ph))
-        ev += [Wait(ln("p_full"), Pf[j], p_cnt[j] & 1),
-               AsyncOp(ln("cp_sfp"), next(ops), "cp", reads=(SFPs[j],), writes=(SFP[j],)),
-               AsyncOp(ln("cp_sfv"), next(ops), "cp", reads=(VS[s],), writes=(SFV[j],))]
-        for k in range(2):
-            ev.append(AsyncOp(ln("pv"), next(ops), "mma", reads=(P[j], SFP[j], SFV[j], VS[s]), writes=(O[j],)))
-        ev.append(Commit(ln("p_release"), Pe[j]))
-        p_cnt[j] += 1
+        ev = [Wait(ln("mv_full"), v_full[s], ph)] if j == 0 else []
+        ev += [Wait(ln("p_full"), p_full[j], pvs[j] & 1),
+               op("cp_sfp", "cp", reads=(SFPS[j],), writes=(SFP[j],)),
+               op("cp_sfv", "cp", reads=(VS[s],), writes=(SFV[j],))]
+        ev += [op("pv", "mma", reads=(P[j], SFP[j], SFV[j], VS[s]), writes=(O[j],))
+               for _ in range(2)]
+        ev.append(Commit(ln("p_release"), p_empty[j]))
+        pvs[j] += 1
         if j == 1:
-            ev.append(Commit(ln("v_release"), Ve[s]))
+            ev.append(Commit(ln("v_release"), v_empty[s]))
         return ev
-    m += qk(0, 0) + qk(1, 0)
+    m = [sync] + qk(0, 0) + qk(1, 0)
     for i in range(1, tiles):
         for j in range(2):
             m += pv(j, i - 1) + qk(j, i)
     m += pv(0, tiles - 1) + pv(1, tiles - 1)
-    m += [Commit(ln("o_commit"), Of[0]), Commit(ln("o_commit1"), Of[1])]
+    m += [Commit(ln("o_commit"), o_full[0]), Commit(ln("o_commit1"), o_full[1])]
     warps[12] = m
-    # softmax warps
+    # softmax warps 4j..4j+3, 32 rows each
     for j in range(2):
         for w in range(4):
             lanes = (32 * w, 32 * w + 32)
             ev = [sync]
             for i in range(tiles):
-                ev.append(Wait(ln("sm_s_full"), Sf[j], i & 1))
-                for c in range(chunks):
-                    ev.append(AsyncOp(ln("sm_ld"), next(ops), "tmem_ld", reads=(TmemSpan(*lanes, 128 * j + 32 * c, 128 * j + 32 * c + 32),)))
-                ev += [TmemWait(ln("sm_wait_ld"), "ld"), Fence(ln("f1"), "tcgen05.fence::before_thread_sync"),
-                       Arrive(ln("sm_s_release"), Se[j], 32)]
+                ev.append(Wait(ln("sm_s_full"), s_full[j], i & 1))
+                ev += [op("sm_ld", "tmem_ld", reads=(tm(128 * j + 32 * c, 128 * j + 32 * c + 32,
+                                                         lanes),)) for c in range(chunks)]
+                ev += [TmemWait(ln("sm_wait_ld"), "ld"),
+                       Fence(ln("f1"), "tcgen05.fence::before_thread_sync"),
+                       Arrive(ln("sm_s_release"), s_drained[j], 32)]
                 if i > 0:
-                    ev.append(Wait(ln("sm_p_empty"), Pe[j], (i - 1) & 1))
-                ev += [Access(ln("sm_st_sfp"), True, (SmemSpan(SFPs[j].lo + 128 * w, SFPs[j].lo + 128 * w + 128),)),
-                       AsyncOp(ln("sm_st_p"), next(ops), "tmem_st", writes=(TmemSpan(*lanes, 128 * j + 64, 128 * j + 80),)),
-                       TmemWait(ln("sm_wait_st"), "st"), Fence(ln("f2"), "fence.proxy.async.shared::cta"),
-                       Arrive(ln("sm_p_arrive"), Pf[j], 32)]
-            ev += [Access(ln("sm_stats"), True, (SmemSpan(STATS[j].lo + 256 * w, STATS[j].lo + 256 * w + 256),)),
-                   Arrive(ln("sm_t_arrive"), Tf[j], 32)]
+                    ev.append(Wait(ln("sm_p_empty"), p_empty[j], (i - 1) & 1))
+                sf = SmemSpan(SFPS[j].lo + 128 * w, SFPS[j].lo + 128 * w + 128)
+                ev += [Access(ln("sm_st_sfp"), True, (sf,)),
+                       op("sm_st_p", "tmem_st", writes=(tm(128 * j + 64, 128 * j + 80, lanes),)),
+                       TmemWait(ln("sm_wait_st"), "st"),
+                       Fence(ln("f2"), "fence.proxy.async.shared::cta"),
+                       Arrive(ln("sm_p_arrive"), p_full[j], 32)]
+            stats = SmemSpan(STATS[j].lo + 256 * w, STATS[j].lo + 256 * w + 256)
+            ev += [Access(ln("sm_stats"), True, (stats,)), Arrive(ln("sm_t_arrive"), t_full[j], 32)]
             warps[4 * j + w] = ev
-    # correction warps 8-11 (both stages' epilogues)
+    # correction warps 8-11: both stages' epilogues
     for w in range(4):
         lanes = (32 * w, 32 * w + 32)
         ev = [sync]
         for j in range(2):
-            ev += [Wait(ln("c_t_full"), Tf[j], 0), Access(ln("c_stats"), False, (SmemSpan(STATS[j].lo + 256 * w, STATS[j].lo + 256 * w + 256),)),
-                   Wait(ln("c_o_full"), Of[j], 0)]
-            for c in range(4):
-                ev.append(AsyncOp(ln("c_ld"), next(ops), "tmem_ld", reads=(TmemSpan(*lanes, 256 + 128 * j + 32 * c, 288 + 128 * j + 32 * c),)))
+            stats = SmemSpan(STATS[j].lo + 256 * w, STATS[j].lo + 256 * w + 256)
+            ev += [Wait(ln("c_t_full"), t_full[j], 0), Access(ln("c_stats"), False, (stats,)),
+                   Wait(ln("c_o_full"), o_full[j], 0)]
+            ev += [op("c_ld", "tmem_ld", reads=(tm(256 + 128 * j + 32 * c, 288 + 128 * j + 32 * c,
+                                                   lanes),)) for c in range(4)]
             ev.append(TmemWait(ln("c_wait"), "ld"))
         warps[8 + w] = ev
     warps[14] = [sync]
     warps[15] = [sync]
-    return Trace("fa4_like", tiles, warps, {}), L
+    return Trace("fa4_like", tiles, warps, {}), lines
 
 
 def _named(report, names):
