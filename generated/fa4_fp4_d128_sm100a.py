@@ -630,7 +630,7 @@ P_MODE = 'directp_fp4'  # directp_fp4 | exp_fp8 | two_level_fp4
 TWO_LEVEL = P_MODE == "two_level_fp4"  # O is kept in units of the tile's row factor r (docs/sm100.md)
 P_POLICY = 'fast'  # Direct-P policy: fast | accurate (None otherwise)
 O_SCALE = 1.0  # FP8 P is stored as e4m3(256 p): O is divided by 256
-LSE_SHIFT = 2.584962500721156  # log2(6) for MXFP4 Direct-P (PV consumes ~6 * 2^(t - m))
+LSE_SHIFT = 1.5360529002402097  # Direct-P: log2 G, P ~ G 2^(t - m) (numerics.directp.DIRECT_P_GAIN)
 DIRECT_P_A = 1.5
 DIRECT_P_B = 1.2
 P_PUBLISH_HALVES = True

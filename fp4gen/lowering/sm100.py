@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from fp4gen.numerics.directp import DIRECT_P_GAIN
+
 from . import Comment, LoweringError, plan_json, template_env
 
 
@@ -169,7 +171,9 @@ def context(plan) -> dict:
         p_policy=policy,
         running_max=p_mode != "directp_fp4",
         o_scale=1.0 / 256.0 if pv_fp8 else 1.0,
-        lse_shift=math.log2(6.0) if p_mode == "directp_fp4" else 0.0,
+        # P approximates G 2^u: the LSE drops log2 G, the calibrated gain of the reference
+        # numerics (docs/numerics.md, Direct-P; one definition, fp4gen.numerics.directp)
+        lse_shift=math.log2(DIRECT_P_GAIN[policy]) if p_mode == "directp_fp4" else 0.0,
         direct_p_a=float(spec.p_production.a),
         direct_p_b=float(spec.p_production.b),
         publish_halves=halves,
