@@ -1131,7 +1131,9 @@ def _build():
                         # tile waits for that arrive). Done before P, O's 32-column chunk sat
                         # beside the 128 values of p (ptxas hoists P's ex2 above the branch) and
                         # spilled; here the scores are dead and at most half of P is in registers.
-                        if o_alpha < Float32(1.0):
+                        # the whole warp or none of it: tcgen05.ld/st are .sync.aligned (PTX ISA
+                        # 9.7.16.8.3/4); alpha = 1 leaves a row exact. Found by the emulator.
+                        if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
                             for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
                                 o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
                                 reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)

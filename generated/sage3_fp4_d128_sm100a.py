@@ -1179,7 +1179,10 @@ def _build():
                 # the reference's deq(P2) * r). The last r is applied in the epilogue.
                 # fl32(r_prev / r) by two_level.div_rn: both in [2^-64, 1], the quotient normal
                 o_fac = Float32(cutlass.select_(i == 0, Float32(1.0), o_alpha * tl.div_rn(r_prev, r)))
-                if o_fac != Float32(1.0):
+                # tcgen05.ld/st are .sync.aligned: the whole warp takes the branch when any of
+                # its rows needs it (o_fac = 1 leaves a row exact), never part of it (PTX ISA
+                # 9.7.16.8.3/4). Found by the emulator (strict_aligned).
+                if cute.arch.vote_any_sync(o_fac != Float32(1.0)):
                     for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
                         src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
                         reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)

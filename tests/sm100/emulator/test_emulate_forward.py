@@ -58,48 +58,38 @@ def test_o_matches_the_reference(name, sk):
     assert len(mma) >= 4 * 4, len(mma)
 
 
-# Found by the emulator (2026-12-01): the two Direct-P kernels write LSE = (m + log2 l - log2 6)
-# ln 2 (LSE_SHIFT, fp4gen/lowering/sm100.py), the reference subtracts log2(DIRECT_P_GAIN[policy])
-# (2.9 fast, 5.0 accurate; fp4gen/numerics/directp.py): LSE differs by a constant 0.73 / 0.18 nats
-# while O agrees exactly.
-_LSE_SHIFT_DIFFERS = pytest.mark.xfail(
-    strict=True, reason="the sm100a template's LSE_SHIFT = log2 6 vs the reference's log2(DIRECT_P_GAIN)")
-
-
-@pytest.mark.parametrize("name,sk", [
-    pytest.param(n, k, marks=_LSE_SHIFT_DIFFERS) if n in ("fa4_fp4_d128", "fa4_nvmx_accurate_d128") else (n, k)
-    for n, k in CASES])
+# Found by the emulator (2026-12-01) and fixed: the two Direct-P kernels wrote LSE with log2 6
+# where the reference subtracts log2(DIRECT_P_GAIN[policy]) (off by 0.73 / 0.18 nats, O exact).
+@pytest.mark.parametrize("name,sk", CASES)
 def test_lse_matches_the_reference(name, sk):
     res = _emulate(name, sk)
     assert res.max_lse_err <= 1e-3, (name, res.max_lse_err)
 
 
-# Found by the emulator (2026-12-01): the FP8 kernel rescales O in TMEM under a per-row
-# condition (`if o_alpha < 1`), so the warp-collective tcgen05.ld/st.sync.aligned run with only
-# the rows whose max grew -- undefined on the hardware (PTX ISA 9.7.16.8.3/4: all threads of the
-# warp must execute the same instruction). The two-level kernel's `if o_fac != 1` has the same
-# shape, but o_fac = alpha * r_prev / r is exactly 1 for no row of random inputs, so it runs
-# converged here; test_two_level_rescale_stays_converged_on_a_repeated_key_tile makes it diverge.
-_DIVERGENT_RESCALE = pytest.mark.xfail(
-    strict=True, reason="O rescale: tcgen05.ld/st.sync.aligned under a per-row branch")
-
-
-@pytest.mark.parametrize("name,sk", [
-    pytest.param(n, k, marks=_DIVERGENT_RESCALE) if n == "fa4_nvfp8_d128" else (n, k)
-    for n, k in CASES])
+# Found by the emulator (2026-12-01) and fixed: the FP8 and two-level kernels rescaled O in
+# TMEM under a per-row condition, so the warp-collective tcgen05.ld/st.sync.aligned ran with only
+# the rows whose max grew -- undefined on the hardware (PTX ISA 9.7.16.8.3/4). The branch is now
+# taken by the whole warp when any row needs it (vote.any).
+@pytest.mark.parametrize("name,sk", CASES)
 def test_no_divergent_warp_collectives(name, sk):
     res = _emulate(name, sk)
     assert not res.notes, res.notes[:3]
 
 
-def test_strict_mode_raises_at_the_divergent_collective():
+def _per_lane_rescale(ptx: str) -> str:
+    """Planted fault: the O-rescale branch taken per row again (vote.any replaced by its operand)."""
+    return re.sub(r"vote\.sync\.any\.pred\s+(%p\d+),\s*(%p\d+),\s*-1;", r"mov.pred \1, \2;", ptx)
+
+
+def test_strict_mode_raises_at_a_divergent_collective():
+    """The defect the emulator found, planted back: strict mode stops at the partial-warp
+    tcgen05.ld/st, the lenient mode lists it."""
     from fp4gen.lowering.emulator.machine import EmulationError
 
-    res = _emulate("fa4_nvfp8_d128", 400)
-    if not res.notes:
-        pytest.skip("the kernel no longer has a divergent warp collective")
+    lenient = _emulate("fa4_nvfp8_d128", 400, ptx_mutation=_per_lane_rescale)
+    assert lenient.notes and "tcgen05" in lenient.notes[0], lenient.notes[:2]
     with pytest.raises(EmulationError, match=r"tcgen05\.(ld|st)\.sync\.aligned.*executed by \d+ of the warp's 32"):
-        _emulate("fa4_nvfp8_d128", 400, strict_aligned=True)
+        _emulate("fa4_nvfp8_d128", 400, strict_aligned=True, ptx_mutation=_per_lane_rescale)
 
 
 def test_trace_has_the_kernels_synchronisation():
@@ -269,7 +259,6 @@ def _repeated_key_tile():
     return q, k, v
 
 
-@pytest.mark.xfail(strict=True, reason="two-level O rescale: tcgen05.ld/st.sync.aligned under `if o_fac != 1`")
 def test_two_level_rescale_stays_converged_on_a_repeated_key_tile():
     res = _emulate("sage3_fp4_d128", 448, inputs=_repeated_key_tile())
     assert res.max_abs_err <= _tolerance(res)  # the numerics hold when the lanes act alone
