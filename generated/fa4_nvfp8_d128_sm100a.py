@@ -726,9 +726,12 @@ def _build():
 
             smem = utils.SmemAllocator()
             st = smem.allocate(Storage)
-            sQ = smem.allocate_tensor(F4, sQ_l.outer, 128, sQ_l.inner)
-            sK = smem.allocate_tensor(F4, sK_l.outer, 128, sK_l.inner)
-            sV = smem.allocate_tensor(PV_DTYPE, sV_l.outer, 128, sV_l.inner)
+            # swizzled MMA operands start on a 1024-byte boundary (a whole 128B-swizzle pattern):
+            # the SMEM descriptors carry base offset 0, which is right only there (PTX ISA
+            # 9.7.16.4.1, matrix descriptor "base offset"). Found by the emulator's TMA model.
+            sQ = smem.allocate_tensor(F4, sQ_l.outer, 1024, sQ_l.inner)
+            sK = smem.allocate_tensor(F4, sK_l.outer, 1024, sK_l.inner)
+            sV = smem.allocate_tensor(PV_DTYPE, sV_l.outer, 1024, sV_l.inner)
             sSFQ = smem.allocate_tensor(E4M3, sSFQ_l, 128)
             sSFK = smem.allocate_tensor(E4M3, sSFK_l, 128)
             sSFV = None
