@@ -14,6 +14,9 @@ backward), each compiled for sm_100a on the CPU:
   (``emulator/``: TMA, tcgen05 ld/st/cp/mma with block scales, mbarriers, every warp) over four
   KV tiles with a ragged tail; O and LSE must match the reference numerics, and no warp
   collective may run with part of a warp;
+* ``protocol`` (forwards): the emulated CTA's trace of barrier and async-memory events explored
+  under every interleaving the ISA allows (``protocol.py``): no deadlock, no race, no barrier
+  misuse, assuming in-order tensor-pipe issue (the S-column reuse FA4 also relies on; docs/sm100.md);
 * ``cute-warnings``: every warning of CuTe DSL's own checker (arrive counts, TMEM loads at a
   release or dealloc) is triaged in the template beside the code it names
   (``cute_warnings.py``; one extra compile per kernel).
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass
 class Check:
     kernel: str
     part: str  # forward | backward
-    check: str  # conformance | descriptors | registers | emulator | cute-warnings | skipped
+    check: str  # conformance | descriptors | registers | emulator | protocol | cute-warnings | skipped
     ok: bool
     detail: str  # one line: what was found, or every mismatch
     seconds: float = 0.0
@@ -83,6 +86,28 @@ def _emulator(kernel: str, source: str, art) -> tuple:
                  time.perf_counter() - t), res.trace
 
 
+def _protocol(kernel: str, trace) -> Check:
+    from . import protocol
+
+    t = time.perf_counter()
+    if trace is None:
+        return Check(kernel, "forward", "protocol", False, "no trace: the emulation did not finish")
+    rep = protocol.check_protocol(trace, in_order_tensor_pipe=True)
+    kinds = {}
+    for f in rep.findings:
+        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    head = (f"{trace.kv_tiles} KV tiles, {rep.states} states"
+            f"{'' if rep.exhaustive else ' (NOT exhaustive)'}, in-order tensor pipe assumed")
+    if rep.ok:
+        return Check(kernel, "forward", "protocol", True, head + ": no deadlock, race or barrier misuse",
+                     time.perf_counter() - t)
+    first = rep.findings[0] if rep.findings else None
+    found = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    return Check(kernel, "forward", "protocol", False,
+                 f"{head}: {found or 'search cut off'}" + (f"; first: {first.message}" if first else ""),
+                 time.perf_counter() - t)
+
+
 def _cute_warnings(kernel: str, part: str, source: str, backward: bool) -> Check:
     from . import cute_warnings
 
@@ -125,6 +150,7 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(Check(spec.name, "forward", "registers", ok, detail))
     emulated, trace = _emulator(spec.name, source, art)
     out.append(emulated)
+    out.append(_protocol(spec.name, trace))
     out.append(_cute_warnings(spec.name, "forward", source, backward=False))
     if spec.backward is None:
         return out
