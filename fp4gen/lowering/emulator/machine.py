@@ -1316,6 +1316,48 @@ class Machine:
                 self._record(w, T.Access(line, True, _spans(a[idx] & np.uint64(0xFFFFFFFF), n * vec)))
         return h
 
+    def _c_red(self, ins):
+        """``red{.sem}{.scope}{.global}.add{.v2,.v4}.{f32,u32,s32,u64}`` (PTX ISA 9.7.13.6 red):
+        an atomic read-modify-write with no result. Each active lane's update is applied one
+        after another in lane order (atomic per element: lanes that hit the same address all
+        count). ``.add.f32`` rounds to nearest even and flushes subnormal inputs and results to
+        sign-preserving zero (9.7.13.6); the vector forms (``.v4.f32``, sm_90, ``.global``
+        only) apply each element as its own atomic. The memory-order qualifiers (``.release``,
+        ``.relaxed``, scopes) order nothing here: one CTA runs at a time and its memory
+        operations take effect when executed."""
+        parts = ins.parts
+        space = self._space(parts)
+        if space not in ("global", "generic"):
+            raise NotImplementedError(f"red on .{space}")
+        if "add" not in parts:
+            raise NotImplementedError("red with an operation other than .add")
+        t = parts[-1]
+        if t not in ("f32", "u32", "s32", "u64"):
+            raise NotImplementedError(f"red.add.{t}")
+        dt = np.dtype(_DT[t])
+        vec = next((int(p[1:]) for p in parts if p in ("v2", "v4", "v8")), 1)
+        src = ins.operands[1]
+        srcs = list(src.items) if isinstance(src, P.Vec) else [src]
+        if len(srcs) != vec:
+            raise EmulationError(f"line {ins.line}: {len(srcs)} registers for .v{vec}")
+        rds = [self._reader(s, dt) for s in srcs]
+        addr = self._addr(ins.operands[0], space)
+        n = dt.itemsize
+
+        def h(w, m, full):
+            a = addr(w)
+            vals = [r(w) for r in rds]
+            for lane in np.nonzero(m)[0]:
+                for k in range(vec):
+                    at = np.array([a[lane] + np.uint64(k * n)], dtype=np.uint64)
+                    old = np.ascontiguousarray(self._mem_read(space, at, n, w, np.array([lane]))).view(dt)
+                    if t == "f32":
+                        new = _ftz(_ftz(old) + _ftz(np.array([vals[k][lane]], dtype=np.float32)))
+                    else:
+                        new = (old + np.array([vals[k][lane]], dtype=dt)).astype(dt)
+                    self._mem_write(space, at, new.view(np.uint8).reshape(1, n), w, np.array([lane]))
+        return h
+
     def _c_prefetch(self, ins):
         return lambda w, m, full: None  # a hint (PTX ISA prefetch): no architectural effect
 
