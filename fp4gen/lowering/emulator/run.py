@@ -96,15 +96,20 @@ def prime(source: str, ptx: str, mlir: str, cache: Path = CACHE) -> None:
     tmp.rmdir()
 
 
-def compiled(source: str, cache: Path = CACHE):
-    """(ptx, mlir) of a generated sm100a module, compiled once per source text."""
-    d = _cache_dir(source, cache)
+def _cache_key(source: str, backward: bool) -> str:
+    return source + "\0backward" if backward else source  # the backward kernel: its own entry
+
+
+def compiled(source: str, cache: Path = CACHE, backward: bool = False):
+    """(ptx, mlir) of a generated sm100a module (its forward, or with ``backward`` its bf16
+    backward kernel), compiled once per source text."""
+    d = _cache_dir(_cache_key(source, backward), cache)
     if (d / "kernel.ptx").exists() and (d / "kernel.mlir").exists():
         return (d / "kernel.ptx").read_text(), (d / "kernel.mlir").read_text()
     from fp4gen.lowering import conformance
 
-    a = conformance.compile_artifacts(source)
-    prime(source, a.ptx, a.mlir, cache)
+    a = conformance.compile_artifacts(source, backward=backward)
+    prime(_cache_key(source, backward), a.ptx, a.mlir, cache)
     return a.ptx, a.mlir
 
 
@@ -206,23 +211,41 @@ def _flat(x) -> list:
     return [x]
 
 
-def dynamic_values(typ: str, shape, stride) -> list:
-    """The values at the ``?`` positions of ``typ``'s layout (shape ones first, then strides),
-    taken from a static layout of the same structure."""
+def dynamic_fields(typ: str, shape, stride) -> list:
+    """``(value, bits)`` at the ``?`` positions of ``typ``'s layout (shape ones first, then
+    strides), taken from a static layout of the same structure; bits is 64 for a ``?{i64}``
+    entry (the backward's memref strides), else 32."""
     text = _layout_text(typ)
     sh_t, st_t = _split_layout(re.sub(r"\{div=\d+\}", "", text))
     vals = []
     for toks, real in ((_leaves(sh_t), _flat(shape)), (_leaves(st_t), _flat(stride))):
-        if "?" not in toks:
+        if not any(t.startswith("?") for t in toks):
             continue
         if len(toks) != len(real):
             raise ValueError(f"layout {text} does not match the static layout {shape}:{stride}")
         for t, v in zip(toks, real):
-            if t == "?":
-                vals.append(int(v))
+            if t.startswith("?"):
+                vals.append((int(v), 64 if "i64" in t else 32))
             elif "@" not in t and "/" not in t and int(t) != int(v):
                 raise ValueError(f"layout {text}: static {t} but the host layout has {v}")
     return vals
+
+
+def dynamic_values(typ: str, shape, stride) -> list:
+    """The values at the ``?`` positions of ``typ``'s layout (shape ones first, then strides)."""
+    return [v for v, _ in dynamic_fields(typ, shape, stride)]
+
+
+def pack_fields(fields, start: int = 0) -> bytes:
+    """The dynamic fields as a struct after ``start`` bytes (a memref's 8-byte pointer): each
+    field at its natural alignment (a 64-bit stride after three 32-bit extents starts at byte
+    24 of the 40-byte memref parameter)."""
+    out = bytearray()
+    for v, bits in fields:
+        n = bits // 8
+        pad = (-(start + len(out))) % n
+        out += bytes(pad) + struct.pack("<q" if bits == 64 else "<i", v)
+    return bytes(out)
 
 
 def _has_dynamic(typ: str) -> bool:
@@ -458,3 +481,270 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
                            schedule=schedule, seqlen_q=Sq, seqlen_k=Sk,
                            machine=mach if keep_machine else None,
                            notes=list(dict.fromkeys(mach.divergent_aligned)))
+
+
+# ----------------------------------------------------------------------------- the backward
+#
+# ``emulate_backward`` runs the generated sm100a backward (templates/sm100/bwd.py.j2) through the
+# module's own host code (``_BWD_HOST.backward``: LSE2 / D preprocessing, padding, dQ scaling,
+# dtypes) with the kernel launch replaced by ``BackwardLauncher``: every CTA of the grid
+# (ceil(Sk / 128) key tiles x H x B), one after another, into one emulated global memory, so
+# that the dQ accumulator collects every key tile's red.global.add. The CTAs of the hardware
+# run concurrently; the non-deterministic kernel's result depends on their order only through
+# the fp32 addition order of dQ.
+
+# kernel(...) argument name -> index of the host ``__call__`` argument it views (the order of
+# ``launch``'s args: q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk, dv)
+_BWD_HOST_ARGS = {"q": 0, "k": 1, "v": 2, "do": 3, "lse2": 4, "dsum": 5, "dq": 6, "turn": 7, "dk": 8, "dv": 9}
+_BWD_TMA = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "do"}
+_BWD_COORD = {"gQ_all": "q", "gK_all": "k", "gV_all": "v", "gdO_all": "do"}
+_BWD_MEMREF = {"mLSE2": "lse2", "mDsum": "dsum", "mdQacc": "dq", "mdQturn": "turn", "mdK": "dk", "mdV": "dv"}
+_TORCH_ELEM = {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}
+
+
+def backward_kernel_arg_names(source: str) -> list:
+    """Names of the backward ``kernel(self, ...)`` arguments (the one after ``_bwd_build``)."""
+    i = source.find("def _bwd_build(")
+    if i < 0:
+        raise ValueError("the module has no sm100a backward (_bwd_build)")
+    return kernel_arg_names(source[i:], pv_block_scaled=True)
+
+
+@dataclass
+class BackwardEmulationResult:
+    kernel: str
+    dq: "object"  # torch (B, Sq, H, D) bf16, what the module's backward returned
+    dk: "object"
+    dv: "object"
+    reference: tuple  # float64 (dq, dk, dv) of the exact gradient
+    errors: dict  # "dq"/"dk"/"dv" -> relative L2 error against the reference
+    ctas: int
+    traces: list  # one T.Trace per CTA, in launch order
+    seconds: float
+    instructions: int = 0
+    emulation_seconds: float = 0.0
+    schedule: str = "eager"
+    seqlen_q: int = 256
+    seqlen_k: int = 256
+    causal_offset: int = 0
+    notes: list = field(default_factory=list)
+
+
+# bf16 P^T / dS^T (the MMA operands) and bf16 outputs: the host tests' tile model of the same
+# algorithm reaches about 2.5e-3; a wrong diagonal or a lost key tile gives > 0.1
+BWD_TOLERANCE = 1e-2
+
+
+def rel_l2_error(x, ref) -> float:
+    """||x - ref|| / ||ref|| in float64 (a NaN is an infinite error)."""
+    x, ref = x.double(), ref.double()
+    d = float((x - ref).norm())
+    if math.isnan(d):
+        return math.inf
+    return d / max(float(ref.norm()), 1e-4 * math.sqrt(ref.numel()))
+
+
+def exact_backward(q, k, v, do, causal: bool, scale: float):
+    """float64 forward (o in bf16, lse fp32 natural log) and autograd's (dq, dk, dv); causal is
+    bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq)."""
+    import torch
+
+    f = torch.float64
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    Q, K, V = (x.to(f).detach().requires_grad_() for x in (q, k, v))
+    g = H // Hkv
+    s = torch.einsum("bqhd,bkhd->bhqk", Q, K.repeat_interleave(g, dim=2)) * scale
+    if causal:
+        hidden = torch.arange(Sk)[None, :] > torch.arange(Sq)[:, None] + (Sk - Sq)
+        s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    seen = torch.isfinite(lse)[..., None]
+    p = torch.where(seen, torch.exp(s - torch.where(seen, lse[..., None], torch.zeros_like(s))),
+                    torch.zeros_like(s))
+    o = torch.einsum("bhqk,bkhd->bqhd", p, V.repeat_interleave(g, dim=2))
+    (o * do.to(f)).sum().backward()
+    return o.detach().to(torch.bfloat16), lse.detach().float(), (Q.grad, K.grad, V.grad)
+
+
+class BackwardLauncher:
+    """Stands in for ``BackwardHost.launch``: builds the backward's ``.param`` bytes and runs
+    every CTA of its grid in the emulator, then writes dq_acc, dk and dv back into the host's
+    tensors."""
+
+    def __init__(self, source, module: P.Module, mlir: str, ptx_text: str, *, schedule="eager",
+                 strict_aligned=True, smem_fill=0, tmem_fill=0, ops=None, roles=None, kernel=""):
+        self.source, self.module, self.mlir, self.ptx_text = source, module, mlir, ptx_text
+        self.schedule, self.strict_aligned = schedule, strict_aligned
+        self.smem_fill, self.tmem_fill, self.ops = smem_fill, tmem_fill, ops
+        self.roles, self.kernel = roles or {}, kernel
+        self.traces, self.instructions, self.seconds, self.notes = [], 0, 0.0, []
+        self.causal_offset = None
+
+    def params(self, args, addresses, scale, causal_offset) -> tuple:
+        """(param bytes, tensor maps) for these host tensors at these global addresses."""
+        from . import tma
+
+        q, k = args[0], args[1]
+        B, Sq, H, D = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        # CuTe layouts (element strides) of the host tensors, compact as the host makes them
+        lay = {n: (tuple(args[i].shape), tuple(args[i].stride())) for n, i in _BWD_HOST_ARGS.items()}
+        # the kernel's (seq, d, head, batch) views of q, k, v, do (``__call__``'s mode [1, 3, 2, 0])
+        kview = {}
+        for n in ("q", "k", "v", "do"):
+            sh, st = lay[n]
+            kview[n] = ((sh[1], sh[3], sh[2], sh[0]), (st[1], st[3], st[2], st[0]))
+        sig = kernel_signature(self.mlir)
+        names = backward_kernel_arg_names(self.source)
+        if len(names) != len(sig):
+            raise ValueError(f"{len(names)} kernel(...) arguments but {len(sig)} in the compiled signature")
+        poff = M.param_offsets(self.module)
+        out = bytearray(max(poff[p.name] + p.size for p in self.module.params))
+        dyn = [(i, n, t) for (i, t), n in zip(sig, names)
+               if not (t.startswith(("!cute.layout", "!cute.composed_layout")) and not _has_dynamic(t))]
+        if len(dyn) != len(self.module.params):
+            raise ValueError(f"{len(dyn)} run-time kernel arguments but {len(self.module.params)} PTX params")
+        scalars = {"seqlen_q": ("<i", Sq), "seqlen_k": ("<i", Sk), "kv_group": ("<i", H // Hkv),
+                   "scale_log2": ("<f", float(np.float32(scale * math.log2(math.e)))),
+                   "softmax_scale": ("<f", float(np.float32(scale))), "causal_offset": ("<i", int(causal_offset))}
+        tma_params = set()
+        for (arg, name, typ), p in zip(dyn, self.module.params):
+            off = poff[p.name]
+            if typ.startswith("!cute.tiled_mma") or typ.startswith("!mma_"):
+                continue  # run-time fields (accumulate, negate) start as zero, as in the forward
+            if name in _BWD_TMA:
+                tma_params.add(p.index)
+                data = struct.pack("<Q", 0x7E3A_0000 + arg)  # opaque: the machine maps it to its param
+            elif name in _BWD_COORD:
+                data = pack_fields(dynamic_fields(typ, *kview[_BWD_COORD[name]]))
+            elif name in _BWD_MEMREF:
+                op = _BWD_MEMREF[name]
+                data = struct.pack("<Q", addresses[op]) + pack_fields(dynamic_fields(typ, *lay[op]), 8)
+            elif name in scalars:
+                data = struct.pack(*scalars[name])
+            else:
+                raise ValueError(f"backward kernel argument {name} ({typ[:60]}) has no emulator value")
+            if len(data) > p.size:
+                raise ValueError(f"argument {name}: {len(data)} bytes for the {p.size}-byte {p.name}")
+            out[off:off + len(data)] = data
+        gba = {_BWD_HOST_ARGS[n]: (addresses[n], *kview[n], _TORCH_ELEM[str(args[_BWD_HOST_ARGS[n]].dtype)[6:]])
+               for n in ("q", "k", "v", "do")}
+        tmaps = tma.tensor_maps(self.mlir, gba, self.ptx_text)
+        if tma_params - set(tmaps):
+            raise ValueError(f"tensor_maps gave no map for PTX params {sorted(tma_params - set(tmaps))}")
+        return bytes(out), tmaps
+
+    def __call__(self, args, softmax_scale, causal_offset, gqa):
+        import torch
+
+        from . import tensor
+
+        if gqa:
+            raise NotImplementedError("the emulated backward is the bf16 dK/dV variant (H == Hkv)")
+        self.causal_offset = int(causal_offset)
+        gmem = M.GlobalMemory()
+        addresses = {}
+        for n, i in _BWD_HOST_ARGS.items():
+            t = args[i].contiguous()
+            addresses[n] = gmem.alloc(t.view(-1).view(torch.uint8).numpy(), align=1024)
+        params, tmaps = self.params(args, addresses, softmax_scale, causal_offset)
+        B, Sq, H, D = args[0].shape
+        Sk = args[1].shape[1]
+        tile_n = 128  # BWD_TILE_N: the grid's x is ceil(Sk / tile_n) (``__call__``)
+        grid = (math.ceil(Sk / tile_n), H, B)
+        for z in range(grid[2]):
+            for y in range(grid[1]):
+                for x in range(grid[0]):
+                    tr = T.Trace(kernel=self.kernel, kv_tiles=0, roles=self.roles)
+                    mach = M.Machine(self.module, smem=tensor.SharedMemory(fill=self.smem_fill),
+                                     tmem=tensor.TensorMemory(fill=self.tmem_fill), gmem=gmem, params=params,
+                                     ctaid=(x, y, z), nctaid=grid, schedule=self.schedule, tensor_maps=tmaps,
+                                     ops=self.ops, trace=tr, strict_aligned=self.strict_aligned)
+                    mach.run()
+                    self.traces.append(tr)
+                    self.instructions += mach.instructions
+                    self.seconds += mach.seconds
+                    self.notes += [f"CTA {(x, y, z)}: {n}" for n in dict.fromkeys(mach.divergent_aligned)]
+        for n in ("dq", "dk", "dv"):
+            t = args[_BWD_HOST_ARGS[n]]
+            raw = gmem.read(addresses[n], t.numel() * t.element_size())
+            t.copy_(torch.frombuffer(bytearray(raw), dtype=t.dtype).view(t.shape))
+        self.ctas = grid[0] * grid[1] * grid[2]
+
+
+def make_backward_inputs(seqlen_q, seqlen_k, seed, heads=1, batch=1, head_dim=128):
+    """bf16 q, k, v, do (B, S, H, D): normal, seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, s, heads, head_dim, generator=g).to(torch.bfloat16)
+                 for s in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+
+
+def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 256, seed: int = 0,
+                     schedule: str = "eager", ptx_mutation: Optional[Callable[[str], str]] = None,
+                     strict_aligned: bool = True, heads: int = 1, batch: int = 1, inputs=None,
+                     softmax_scale=None, causal_offset_error: int = 0, smem_fill: int = 0,
+                     tmem_fill: int = 0, ops=None, cache: Path = CACHE) -> BackwardEmulationResult:
+    """Emulate the generated sm100a backward of ``module_source`` on every CTA of its grid and
+    compare dq, dk, dv with the exact float64 gradient (``exact_backward``).
+
+    The module's own ``backward`` runs on CPU tensors (its device and TMA-alignment checks
+    skipped) with ``BackwardLauncher`` as the launch. ``ptx_mutation``: text -> text applied to
+    the compiled backward PTX (planted faults); ``causal_offset_error`` is added to the causal
+    offset the host passes (a planted host fault). ``inputs``: (q, k, v, do) bf16.
+    """
+    import contextlib
+    from unittest import mock
+
+    from fp4gen.runtime import checks
+
+    t0 = time.time()
+    mod = _load_module(module_source)
+    ptx_text, mlir = compiled(module_source, cache, backward=True)
+    if ptx_mutation is not None:
+        new = ptx_mutation(ptx_text)
+        if new == ptx_text:
+            raise ValueError("the PTX mutation changed nothing")
+        ptx_text = new
+    module = P.parse(ptx_text)
+    if inputs is None:
+        inputs = make_backward_inputs(seqlen_q, seqlen_k, seed, heads, batch, mod.BWD_HEAD_DIM)
+    q, k, v, do = inputs
+    scale = mod.SOFTMAX_SCALE if softmax_scale is None else softmax_scale
+    o, lse, ref = exact_backward(q, k, v, do, mod.BWD_CAUSAL, scale)
+    roles = {}
+    try:
+        import json
+
+        w = 0
+        for r in json.loads(mod.PLAN_JSON)["backward"]["roles"]:
+            for _ in range(int(r["warps"])):
+                roles[w], w = r["name"], w + 1
+    except (KeyError, TypeError, ValueError):
+        pass
+    launcher = BackwardLauncher(module_source, module, mlir, ptx_text, schedule=schedule,
+                                strict_aligned=strict_aligned, smem_fill=smem_fill, tmem_fill=tmem_fill,
+                                ops=ops, roles=roles, kernel=mod.KERNEL_NAME + ".backward")
+
+    def launch(args, s, off, gqa):
+        return launcher(args, s, off + causal_offset_error, gqa)
+
+    orig_check = checks.check_backward
+
+    def check_backward_cpu(*a, **kw):  # CPU tensors: no device or TMA-alignment requirement
+        kw.update(device_type=None, tma=False)
+        return orig_check(*a, **kw)
+
+    with contextlib.ExitStack() as es:
+        es.enter_context(mock.patch.object(checks, "check_backward", check_backward_cpu))
+        es.enter_context(mock.patch.object(checks, "require_arch", lambda *a, **kw: None))
+        dq, dk, dv = mod._BWD_HOST.backward(q, k, v, o, lse, do, softmax_scale=softmax_scale,
+                                            launch=launch)
+    errors = {n: rel_l2_error(x, r) for n, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref)}
+    return BackwardEmulationResult(kernel=mod.KERNEL_NAME, dq=dq, dk=dk, dv=dv, reference=ref, errors=errors,
+                                   ctas=launcher.ctas, traces=launcher.traces, seconds=time.time() - t0,
+                                   instructions=launcher.instructions, emulation_seconds=launcher.seconds,
+                                   schedule=schedule, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                                   causal_offset=launcher.causal_offset, notes=list(dict.fromkeys(launcher.notes)))
