@@ -1775,8 +1775,8 @@ class Machine:
             sfb_rd = self._reader(rest[1].base, np.uint32)
             sfa_off, sfb_off = rest[0].offset, rest[1].offset
             rest = rest[2:]
-        # optional disable-output-lane vector before enable-input-d (9.7.16.10.9.1): only an
-        # all-zero mask (no lane disabled) is emulated, checked at run time
+        # optional disable-output-lane vector before enable-input-d (9.7.16.10.9.1: 4 x 32 bits
+        # for cta_group::1, bit i disables D's lane i); handed to the MMA when present
         dis_rds = []
         if rest and isinstance(rest[0], P.Vec):
             dis_rds = [self._reader(x, np.uint32) for x in rest[0].items]
@@ -1789,10 +1789,7 @@ class Machine:
             d, a, b, i_, e = d_rd(w), a_rd(w), b_rd(w), i_rd(w), e_rd(w)
             sa = sfa_rd(w) if sfa_rd else None
             sb = sfb_rd(w) if sfb_rd else None
-            for r in dis_rds:
-                if (r(w)[m] != 0).any():
-                    raise EmulationError(f"warp {w.idx}, line {line}: tcgen05.mma with output lanes "
-                                         f"disabled is not emulated")
+            dis = [r(w) for r in dis_rds]
             for j in np.nonzero(m)[0]:
                 kw = dict(kind=kind_full, modifiers=mods, d_taddr=int(d[j]) + d_off,
                           a=int(a[j]) + a_off, a_in_tmem=a_in_tmem, b_desc=int(b[j]),
@@ -1800,6 +1797,8 @@ class Machine:
                 if block_scaled:
                     kw["scale_a_taddr"] = int(sa[j]) + sfa_off
                     kw["scale_b_taddr"] = int(sb[j]) + sfb_off
+                if dis and any(int(x[j]) for x in dis):  # an all-zero mask: the plain form
+                    kw["disable_output_lane"] = tuple(int(x[j]) for x in dis)
 
                 def run(kw=kw):
                     return self.ops.mma(self.tmem, self.smem, **kw)

@@ -136,3 +136,22 @@ def test_wrong_host_causal_offset_is_caught():
     """The host's offset one key tile off (the kernel unchanged): every gradient is wrong."""
     res = _emulate(256, 256, causal_offset_error=128)
     assert min(res.errors.values()) > 10 * _tol(), res.errors
+
+
+def _disable_dv_lanes(ptx: str) -> str:
+    """Planted fault: the first dV MMA of each query tile (A = P^T from TMEM) with D's lanes
+    0-31 disabled (element 0 of its {disable-output-lane} vector all ones, ISA 9.7.16.10.9.1)."""
+    m = re.search(r"\n(\s*)tcgen05\.mma\.[^\n]*\[%r\d+\], \[%r\d+\], [^\n]*\{(%r\d+),", ptx)
+    assert m, "no tcgen05.mma with A in TMEM and a disable-output-lane vector"
+    return ptx[:m.start()] + f"\n{m.group(1)}mov.b32 \t{m.group(2)}, -1;" + ptx[m.start():]
+
+
+def test_disabled_output_lanes_reach_the_mma():
+    """The kernel's masks are all zero (the matching runs above); a nonzero one is honoured:
+    keys 0-31 of each CTA lose a K slice of dV, the other keys and dK/dQ are untouched."""
+    res = _emulate(256, 256, _disable_dv_lanes)
+    assert res.errors["dv"] > _tol() and res.errors["dk"] < _tol() and res.errors["dq"] < _tol(), res.errors
+    from fp4gen.lowering.emulator.run import rel_l2_error
+
+    rest = [slice(32, 128), slice(160, 256)]
+    assert all(rel_l2_error(res.dv[:, s], res.reference[2][:, s]) < _tol() for s in rest)
