@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional
 from .plan import KernelPlan
 from .spec import (
     Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Mask, OperandFormat, PKind,
-    PProduction, PPublish, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest,
+    PProduction, PPublish, PSource, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest,
 )
 
 SPEC_SCHEMA = 1
@@ -80,6 +80,8 @@ def spec_to_dict(spec: KernelSpec, *, with_source: bool = True) -> dict[str, Any
             "p_publish": s.p_publish.value, "kv_stages": s.kv_stages,
             "tmem_regions": None if s.tmem_regions is None else
             [[r.name, r.first_col, r.last_col] for r in s.tmem_regions],
+            # written only when not the default, so that the dumps of every tmem spec keep their bytes
+            **({"p_source": s.p_source.value} if s.p_source is not PSource.TMEM else {}),
         },
         "backward": None if spec.backward is None else {
             "reuse": sorted(spec.backward.reuse),
@@ -119,7 +121,7 @@ def spec_from_dict(d: Mapping[str, Any]) -> KernelSpec:
         guard=Guard(GuardKind(g["kind"]), g["m"], g["l"]),
         schedule=Schedule(tile_m=s["tile_m"], tile_n=s["tile_n"], q_stages=s["q_stages"],
                           p_publish=PPublish(s["p_publish"]), tmem_regions=regions,
-                          kv_stages=s["kv_stages"]),
+                          kv_stages=s["kv_stages"], p_source=PSource(s.get("p_source", "tmem"))),
         backward=bw,
         locs=MappingProxyType({k: SourceLoc(*v) for k, v in d.get("locs", {}).items()}),
         source_file=d["source_file"],
@@ -179,7 +181,8 @@ def _spec_view(s: KernelSpec) -> dict:
         "schedule": {"tile_m": sch.tile_m, "tile_n": sch.tile_n, "q_stages": sch.q_stages,
                      "kv_stages": sch.kv_stages, "p_publish": sch.p_publish.value,
                      "tmem": "auto" if sch.tmem_regions is None else
-                     [{"name": r.name, "first_col": r.first_col, "last_col": r.last_col} for r in sch.tmem_regions]},
+                     [{"name": r.name, "first_col": r.first_col, "last_col": r.last_col} for r in sch.tmem_regions],
+                     **({"p_source": sch.p_source.value} if sch.p_source is not PSource.TMEM else {})},
         "backward": None if s.backward is None else {
             "reuse": sorted(s.backward.reuse),
             "formats": {g: str(s.backward.format_of(g)) for g in ("dO", "dS", "dP", "dQ", "dK", "dV")},

@@ -157,6 +157,13 @@ class PPublish(str, Enum):
     HALVES = "halves"
 
 
+class PSource(str, Enum):
+    """Where the sm100a PV MMA reads P (its A operand) from."""
+
+    TMEM = "tmem"  # tcgen05.mma with A in TMEM (P inside its stage's S columns)
+    SMEM = "smem"  # the SS form: P's codes in an SMEM tile, A through a matrix descriptor
+
+
 @dataclass(frozen=True)
 class TmemRegionRequest:
     """An explicit TMEM region from `tmem { NAME cols A..B }` (inclusive)."""
@@ -175,6 +182,7 @@ class Schedule:
     # None = automatic; otherwise the explicit regions, checked by the planner
     tmem_regions: Optional[tuple[TmemRegionRequest, ...]] = None
     kv_stages: Optional[int] = None  # None = planner decides
+    p_source: PSource = PSource.TMEM
 
 
 # ---- bounds of the numeric fields ----------------------------------------------------------

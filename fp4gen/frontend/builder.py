@@ -20,7 +20,7 @@ from fp4gen.ir.spec import (
     BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, FORWARD_OPERANDS, FP8_TOKEN_BLOCKS,
     GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTMAX_SCALE_RANGE, TILE_RANGE,
     Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Mask, OperandFormat, PKind, PProduction,
-    PPublish, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest, bound_text, default_operand_format,
+    PPublish, PSource, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest, bound_text, default_operand_format,
 )
 
 from .diagnostics import Diagnostic, Note, did_you_mean, one_of
@@ -31,12 +31,13 @@ MASKS = tuple(m.value for m in Mask)
 P_KINDS = tuple(k.value for k in PKind)
 POLICIES = tuple(p.value for p in DirectPPolicy)
 PUBLISH = tuple(p.value for p in PPublish)
+P_SOURCES = tuple(p.value for p in PSource)
 GUARDS = tuple(g.value for g in GuardKind)
 # words accepted by `scale=` inside a format's parentheses
 SCALE_WORDS = ("tensor", "token", "none", "fp32", "e8m0", "e4m3")
 
 KERNEL_KEYWORDS = ("target", "head_dim", "mask", "scale", "guard", "schedule", "backward")
-SCHEDULE_KEYWORDS = ("tile", "q_stages", "kv_stages", "p_publish", "tmem")
+SCHEDULE_KEYWORDS = ("tile", "q_stages", "kv_stages", "p_publish", "p_source", "tmem")
 BACKWARD_KEYWORDS = ("reuse", "deterministic")
 BLOCK_HOME = {**{k: "schedule" for k in SCHEDULE_KEYWORDS}, **{k: "backward" for k in BACKWARD_KEYWORDS}}
 
@@ -540,6 +541,13 @@ class KernelBuilder:
                     if v is not None:
                         kw["p_publish"] = PPublish(v)
                         self.locs["schedule.p_publish"] = self.err.loc(tok)
+            elif kind == "p_source_stmt":
+                if self.first_time("schedule.p_source", st, "p_source"):
+                    (tok,) = st.children
+                    v = self.word(tok, P_SOURCES, "p_source value")
+                    if v is not None:
+                        kw["p_source"] = PSource(v)
+                        self.locs["schedule.p_source"] = self.err.loc(tok)
             elif kind == "tmem_auto_stmt":
                 if self.first_time("schedule.tmem", st, "tmem"):
                     (tok,) = st.children
