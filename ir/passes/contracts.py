@@ -37,7 +37,8 @@ def _sm100(spec: KernelSpec, plan: KernelPlan) -> tuple[OperandContract, ...]:
     for name, rows, k, mma, major, storage in (
         ("Q", s.tile_m, d, qk, qk.a_major, "smem (TMA, once per Q tile)"),
         ("K", s.tile_n, d, qk, qk.b_major, "smem (TMA ring)"),
-        ("P", s.tile_m, s.tile_n, pv, pv.a_major, "tmem (inside its stage's S columns)"),
+        ("P", s.tile_m, s.tile_n, pv, pv.a_major, "tmem (inside its stage's S columns)" if pv.a_source == "tmem"
+         else "smem (one swizzled K-major tile per query stage, written by the softmax warps)"),
         ("V", d, s.tile_n, pv, pv.b_major, "smem (TMA ring)"),
     ):
         f = spec.operand(name)

@@ -32,6 +32,12 @@ def _sm100_events(plan: KernelPlan) -> tuple[Event, ...]:
     halves = plan.publish.mode == "halves"
     qk_sf = plan.mma_choice("QK").block_scaled
     pv_sf = plan.mma_choice("PV").block_scaled
+    # p_source smem: P is an SMEM tile, not a TMEM region; its accesses are not TMEM accesses
+    p_tmem = plan.mma_choice("PV").a_source == "tmem"
+
+    def p_acc(s: int, part: int = 0) -> tuple:
+        return (Access(f"P{s}", part),) if p_tmem else ()
+
     last = q - 1
     ev: list[Event] = [
         Event("LOAD_K", "load", None, (BarrierRef("K_empty", -kv),), ("K_full",), cost="load_k",
@@ -50,17 +56,17 @@ def _sm100_events(plan: KernelPlan) -> tuple[Event, ...]:
         if halves:
             ev.append(Event("PV_1", "mma", s, (BarrierRef(f"P_half1[{s}]"), BarrierRef(f"O_rescaled[{s}]"),
                                                BarrierRef("V_full")), (),
-                            reads=(Access(f"P{s}", 1), Access(f"O{s}")) + pv_reads, writes=(Access(f"O{s}"),),
+                            reads=p_acc(s, 1) + (Access(f"O{s}"),) + pv_reads, writes=(Access(f"O{s}"),),
                             dj=-1, cost="pv_half", what="PV on the first half of the keys"))
             ev.append(Event("PV_2", "mma", s, (BarrierRef(f"P_full[{s}]"),),
                             (f"O_done[{s}]", f"S_free[{s}]") + (("V_empty",) if s == last else ()),
-                            reads=(Access(f"P{s}", 2), Access(f"O{s}")) + pv_reads, writes=(Access(f"O{s}"),),
+                            reads=p_acc(s, 2) + (Access(f"O{s}"),) + pv_reads, writes=(Access(f"O{s}"),),
                             dj=-1, cost="pv_half", what="PV on the second half; commit frees S and V"))
         else:
             ev.append(Event("PV", "mma", s, (BarrierRef(f"P_full[{s}]"), BarrierRef(f"O_rescaled[{s}]"),
                                              BarrierRef("V_full")),
                             (f"O_done[{s}]", f"S_free[{s}]") + (("V_empty",) if s == last else ()),
-                            reads=(Access(f"P{s}"), Access(f"O{s}")) + pv_reads, writes=(Access(f"O{s}"),),
+                            reads=p_acc(s) + (Access(f"O{s}"),) + pv_reads, writes=(Access(f"O{s}"),),
                             dj=-1, cost="pv", what="PV on the whole P; commit frees S and V"))
         if qk_sf:
             waits = [BarrierRef("K_full")]
@@ -87,12 +93,12 @@ def _sm100_events(plan: KernelPlan) -> tuple[Event, ...]:
                               else "exp2 + convert") + ", row sum"))
         psf = (Access(f"SFP{s}"),) if pv_sf else ()
         if halves:
-            ev.append(Event("PUBLISH_P1", r, s, (), (f"P_half1[{s}]",), writes=(Access(f"P{s}", 1),) + psf,
+            ev.append(Event("PUBLISH_P1", r, s, (), (f"P_half1[{s}]",), writes=p_acc(s, 1) + psf,
                             cost="publish_half", what="tcgen05.st P keys of the first half (+ all block scales), fence"))
-            ev.append(Event("PUBLISH_P2", r, s, (), (f"P_full[{s}]",), writes=(Access(f"P{s}", 2),),
+            ev.append(Event("PUBLISH_P2", r, s, (), (f"P_full[{s}]",), writes=p_acc(s, 2),
                             cost="publish_half", what="tcgen05.st P keys of the second half, fence"))
         else:
-            ev.append(Event("PUBLISH_P", r, s, (), (f"P_full[{s}]",), writes=(Access(f"P{s}"),) + psf,
+            ev.append(Event("PUBLISH_P", r, s, (), (f"P_full[{s}]",), writes=p_acc(s) + psf,
                             cost="publish", what="tcgen05.st all of P (+ block scales), fence"))
     for s in range(q):
         ev.append(Event("RESCALE_O", "correction", s, (BarrierRef(f"rowmax[{s}]"), BarrierRef(f"O_done[{s}]", -1)),

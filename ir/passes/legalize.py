@@ -20,7 +20,7 @@ from typing import Optional
 from ..plan import KernelPlan, MmaChoice, PlanError
 from ..spec import (
     BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, HEAD_DIM_RANGE, Format, GuardKind, KernelSpec, OperandFormat, PKind,
-    ScaleGranularity, Target,
+    PSource, ScaleGranularity, Target,
 )
 
 # Dense tensor-core throughput per SM per clock (FLOP = 2 per multiply-add).
@@ -224,6 +224,9 @@ def _check_shape(spec: KernelSpec) -> None:
             raise PlanError(f"q_stages {s.q_stages} with tile_m {s.tile_m}: on sm90a the query stages are the "
                             f"{wgs} consumer warpgroup(s) of 64 rows", spec.loc("schedule.q_stages"),
                             [f"write q_stages {wgs} or drop it"])
+    if s.p_source is PSource.SMEM and t is Target.SM90A:
+        raise PlanError("p_source smem: sm90a keeps P in the consumer's registers (the wgmma A operand)",
+                        _loc(spec, "schedule.p_source", "schedule"), ["drop p_source (it chooses the sm100a PV form)"])
     if s.tmem_regions is not None and t is not Target.SM100A:
         raise PlanError(f"{t.value} has no tensor memory; drop the tmem block", _loc(spec, "schedule.tmem", "schedule"))
 
@@ -238,8 +241,9 @@ def _sources(spec: KernelSpec, name: str, a: OperandFormat, b: OperandFormat) ->
     if t is Target.SM90A:
         # wgmma fp8 reads both operands K-major: V (keys x D) must be stored D x keys.
         return "registers", "smem", "K-major", "K-major" if b.format.is_fp8 else "MN-major"
-    # sm100a: P from TMEM; packed fp4 V is K-major only (assumption recorded in docs/plan.md)
-    return "tmem", "smem", "K-major", "K-major" if b.format.is_fp4 else "MN-major"
+    # sm100a: P from TMEM (the TS form) or, with `p_source smem`, from an SMEM tile through a
+    # matrix descriptor (the SS form); packed fp4 V is K-major only (assumption recorded in docs/plan.md)
+    return spec.schedule.p_source.value, "smem", "K-major", "K-major" if b.format.is_fp4 else "MN-major"
 
 
 def legalize(spec: KernelSpec) -> KernelPlan:

@@ -55,6 +55,10 @@ def _sm100(plan: KernelPlan) -> PipelinePlan:
         if pv.block_scaled:
             items.append(SmemItem("SFV", kv * sf_atoms(d, n, pv.sf_block) * SF_ATOM_BYTES,
                                   "scale-factor atoms staged for tcgen05.cp"))
+        if pv.a_source == "smem":
+            # p_source smem: one P tile per query stage, the A operand of the SS PV MMA
+            items.append(SmemItem("P", q * _bytes(m, n, spec.p.format.bits),
+                                  f"{q} x {m}x{n} {spec.p.format.value} (PV's A operand, K-major, swizzled)"))
         if not o_in_q:
             items.append(SmemItem("O", q * _bytes(m, d, spec.o.format.bits), f"{q} x {m}x{d} {spec.o.format.value} (epilogue staging)"))
         nbar = 4 * kv + 8 * q + 2

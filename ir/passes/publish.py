@@ -24,14 +24,19 @@ def plan_publish(plan: KernelPlan) -> KernelPlan:
     scaled = sm100 and plan.mma_choice("PV").block_scaled
     p_cols = n * bits // 32
     notes = []
-    if sm100:
+    p_tmem = sm100 and plan.mma_choice("PV").a_source == "tmem"
+    if p_tmem:
         notes.append("fence the tcgen05.st of P (fence_view_async_tmem_store) before arriving on the barrier")
+    elif sm100:
+        # p_source smem: generic-proxy st.shared read by the async proxy (PTX ISA 9.7.13.4, fence.proxy)
+        notes.append("p_source smem: P's codes go to SMEM by st.shared; fence.proxy.async.shared::cta before "
+                     "arriving on the barrier, so that the MMA (async proxy) sees them")
     if spec.schedule.p_publish is PPublish.HALVES and sm100:
         h = n // 2
         parts = (
-            PublishPart(1, (0, h - 1), (0, p_cols // 2 - 1), scaled, "P_half1",
+            PublishPart(1, (0, h - 1), (0, p_cols // 2 - 1) if p_tmem else None, scaled, "P_half1",
                         f"PV MMA on keys 0..{h - 1} (its first K steps)"),
-            PublishPart(2, (h, n - 1), (p_cols // 2, p_cols - 1), False, "P_full",
+            PublishPart(2, (h, n - 1), (p_cols // 2, p_cols - 1) if p_tmem else None, False, "P_full",
                         f"PV MMA on keys {h}..{n - 1}; after it the stage's S is free"),
         )
         s_free = "PV has consumed both halves of P (in-order tensor pipe after PV part 2)"
@@ -39,7 +44,7 @@ def plan_publish(plan: KernelPlan) -> KernelPlan:
         if spec.schedule.p_publish is PPublish.HALVES and not sm100:
             notes.append("sm90a: P stays in the consumer's registers (wgmma A operand); halves do not apply, "
                          "P is handed over whole")
-        parts = (PublishPart(1, (0, n - 1), (0, p_cols - 1) if sm100 else None, scaled, "P_full",
+        parts = (PublishPart(1, (0, n - 1), (0, p_cols - 1) if p_tmem else None, scaled, "P_full",
                              "the whole PV MMA; after it the stage's S is free"),)
         s_free = ("PV has consumed P (in-order tensor pipe after PV)" if sm100
                   else "the PV wgmma has read P from the consumer's registers (wgmma.wait_group)")

@@ -8,7 +8,8 @@ q_stages=2, tile_n=d=128):
 Inside each S_s, after the softmax warps have drained the scores into registers:
 
     [0, ..)         SFQ/SFK of the *other* stage's next QK^T (block-scaled QK only)
-    [n/2, ..)       P_s: E2M1 codes (n*4/32 columns), fp8 (n*8/32) or bf16 (n*16/32)
+    [n/2, ..)       P_s: E2M1 codes (n*4/32 columns), fp8 (n*8/32) or bf16 (n*16/32);
+                    absent with `p_source smem` (P is then an SMEM tile, pipeline.py)
     after P_s       SFP_s: P's block scales (block-scaled PV only)
     after SFP_s     SFV_s: V's block scales for this stage's PV (block-scaled PV only)
 
@@ -111,7 +112,8 @@ def plan_tmem(plan: KernelPlan) -> KernelPlan:
     sfv_cols = sf_atoms(d, n, pv.sf_block) * SF_ATOM_COLS if pv.block_scaled else 0
     sfq_cols = sf_atoms(sch.tile_m, d, qk.sf_block) * SF_ATOM_COLS if qk.block_scaled else 0
     sfk_cols = sf_atoms(n, d, qk.sf_block) * SF_ATOM_COLS if qk.block_scaled else 0
-    upper = p_cols + sfp_cols + sfv_cols
+    p_in_tmem = pv.a_source == "tmem"  # p_source smem: P lives in SMEM, only its scales come here
+    upper = (p_cols if p_in_tmem else 0) + sfp_cols + sfv_cols
     if upper > n // 2:
         raise PlanError(f"P ({p_cols} columns) and its scales ({sfp_cols + sfv_cols}) do not fit in the upper half "
                         f"of a {n}-column S region", spec.loc("P"), ["use a larger tile_n or a narrower P"])
@@ -120,10 +122,11 @@ def plan_tmem(plan: KernelPlan) -> KernelPlan:
     for s in range(q):
         base = s_base[s]
         col = base + n // 2
-        a, b, x = place(f"P{s}", col, p_cols)
-        regions.append(TmemRegion(f"P{s}", a, b, *lanes, p_dtype, f"P of stage {s}, the PV MMA's A operand", s,
-                                  LiveInterval(ev(first_pub, s), ev(last_pv, s)), f"S{s}", x))
-        col += p_cols
+        if p_in_tmem:
+            a, b, x = place(f"P{s}", col, p_cols)
+            regions.append(TmemRegion(f"P{s}", a, b, *lanes, p_dtype, f"P of stage {s}, the PV MMA's A operand", s,
+                                      LiveInterval(ev(first_pub, s), ev(last_pv, s)), f"S{s}", x))
+            col += p_cols
         if pv.block_scaled:
             a, b, x = place(f"SFP{s}", col, sfp_cols)
             regions.append(TmemRegion(f"SFP{s}", a, b, *lanes, f"{pv.sf_dtype} x4 per column (32x4x4 atom)",
@@ -134,6 +137,9 @@ def plan_tmem(plan: KernelPlan) -> KernelPlan:
             regions.append(TmemRegion(f"SFV{s}", a, b, *lanes, f"{pv.sf_dtype} x4 per column (32x4x4 atom)",
                                       f"V's block scales for PV of stage {s} (tcgen05.cp from smem)", s,
                                       LiveInterval(ev("CP_SFV", s), ev(last_pv, s)), f"S{s}", x))
+    if not p_in_tmem:
+        notes.append("p_source smem: P's codes are the PV MMA's A operand in SMEM (no P region); "
+                     "its scales still come to TMEM")
     if qk.block_scaled:
         for s in range(q):
             if q == 2:
