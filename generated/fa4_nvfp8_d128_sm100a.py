@@ -1141,6 +1141,7 @@ def _build():
                                 o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
                                 reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
                                 cute.copy(thr_old, o_src, reg)
+                                cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
                                 for e in cutlass.range_constexpr(32):
                                     reg[e] = reg[e] * o_alpha
                                 cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
@@ -1181,13 +1182,17 @@ def _build():
                 cute.composition(tOtO.layout, cute.make_layout((TILE_M, HEAD_DIM))), (None, 32)))
             thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
             row = (m_block * Q_STAGES + j) * TILE_M + t
-            if row < seqlen_q:
-                for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
-                    src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                    reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                    cute.copy(thr_old, src, reg)
+            # every lane loads (tcgen05.ld is .sync.aligned: a ragged last tile must not split the
+            # warp) and waits for the registers; only rows inside the sequence are stored
+            for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
+                src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
+                reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
+                cute.copy(thr_old, src, reg)
+                cute.arch.fence_view_async_tmem_load()
+                if row < seqlen_q:
                     for e in cutlass.range_constexpr(32):
                         mO[row, cchunk * 32 + e, bh] = (reg[e] * inv).to(mO.element_type)
+            if row < seqlen_q:
                 lse2 = m + cute.math.log2(l, fastmath=True) - Float32(LSE_SHIFT)
                 mLSE[row, bh] = Float32(cutlass.select_(l > Float32(0.0), lse2 * Float32(math.log(2.0)), -Float32.inf))
             ho.release()

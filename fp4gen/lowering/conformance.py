@@ -10,7 +10,8 @@ No Blackwell GPU is needed: the generated module is compiled for sm_100a on the 
   consumer's operands back to that offset, so it knows which columns the QK^T and
   PV MMAs accumulate into, where P is read from, where the scale factors are set
   and copied to, and where P is stored;
-* the PTX: MMA kinds, ``ex2`` count, mbarrier count, the width of the P stores.
+* the PTX: MMA kinds, ``ex2`` count, mbarrier count, the width of the P stores (with
+  ``p_source smem``: P's st.shared stores per publish part, each proxy-fenced before its arrive).
 
 ``check_conformance(plan, artifacts) -> list[Mismatch]`` (empty = conforming).
 ``compile_artifacts(source)`` produces the artifacts from a generated module's
@@ -198,6 +199,7 @@ class _Facts:
     qk_acc: set = field(default_factory=set)
     pv_acc: set = field(default_factory=set)
     pv_a: set = field(default_factory=set)
+    pv_a_types: set = field(default_factory=set)  # what the PV gemms' A operands are (TMEM / SMEM desc)
     sf: dict = field(default_factory=lambda: {"qk_sf_a": set(), "qk_sf_b": set(), "pv_sf_a": set(), "pv_sf_b": set()})
     s2t_dst: set = field(default_factory=set)
     tmem_st: set = field(default_factory=set)
@@ -231,11 +233,18 @@ def _use(op: _Op, i: int) -> set:
     return _offsets(_def(op, i))
 
 
-def mlir_facts(mlir_text: str) -> _Facts:
+def mlir_facts(mlir_text: str, pv_atom: Optional[str] = None) -> _Facts:
+    """``pv_atom``: with P in SMEM (p_source smem) both products read A from SMEM, so the PV
+    gemm is the one whose tiled-MMA type contains this text; None: the gemm with A in TMEM."""
     ops, aliases = _split_ops(mlir_text)
 
     def expand(t: str) -> str:
         return aliases.get(t, t)
+
+    def is_pv(types: list) -> bool:
+        if pv_atom is not None:
+            return bool(types) and pv_atom in expand(types[0])
+        return len(types) >= 3 and "tmem" in expand(types[2])  # P from TMEM: the PV product
 
     facts = _Facts()
     qk_atoms, pv_atoms = set(), set()
@@ -246,8 +255,9 @@ def mlir_facts(mlir_text: str) -> _Facts:
             facts.alloc_columns.append(int(m.group(1)) if m else "dynamic")
         elif op.name == "cute.gemm":
             types = op.sig_types()
-            if len(types) >= 3 and "tmem" in expand(types[2]):  # P from TMEM: the PV product
+            if is_pv(types):
                 pv_atoms.add(types[0])
+                facts.pv_a_types.add(expand(types[2]).split("<", 1)[0] if len(types) >= 3 else "")
                 facts.pv_acc |= _use(op, 1)
                 facts.pv_a |= _use(op, 2)
             else:
@@ -281,7 +291,7 @@ def mlir_facts(mlir_text: str) -> _Facts:
             st = line.strip()
             if st.startswith("cute.gemm("):
                 t = _Op("cute.gemm", st, [], [], 0).sig_types()
-                if len(t) >= 3 and "tmem" in expand(t[2]):
+                if is_pv(t):
                     pv += 1
                 else:
                     qk += 1
@@ -294,6 +304,10 @@ def mlir_facts(mlir_text: str) -> _Facts:
 
 
 # ----------------------------------------------------------------------------- the check
+
+
+# the MLIR spelling of a plan's scale-factor dtype (MmaChoice.sf_dtype)
+_SF_MLIR = {"e8m0": "f8E8M0FNU", "e4m3": "f8E4M3FN"}
 
 
 def _regions(plan) -> dict:
@@ -385,8 +399,55 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
                                 f"PTX line {i + 1}: P's scale bytes in SMEM feed tcgen05.cp"))
             break
 
+    # --- PTX, p_source smem: P's codes are 32-bit st.shared stores (scalar or v4) that the MMA
+    # reads through the async proxy, so each publish part must be proxy-fenced after its last
+    # store and before its mbarrier arrive (PTX ISA 9.7.13.4, fence.proxy.async: without it the
+    # MMA may read stale SMEM, a race, not an error). A publish window is the code between two
+    # mbarrier operations whose register stores of 32-bit words reach one part of P per thread
+    # (tile_n * bits / 8 / parts bytes); the other 32-bit stores (row statistics, 8 bytes per
+    # window) stay below that.
+    p_smem = mma["PV"].a_source == "smem"
+    if p_smem:
+        part_bytes = spec.schedule.tile_n * spec.p.format.bits // 8 // len(plan.publish.parts)
+        windows, cur = [], []
+        for i, ln in enumerate(lines):
+            if ln.startswith("mbarrier."):
+                windows.append((i, cur))
+                cur = []
+            else:
+                cur.append(ln)
+        n_pub = 0
+        for i, body in windows:
+            nbytes, last = 0, -1
+            for k, ln in enumerate(body):
+                m = re.match(r"st\.shared\.(?:v([24])\.)?[bu]32\s+\[[^\]]+\],\s*[{%]", ln)
+                if m:
+                    nbytes += 4 * int(m.group(1) or 1)
+                    last = k
+            if nbytes < part_bytes:
+                continue
+            n_pub += 1
+            if not any(x.startswith("fence.proxy.async") for x in body[last + 1:]):
+                out.append(Mismatch("ptx.fence.p_smem", "fence.proxy.async between P's stores and the arrive",
+                                    "missing", "ptx", f"PTX line {i + 1}: P's codes in SMEM feed the PV MMA"))
+                break
+        want_pub = spec.schedule.q_stages * len(plan.publish.parts)
+        if n_pub < want_pub:
+            out.append(Mismatch("ptx.p_smem.stores", f"{want_pub} publish windows storing {part_bytes} B of P",
+                                n_pub, "ptx", "p_source smem: P's codes are not stored to SMEM part by part"))
+
     # --- MLIR: TMEM allocation and every region a consumer touches
-    f = mlir_facts(artifacts.mlir)
+    pv = mma["PV"]
+    # p_source smem: the PV gemm is told from QK^T by its tiled-MMA type (scale type, A/B from
+    # SMEM, block size), which differs from QK^T's when the two kinds differ
+    pv_atom = None
+    if p_smem:
+        pv_atom = f"sf_type = {_SF_MLIR.get(pv.sf_dtype, pv.sf_dtype)}, frag_kind = ss, vec_size = {pv.sf_block}"
+        qk = mma["QK"]
+        if (qk.sf_dtype, qk.sf_block) == (pv.sf_dtype, pv.sf_block):
+            out.append(Mismatch("mlir.PV.atom", "a PV tiled MMA type unlike QK^T's", pv_atom, "mlir",
+                                "with P in SMEM the check tells PV from QK^T by the MMA type only"))
+    f = mlir_facts(artifacts.mlir, pv_atom)
     if f.alloc_columns != [plan.tmem.alloc_columns]:
         out.append(Mismatch("mlir.tmem.alloc", plan.tmem.alloc_columns, f.alloc_columns, "mlir"))
     q = spec.schedule.q_stages
@@ -411,7 +472,13 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
 
     exact("mlir.QK.accumulator", f.qk_acc, [f"S{j}" for j in range(q)])
     exact("mlir.PV.accumulator", f.pv_acc, [f"O{j}" for j in range(q)])
-    within("mlir.PV.A(P)", f.pv_a, [f"P{j}" for j in range(q)])
+    if p_smem:
+        # no P region: PV's A is an SMEM descriptor view, never a TMEM address
+        if f.pv_a_types != {"!cute_nvgpu.smem_desc_view"}:
+            out.append(Mismatch("mlir.PV.A(P)", ["!cute_nvgpu.smem_desc_view"], sorted(f.pv_a_types), "mlir",
+                                "p_source smem: the PV MMA must read P through an SMEM descriptor"))
+    else:
+        within("mlir.PV.A(P)", f.pv_a, [f"P{j}" for j in range(q)])
     within("mlir.QK.scale_A", f.sf["qk_sf_a"], [f"SFQ{j}" for j in range(q)])
     within("mlir.QK.scale_B", f.sf["qk_sf_b"], [f"SFK{j}" for j in range(q)])
     sf_names = [f"SFQ{j}" for j in range(q)] + [f"SFK{j}" for j in range(q)]
@@ -421,7 +488,7 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
         sf_names += [f"SFP{j}" for j in range(q)] + [f"SFV{j}" for j in range(q)]
     within("mlir.tcgen05.cp.dst", f.s2t_dst, sf_names)
     running_max = pp.kind.value == "exp" or spec.p.format.value != "mxfp4"
-    st_names = [f"P{j}" for j in range(q)] + ([f"O{j}" for j in range(q)] if running_max else [])
+    st_names = ([] if p_smem else [f"P{j}" for j in range(q)]) + ([f"O{j}" for j in range(q)] if running_max else [])
     within("mlir.tcgen05.st.dst", f.tmem_st, st_names, need_first=False)
     # every publish part of every stage is stored at its planned column (P first + part offset)
     want_p = {f"P{j} part {p.index}": regs[f"P{j}"][0] + p.p_columns[0]

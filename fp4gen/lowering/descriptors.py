@@ -1104,7 +1104,8 @@ def check_descriptors(plan, ptx: str) -> list:
     """Mismatches between the forward's compiled MMAs and ``plan`` (empty: they agree).
 
     Per MMA: kind; idesc M, N, K, A/B types, majors, D type, scale type, sf ids, reserved bits;
-    the TMEM columns of D, of A (P, K step i at P + i·8) and of the scale factors (K step i at
+    where A comes from (PV: TMEM, or SMEM with p_source smem, whose descriptor is then checked
+    as Q's is); the TMEM columns of D, of A (P, K step i at P + i·8) and of the scale factors (K step i at
     the column and sf_id ``_expected_sf`` gives); enable-input-d (QK's first K step
     overwrites S); the SMEM descriptors' version, swizzle, SBO and the start address each K step
     adds. Runs of MMAs on one accumulator must be whole K loops (head_dim / K per

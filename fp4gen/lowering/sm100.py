@@ -67,8 +67,15 @@ def context(plan) -> dict:
             f"sm100a lowering implements P : mxfp4 via direct_p (PV kind::mxf4nvf4.block_scale.block32), "
             f"P : nvfp4 via two_level (PV kind::mxf4nvf4.block_scale.block16) and "
             f"P : fp8e4m3 via exp (PV kind::f8f6f4); this plan has P : {pf} via {pk}, PV {pv.kind}", "P")
-    if pv.a_source != "tmem":
-        raise LoweringError(f"PV's A operand (P) must come from TMEM, plan says {pv.a_source}")
+    p_smem = pv.a_source == "smem"
+    if pv.a_source not in ("tmem", "smem"):
+        raise LoweringError(f"PV's A operand (P) comes from TMEM or SMEM, plan says {pv.a_source}")
+    if p_smem and p_mode != "directp_fp4":
+        # implemented and checked (conformance, descriptors, emulator) for Direct-P MXFP4 P only:
+        # with two-level NVFP4 P the two products share one MMA type, and conformance tells PV
+        # from QK^T by that type when both read A from SMEM
+        raise LoweringError(f"sm100a lowering implements p_source smem for P : mxfp4 via direct_p only "
+                            f"(this plan: P : {pf} via {pk})", "schedule.p_source")
 
     # the operand formats the kernel and its host side (prepare_operands) implement
     if spec.q.block not in (None, 16) or spec.k.block not in (None, 16):
@@ -87,7 +94,7 @@ def context(plan) -> dict:
         raise LoweringError(f"sm100a lowering implements MXFP4 V with blocks of 32 keys; plan has V : {spec.v}", "V")
 
     cols = tmem_columns(plan)
-    need = list(REQUIRED_REGIONS) + list(SCALED_QK_REGIONS) + (list(SCALED_PV_REGIONS) if pv.block_scaled else [])
+    need = [n for n in REQUIRED_REGIONS if not (p_smem and n.startswith("P"))] + list(SCALED_QK_REGIONS) + (list(SCALED_PV_REGIONS) if pv.block_scaled else [])
     missing = [n for n in need if n not in cols]
     if missing:
         raise LoweringError(f"plan.tmem lacks region(s) {', '.join(missing)} that the sm100a template addresses")
@@ -143,7 +150,10 @@ def context(plan) -> dict:
     gaps.append("never run on hardware: numerics are checked only by reading the code against docs/numerics.md")
 
     policy = spec.p_production.policy.value if p_mode == "directp_fp4" else None
-    summary = (f"Plan: QK {qk.kind}; PV {pv.kind} (P from TMEM); P publish {pub.mode}; "
+    if p_smem:
+        gaps.append("p_source smem: P's E2M1 codes go to a 64-byte-swizzled K-major SMEM tile by plain "
+                    "st.shared (four 32-bit stores per 16-byte chunk, not vectorized)")
+    summary = (f"Plan: QK {qk.kind}; PV {pv.kind} (P from {'SMEM' if p_smem else 'TMEM'}); P publish {pub.mode}; "
                f"{kv_stages} KV stages; TMEM {plan.tmem.alloc_columns} columns.")
     p_text = {"directp_fp4": f"Direct-P ({policy} policy, A={spec.p_production.a}, B={spec.p_production.b}): "
                              "E2M1 codes + E8M0 block exponents straight from the scores",
@@ -177,6 +187,9 @@ def context(plan) -> dict:
         direct_p_a=float(spec.p_production.a),
         direct_p_b=float(spec.p_production.b),
         publish_halves=halves,
+        p_smem=p_smem,
+        # bytes of one row of P's SMEM tile (K-major: one query row's tile_n codes)
+        p_row_bytes=sch.tile_n * spec.p.format.bits // 8,
         guard=guard,
         tmem_alloc_cols=int(plan.tmem.alloc_columns),
         tmem_regions=[(r.name, r.first_col, r.last_col) for r in plan.tmem.regions],
