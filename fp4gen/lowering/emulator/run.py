@@ -23,6 +23,10 @@ pointer argument of the module's ``__call__`` (``operand_layouts`` order: q, sfq
 sfv, o, lse, vs) -> ``(address, shape, strides, dtype)``: its address in the emulated global
 memory, the CuTe layout ``__call__`` builds its tensor with (``ForwardHost.gmem_layouts`` for
 these sizes, nested tuples in elements) and the MLIR element type name (``"f4E2M1FN"``, ...).
+
+``emulate_backward(module_source, seqlen_q=256, seqlen_k=256, ...)``: the module's sm100a
+backward kernel (compiled with ``backward=True``, cached apart from the forward) on every CTA of
+its grid, driven by the module's own host code; see the section "the backward" below.
 """
 from __future__ import annotations
 
@@ -83,9 +87,14 @@ def _cache_dir(source: str, cache: Path) -> Path:
     return cache / hashlib.sha256(source.encode()).hexdigest()[:20]
 
 
-def prime(source: str, ptx: str, mlir: str, cache: Path = CACHE) -> None:
-    """Record a compile made elsewhere (``fp4gen verify`` has the artifacts already)."""
-    d = _cache_dir(source, cache)
+def _cache_key(source: str, backward: bool) -> str:
+    return source + "\0backward" if backward else source  # the backward kernel: its own entry
+
+
+def prime(source: str, ptx: str, mlir: str, cache: Path = CACHE, backward: bool = False) -> None:
+    """Record a compile made elsewhere (``fp4gen verify`` has the artifacts already);
+    ``backward``: the artifacts are the module's backward kernel's."""
+    d = _cache_dir(_cache_key(source, backward), cache)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"tmp{os.getpid()}"
     tmp.mkdir(exist_ok=True)
@@ -94,10 +103,6 @@ def prime(source: str, ptx: str, mlir: str, cache: Path = CACHE) -> None:
     for n in ("kernel.ptx", "kernel.mlir"):  # atomic: a concurrent reader sees all or nothing
         os.replace(tmp / n, d / n)
     tmp.rmdir()
-
-
-def _cache_key(source: str, backward: bool) -> str:
-    return source + "\0backward" if backward else source  # the backward kernel: its own entry
 
 
 def compiled(source: str, cache: Path = CACHE, backward: bool = False):
@@ -109,7 +114,7 @@ def compiled(source: str, cache: Path = CACHE, backward: bool = False):
     from fp4gen.lowering import conformance
 
     a = conformance.compile_artifacts(source, backward=backward)
-    prime(_cache_key(source, backward), a.ptx, a.mlir, cache)
+    prime(source, a.ptx, a.mlir, cache, backward)
     return a.ptx, a.mlir
 
 
@@ -573,13 +578,15 @@ class BackwardLauncher:
     tensors."""
 
     def __init__(self, source, module: P.Module, mlir: str, ptx_text: str, *, schedule="eager",
-                 strict_aligned=True, smem_fill=0, tmem_fill=0, ops=None, roles=None, kernel=""):
+                 strict_aligned=True, smem_fill=0, tmem_fill=0, ops=None, roles=None, kernel="",
+                 max_instructions=5_000_000):
         self.source, self.module, self.mlir, self.ptx_text = source, module, mlir, ptx_text
         self.schedule, self.strict_aligned = schedule, strict_aligned
         self.smem_fill, self.tmem_fill, self.ops = smem_fill, tmem_fill, ops
         self.roles, self.kernel = roles or {}, kernel
         self.traces, self.instructions, self.seconds, self.notes = [], 0, 0.0, []
-        self.causal_offset = None
+        self.causal_offset, self.ctas = None, 0
+        self.max_instructions = max_instructions
 
     def params(self, args, addresses, scale, causal_offset) -> tuple:
         """(param bytes, tensor maps) for these host tensors at these global addresses."""
@@ -660,7 +667,8 @@ class BackwardLauncher:
                     mach = M.Machine(self.module, smem=tensor.SharedMemory(fill=self.smem_fill),
                                      tmem=tensor.TensorMemory(fill=self.tmem_fill), gmem=gmem, params=params,
                                      ctaid=(x, y, z), nctaid=grid, schedule=self.schedule, tensor_maps=tmaps,
-                                     ops=self.ops, trace=tr, strict_aligned=self.strict_aligned)
+                                     ops=self.ops, trace=tr, strict_aligned=self.strict_aligned,
+                                     max_instructions=self.max_instructions)
                     mach.run()
                     self.traces.append(tr)
                     self.instructions += mach.instructions
@@ -686,7 +694,8 @@ def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int =
                      schedule: str = "eager", ptx_mutation: Optional[Callable[[str], str]] = None,
                      strict_aligned: bool = True, heads: int = 1, batch: int = 1, inputs=None,
                      softmax_scale=None, causal_offset_error: int = 0, smem_fill: int = 0,
-                     tmem_fill: int = 0, ops=None, cache: Path = CACHE) -> BackwardEmulationResult:
+                     tmem_fill: int = 0, ops=None, max_instructions: int = 5_000_000,
+                     cache: Path = CACHE) -> BackwardEmulationResult:
     """Emulate the generated sm100a backward of ``module_source`` on every CTA of its grid and
     compare dq, dk, dv with the exact float64 gradient (``exact_backward``).
 
@@ -694,6 +703,12 @@ def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int =
     skipped) with ``BackwardLauncher`` as the launch. ``ptx_mutation``: text -> text applied to
     the compiled backward PTX (planted faults); ``causal_offset_error`` is added to the causal
     offset the host passes (a planted host fault). ``inputs``: (q, k, v, do) bf16.
+    ``max_instructions``: per CTA; past it the CTA stops with ``EmulationError`` (a
+    deterministic kernel's dQ turn that never comes spins forever otherwise).
+
+    Limitation: the CTAs run one at a time in launch order (x fastest), so only that order of
+    the CTAs' dQ additions is seen; a deterministic kernel's turn wait is satisfied only because
+    its turns go in key-tile order (a wait for a later CTA would stop as above).
     """
     import contextlib
     from unittest import mock
@@ -722,11 +737,12 @@ def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int =
         for r in json.loads(mod.PLAN_JSON)["backward"]["roles"]:
             for _ in range(int(r["warps"])):
                 roles[w], w = r["name"], w + 1
-    except (KeyError, TypeError, ValueError):
-        pass
+    except (AttributeError, KeyError, TypeError, ValueError):
+        pass  # no plan in the module: the trace has no role names
     launcher = BackwardLauncher(module_source, module, mlir, ptx_text, schedule=schedule,
                                 strict_aligned=strict_aligned, smem_fill=smem_fill, tmem_fill=tmem_fill,
-                                ops=ops, roles=roles, kernel=mod.KERNEL_NAME + ".backward")
+                                ops=ops, roles=roles, kernel=mod.KERNEL_NAME + ".backward",
+                                max_instructions=max_instructions)
 
     def launch(args, s, off, gqa):
         return launcher(args, s, off + causal_offset_error, gqa)

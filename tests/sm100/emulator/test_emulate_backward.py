@@ -1,7 +1,9 @@
 """End to end: the generated sm100a backward (templates/sm100/bwd.py.j2) executed from its
 compiled PTX on every CTA of its grid (fp4gen.lowering.emulator.run.emulate_backward), through
 the module's own host code, against autograd's float64 gradient; and planted faults (PTX text
-mutations of the compiled kernel) that must each make dq, dk or dv disagree.
+mutations of the compiled kernel) that must each make dq, dk or dv disagree. The example's
+kernel is the non-deterministic one; its ``deterministic true`` variant (dQ turns through
+ld.acquire / red.release) is rendered and compiled here too.
 
 One key tile is one CTA (~21k warp instructions, ~4 s of CPU); the backward compiles once per
 source text (~12 s, cached on disk by its sha256), so the module is marked slow.
@@ -155,3 +157,47 @@ def test_disabled_output_lanes_reach_the_mma():
 
     rest = [slice(32, 128), slice(160, 256)]
     assert all(rel_l2_error(res.dv[:, s], res.reference[2][:, s]) < _tol() for s in rest)
+
+
+# ----------------------------------------------------------------------------- deterministic dQ
+
+@pytest.fixture(scope="module")
+def deterministic_source():
+    """The example's backward with ``deterministic true``: key tiles take turns per query tile
+    through an int32 counter (ld.acquire.gpu / red.release.gpu.global.add.s32)."""
+    from fp4gen.frontend import parse_text
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.lowering import sm100
+
+    text = (ROOT / "examples" / "sm100_bwd_d128.attn").read_text()
+    assert "deterministic false" in text
+    text = text.replace("deterministic false", "deterministic true")
+    return sm100.render(plan_kernel(parse_text(text, "sm100_bwd_det_d128.attn")[0]))
+
+
+def test_deterministic_dq_matches(deterministic_source):
+    from fp4gen.lowering.emulator.run import emulate_backward
+
+    assert "ld.acquire" in _ptx(deterministic_source) and "red.release" in _ptx(deterministic_source)
+    res = emulate_backward(deterministic_source, seqlen_q=128, seqlen_k=384, seed=0)
+    assert max(res.errors.values()) < _tol(), res.errors
+
+
+def test_a_dq_turn_never_passed_stops_the_next_key_tile(deterministic_source):
+    """Planted fault: the turn's red.release removed; key tile 1 waits for query tile 0's turn
+    forever (the emulator stops it at its instruction limit)."""
+    from fp4gen.lowering.emulator.machine import EmulationError
+    from fp4gen.lowering.emulator.run import emulate_backward
+
+    def drop_release(ptx):
+        return "\n".join(ln for ln in ptx.split("\n") if "red.release" not in ln)
+
+    with pytest.raises(EmulationError, match="livelock"):
+        emulate_backward(deterministic_source, seqlen_q=128, seqlen_k=256, seed=0, ptx_mutation=drop_release,
+                         max_instructions=300_000)
+
+
+def _ptx(source):
+    from fp4gen.lowering.emulator.run import compiled
+
+    return compiled(source, backward=True)[0]
