@@ -201,3 +201,49 @@ def _ptx(source):
     from fp4gen.lowering.emulator.run import compiled
 
     return compiled(source, backward=True)[0]
+
+
+# ----------------------------------------------------------------------------- red, by hand
+
+_RED_PTX = """
+.version 9.4
+.target sm_100a
+.address_size 64
+
+.visible .entry k(
+\t.param .u64 k_param_0
+)
+.reqntid 32, 1, 1
+{
+\t.reg .b32 %r<10>;
+\t.reg .f32 %f<10>;
+\t.reg .b64 %rd<4>;
+\tld.param.u64 %rd1, [k_param_0];
+\tmov.u32 %r1, %tid.x;
+\tcvt.rn.f32.u32 %f1, %r1;
+\tmov.f32 %f2, 0f3F800000;
+\tmov.f32 %f3, 0f00000001;
+\tneg.f32 %f4, %f1;
+\tred.global.add.v4.f32 [%rd1], {%f1, %f2, %f3, %f4};
+\tred.release.gpu.global.add.s32 [%rd1+16], %r1;
+\tret;
+}
+"""
+
+
+def test_red_add_every_lane_counts_and_f32_flushes_subnormals():
+    """32 lanes on the same 16 bytes (ISA 9.7.13.6 red: atomic per element): lane t adds
+    (t, 1, the smallest subnormal, -t) and t to an s32; the subnormal is flushed to zero."""
+    import struct
+
+    import numpy as np
+
+    from fp4gen.lowering.emulator import machine as M
+    from fp4gen.lowering.emulator import ptx as P
+
+    gm = M.GlobalMemory()
+    buf = gm.alloc(np.array([0.5, 0.0, 0.0, 0.0], np.float32).tobytes() + struct.pack("<i", -7) + bytes(12))
+    M.Machine(P.parse(_RED_PTX), smem=None, gmem=gm, params=struct.pack("<Q", buf)).run()
+    f = struct.unpack("<4f", gm.read(buf, 16))
+    assert f == (0.5 + sum(range(32)), 32.0, 0.0, -float(sum(range(32)))), f
+    assert struct.unpack("<i", gm.read(buf + 16, 4))[0] == -7 + sum(range(32))
