@@ -35,12 +35,10 @@ Where it runs (decided per call, from the tensors' device):
 - CUDA, when a generated module for the spec exists, its ``TARGET`` is the
   GPU's architecture (``sm90a`` on Hopper, ``sm100a`` on Blackwell) and it was
   generated from exactly this spec: the module's ``forward`` / ``backward``.
-  A module without ``backward`` (spec without a ``backward`` block) falls back
-  to the reference backward.
-- otherwise the reference backend on the GPU (correct, slow), with one
-  ``ReferenceFallbackWarning`` per spec and reason saying why; pass
-  ``backend="reference"`` to choose it without the warning, or
-  ``backend="generated"`` to make it an error.
+- otherwise, under ``backend="auto"``, a ``NoKernelError`` saying why and what
+  to change; ``backend="reference"`` runs the reference on the GPU (correct,
+  slow) on purpose. A spec without a ``backward`` block has no generated
+  backward: its backward raises likewise.
 
 ``explain(spec, device)`` says which one a call would use and why;
 ``dispatch_counts()`` counts what actually ran.
@@ -72,7 +70,7 @@ __all__ = [
     "dispatch_counts",
     "reset_dispatch_counts",
     "BACKENDS",
-    "ReferenceFallbackWarning",
+    "NoKernelError",
 ]
 
 # "auto" picks a generated kernel where one applies, else the reference.
@@ -87,8 +85,9 @@ _ARCH_BY_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a", (10, 3): "sm100a"}
 # ---------------------------------------------------------------------------
 
 
-class ReferenceFallbackWarning(UserWarning):
-    """A CUDA call runs the (slow) reference backend because no generated kernel applies."""
+class NoKernelError(RuntimeError):
+    """backend="auto" on a GPU where no generated kernel applies to the spec: the message says
+    why and which spec line or option fixes it (no silent slow path)."""
 
 
 @dataclasses.dataclass
@@ -371,13 +370,28 @@ def _lookup_generated(spec: KernelSpec, arch: str):
     return None, "; ".join(tried) or "no generated module"
 
 
-_WARNED: set = set()  # (spec key or id, pass, reason) already warned about
+def _no_kernel_message(entry: _Entry, device, need_backward: bool, reason: str) -> str:
+    spec = entry.spec
+    name = spec.name if spec is not None else "this kernel"
+    where = f" ({spec.source_file})" if spec is not None and spec.source_file else ""
+    if need_backward and "no backward" in (reason or ""):
+        fix = f"add a `backward {{ ... }}` block to {name}{where} (docs/backward.md)"
+    elif reason and reason.startswith("spec target is"):
+        fix = f"set `target` in {name}{where} to this GPU's architecture"
+    elif "unsupported GPU architecture" in (reason or ""):
+        fix = "run on a GPU fp4gen generates for (sm90a: H100/H200; sm100a: B200/GB200)"
+    else:
+        fix = f"regenerate the module from {name}{where} (`fp4gen compile`, or `fp4gen regenerate` for examples/)"
+    return (f"fp4gen: no generated {'backward' if need_backward else 'forward'} kernel for {name} on "
+            f"{device}: {reason}. Fix: {fix}; or pass backend='reference' to run the exact but slow "
+            "reference backend on purpose. fp4gen.torch_ops.explain(spec, device) shows the choice.")
 
 
 def _choose(entry: _Entry, device: torch.device, backend: str, need_backward: bool = False, *,
-            warn: bool = False):
-    """-> (module or None for reference, reason text). ``warn``: a CUDA call that falls back to
-    the reference under backend="auto" warns once per spec, pass and reason."""
+            strict: bool = False):
+    """-> (module or None for reference, reason text). ``strict`` (the ops): under
+    backend="auto" a CUDA call with no generated kernel raises NoKernelError instead of
+    running the reference; explain() calls without it to report the choice."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     mod, reason = None, None
@@ -398,19 +412,8 @@ def _choose(entry: _Entry, device: torch.device, backend: str, need_backward: bo
             "so the reference backend cannot stand in")
     if mod is None and backend == "generated":
         raise RuntimeError(f"backend='generated' but no generated kernel applies: {reason}")
-    if warn and mod is None and backend == "auto" and device.type == "cuda":
-        tag = (id(entry), need_backward, reason)
-        if tag not in _WARNED:
-            _WARNED.add(tag)
-            import warnings
-
-            name = entry.spec.name if entry.spec is not None else "this kernel"
-            warnings.warn(
-                f"fp4gen: {name} {'backward' if need_backward else 'forward'} runs on the reference backend "
-                f"(exact but slow) because no generated kernel applies on {device}: {reason}. "
-                "Pass backend='reference' to choose it without this warning, or backend='generated' "
-                "to make it an error; fp4gen.torch_ops.explain() says more.",
-                ReferenceFallbackWarning, stacklevel=4)
+    if strict and mod is None and backend == "auto" and device.type == "cuda":
+        raise NoKernelError(_no_kernel_message(entry, device, need_backward, reason))
     return mod, reason or "reference backend requested"
 
 
@@ -479,7 +482,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
                   softmax_scale: Optional[float], backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     entry = _entry(spec_key)
-    mod, _ = _choose(entry, q.device, backend, warn=True)
+    mod, _ = _choose(entry, q.device, backend, strict=True)
     state = []
     if mod is not None:
         # kernels load through TMA and want dense rows; views of a fused QKV are not
@@ -528,7 +531,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   softmax_scale: Optional[float], backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
-    mod, _ = _choose(entry, q.device, backend, need_backward=True, warn=True)
+    mod, _ = _choose(entry, q.device, backend, need_backward=True, strict=True)
     if mod is not None:
         kw = {"prepared": _prepared_from_state(state)} if (state and _keeps_forward_state(mod)) else {}
         dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,

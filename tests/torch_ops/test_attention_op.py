@@ -697,25 +697,30 @@ def test_torch_export_keeps_one_opaque_node(reference_backend):
 
 
 # ---------------------------------------------------------------------------
-# no silent slow path (issue 19): a CUDA call that falls back to the reference warns
+# no silent slow path (issue 19): a CUDA call with no generated kernel raises, with the fix
 
 
-def test_cuda_fallback_to_the_reference_warns_once_and_says_why(monkeypatch):
-    import warnings
-
+def test_cuda_without_a_kernel_raises_with_the_reason_and_the_fix(monkeypatch):
     monkeypatch.setattr(torch_ops, "_arch_of", lambda device: None)  # a GPU with no kernels (sm_80, sm_120)
-    monkeypatch.setattr(torch_ops, "_WARNED", set())
     entry = torch_ops._entry(torch_ops.spec_key(fp32_spec()))
     cuda = torch.device("cuda")
-    with pytest.warns(torch_ops.ReferenceFallbackWarning, match=r"reference backend .*unsupported GPU architecture"):
-        assert torch_ops._choose(entry, cuda, "auto", warn=True)[0] is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        torch_ops._choose(entry, cuda, "auto", warn=True)  # once per spec, pass and reason
-        torch_ops._choose(entry, cuda, "reference", warn=True)  # asked for: no warning
-        torch_ops._choose(entry, torch.device("cpu"), "auto", warn=True)  # CPU runs the reference by design
-        torch_ops.explain(fp32_spec(), "cpu")
-    with pytest.warns(torch_ops.ReferenceFallbackWarning, match="backward"):
-        torch_ops._choose(entry, cuda, "auto", need_backward=True, warn=True)
+    with pytest.raises(torch_ops.NoKernelError, match=r"no generated forward kernel .*unsupported GPU "
+                       r"architecture.*Fix: run on a GPU fp4gen generates for.*backend='reference'"):
+        torch_ops._choose(entry, cuda, "auto", strict=True)
+    with pytest.raises(torch_ops.NoKernelError, match="no generated backward kernel"):
+        torch_ops._choose(entry, cuda, "auto", need_backward=True, strict=True)
+    # asked for, or not the ops (explain), or the CPU: the reference, no error
+    assert torch_ops._choose(entry, cuda, "reference", strict=True)[0] is None
+    assert torch_ops._choose(entry, cuda, "auto")[0] is None
+    assert torch_ops._choose(entry, torch.device("cpu"), "auto", strict=True)[0] is None
     with pytest.raises(RuntimeError, match="backend='generated' but no generated kernel applies"):
-        torch_ops._choose(entry, cuda, "generated", warn=True)
+        torch_ops._choose(entry, cuda, "generated", strict=True)
+
+
+def test_the_fix_names_the_spec_line_to_change():
+    entry = torch_ops._Entry(spec=fp32_spec())
+    msg = torch_ops._no_kernel_message(entry, "cuda:0", True,
+                                       "the generated module has no backward (spec without a backward block)")
+    assert "add a `backward { ... }` block" in msg
+    msg = torch_ops._no_kernel_message(entry, "cuda:0", False, "spec target is sm100a, this GPU is sm90a")
+    assert "set `target`" in msg
