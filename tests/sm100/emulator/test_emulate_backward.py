@@ -5,8 +5,9 @@ mutations of the compiled kernel) that must each make dq, dk or dv disagree. The
 kernel is the non-deterministic one; its ``deterministic true`` variant (dQ turns through
 ld.acquire / red.release) is rendered and compiled here too.
 
-One key tile is one CTA (~21k warp instructions, ~4 s of CPU); the backward compiles once per
-source text (~12 s, cached on disk by its sha256), so the module is marked slow.
+One key tile of one (batch, head) is one CTA (~21k warp instructions, 2-4 s of CPU); each
+backward compiles once per source text (~6-12 s, cached on disk by its sha256); the module takes
+~2.5 minutes and is marked slow.
 """
 from __future__ import annotations
 
@@ -46,15 +47,18 @@ def _tol():
 
 # (Sq, Sk): square causal grids of 2 and 3 key tiles; Sk > Sq (offset 128: every query sees the
 # first key tile); Sq > Sk (offset -128: the first 128 queries see no key, LSE2 = +inf there);
-# a ragged 200 (TMA zero-fills keys past Sk, dQ rows past Sq land in the host's padding)
-CASES = [(256, 256), (384, 384), (128, 256), (256, 128), (200, 200)]
+# a ragged 200 (TMA zero-fills keys past Sk, dQ rows past Sq land in the host's padding);
+# two heads x two batches (the grid's y and z, each (batch, head) its own inputs)
+CASES = [(256, 256, 1, 1), (384, 384, 1, 1), (128, 256, 1, 1), (256, 128, 1, 1), (200, 200, 1, 1),
+         (128, 256, 2, 2)]
 
 
-@pytest.mark.parametrize("sq,sk", CASES)
-def test_gradients_match_the_exact_gradient(sq, sk):
-    res = _emulate(sq, sk)
+@pytest.mark.parametrize("sq,sk,heads,batch", CASES)
+def test_gradients_match_the_exact_gradient(sq, sk, heads, batch):
+    kw = dict(heads=heads, batch=batch) if heads * batch > 1 else {}
+    res = _emulate(sq, sk, **kw)
     assert max(res.errors.values()) < _tol(), res.errors
-    assert res.ctas == -(-sk // 128)
+    assert res.ctas == -(-sk // 128) * heads * batch
     assert not res.notes, res.notes[:3]
     # the MMA warp really ran the pipeline: five products of 8 K-slices per visited query tile
     mma = sum(1 for tr in res.traces for evs in tr.warps.values() for e in evs if getattr(e, "kind", "") == "mma")
@@ -161,18 +165,43 @@ def test_disabled_output_lanes_reach_the_mma():
 
 # ----------------------------------------------------------------------------- deterministic dQ
 
-@pytest.fixture(scope="module")
-def deterministic_source():
-    """The example's backward with ``deterministic true``: key tiles take turns per query tile
-    through an int32 counter (ld.acquire.gpu / red.release.gpu.global.add.s32)."""
+_VARIANTS = {}
+
+
+def _variant(old, new):
+    """The example's module rendered with one line of its spec changed (compiled once per
+    session through the emulator's on-disk cache)."""
     from fp4gen.frontend import parse_text
     from fp4gen.ir.passes import plan_kernel
     from fp4gen.lowering import sm100
 
-    text = (ROOT / "examples" / "sm100_bwd_d128.attn").read_text()
-    assert "deterministic false" in text
-    text = text.replace("deterministic false", "deterministic true")
-    return sm100.render(plan_kernel(parse_text(text, "sm100_bwd_det_d128.attn")[0]))
+    if (old, new) not in _VARIANTS:
+        text = (ROOT / "examples" / "sm100_bwd_d128.attn").read_text()
+        assert text.count(old) == 1, old
+        plan = plan_kernel(parse_text(text.replace(old, new), "sm100_bwd_variant_d128.attn")[0])
+        _VARIANTS[(old, new)] = sm100.render(plan)
+    return _VARIANTS[(old, new)]
+
+
+@pytest.fixture(scope="module")
+def deterministic_source():
+    """The example's backward with ``deterministic true``: key tiles take turns per query tile
+    through an int32 counter (ld.acquire.gpu / red.release.gpu.global.add.s32)."""
+    return _variant("deterministic false", "deterministic true")
+
+
+def test_noncausal_variant_matches():
+    """``mask none``: every key tile visits every query tile (no diagonal, no skipped tiles)."""
+    from fp4gen.lowering.emulator.run import emulate_backward
+
+    src = _variant("mask     causal", "mask     none")
+    assert "BWD_CAUSAL = False" in src
+    res = emulate_backward(src, seqlen_q=256, seqlen_k=256, seed=0)
+    assert max(res.errors.values()) < _tol(), res.errors
+    # and the causal kernel's gradients are not these (the masks differ)
+    from fp4gen.lowering.emulator.run import rel_l2_error
+
+    assert rel_l2_error(_emulate(256, 256).dk, res.reference[1]) > 0.1
 
 
 def test_deterministic_dq_matches(deterministic_source):
