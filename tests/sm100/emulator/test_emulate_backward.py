@@ -65,15 +65,6 @@ def test_gradients_match_the_exact_gradient(sq, sk, heads, batch):
     assert mma >= 5 * 8 * res.ctas, mma
 
 
-def test_the_comparison_is_not_vacuous():
-    """The same kernel's gradients against another input's exact gradient do not match."""
-    a = _emulate(256, 256)
-    from fp4gen.lowering.emulator.run import rel_l2_error
-
-    b = _emulate(384, 384)
-    assert rel_l2_error(a.dv[:, :256], b.reference[2][:, :256]) > 0.5
-
-
 # ----------------------------------------------------------------------------- planted faults
 
 def _ld_address_defs(ptx: str):
@@ -276,3 +267,21 @@ def test_red_add_every_lane_counts_and_f32_flushes_subnormals():
     f = struct.unpack("<4f", gm.read(buf, 16))
     assert f == (0.5 + sum(range(32)), 32.0, 0.0, -float(sum(range(32)))), f
     assert struct.unpack("<i", gm.read(buf + 16, 4))[0] == -7 + sum(range(32))
+
+
+def _p_store_column_off_by_one(ptx: str) -> str:
+    """Planted fault: the second P^T chunk (bf16 pairs, TMEM columns 16-31) stored from column 17."""
+    st_addr = set(re.findall(r"tcgen05\.st\.[^\n]*\[(%r\d+)\]", ptx))
+    lines = ptx.split("\n")
+    hits = [i for i, ln in enumerate(lines)
+            if (m := re.match(r"\s*add\.s32\s+(%r\d+), %r\d+, 16;", ln)) and m.group(1) in st_addr]
+    assert len(hits) == 1, hits
+    lines[hits[0]] = lines[hits[0]].replace(", 16;", ", 17;")
+    return "\n".join(lines)
+
+
+def test_wrong_p_column_is_caught():
+    res = _emulate(256, 256, _p_store_column_off_by_one)
+    # dV += P^T dO reads P^T from TMEM; dK and dQ take dS^T from SMEM
+    assert res.errors["dv"] > 10 * _tol(), res.errors
+    assert res.errors["dk"] < _tol() and res.errors["dq"] < _tol(), res.errors
