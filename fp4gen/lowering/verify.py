@@ -10,10 +10,11 @@ backward), each compiled for sm_100a on the CPU:
   descriptors are the plan's (``descriptors.py``, fields from the PTX ISA's tables);
 * ``registers``: ptxas honours the plan's setmaxnreg budgets and spills within the plan's
   budget (``ptxas.py``);
-* ``emulator`` (forwards): one CTA executed from the compiled PTX on the CPU
+* ``emulator``: the forward's CTA 0 executed from the compiled PTX on the CPU
   (``emulator/``: TMA, tcgen05 ld/st/cp/mma with block scales, mbarriers, every warp) over four
-  KV tiles with a ragged tail; O and LSE must match the reference numerics, and no warp
-  collective may run with part of a warp;
+  KV tiles with a ragged tail, O and LSE against the reference numerics; the backward's every
+  CTA of a 256 x 256 causal problem, dQ/dK/dV against the exact gradient; no warp collective
+  may run with part of a warp;
 * ``protocol`` (forwards): the emulated CTA's trace of barrier and async-memory events explored
   under every interleaving the ISA allows (``protocol.py``): no deadlock, no race, no barrier
   misuse, assuming in-order tensor-pipe issue (the S-column reuse FA4 also relies on; docs/sm100.md);
@@ -84,6 +85,26 @@ def _emulator(kernel: str, source: str, art) -> tuple:
               f"(tol {run.LSE_TOLERANCE:g}); {res.instructions} warp instructions")
     return Check(kernel, "forward", "emulator", ok, detail if ok else "vs reference: " + detail,
                  time.perf_counter() - t), res.trace
+
+
+def _emulator_backward(kernel: str, source: str, art) -> Check:
+    from .emulator import run
+    from .emulator.machine import EmulationError
+
+    t = time.perf_counter()
+    run.prime(source, art.ptx, art.mlir, backward=True)
+    try:
+        res = run.emulate_backward(source, seqlen_q=256, seqlen_k=256, seed=0)
+    except EmulationError as e:
+        return Check(kernel, "backward", "emulator", False, f"emulation stopped: {e}".splitlines()[0],
+                     time.perf_counter() - t)
+    worst = max(res.errors.values())
+    ok = worst < run.BWD_TOLERANCE and not res.notes
+    errs = ", ".join(f"{k} {v:.2g}" for k, v in sorted(res.errors.items()))
+    detail = (f"Sq 256, Sk 256, {res.ctas} CTAs: rel-L2 vs the exact gradient {errs} (tol "
+              f"{run.BWD_TOLERANCE:g}); {res.instructions} warp instructions"
+              + (f"; partial-warp collectives: {res.notes[0]}" if res.notes else ""))
+    return Check(kernel, "backward", "emulator", ok, detail, time.perf_counter() - t)
 
 
 def _protocol(kernel: str, trace) -> Check:
@@ -170,6 +191,7 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(_descriptors(spec.name, "backward", D.check_backward_descriptors(bp, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, bp.roles, bp.spill_budget_bytes)
     out.append(Check(spec.name, "backward", "registers", ok, detail))
+    out.append(_emulator_backward(spec.name, source, art))
     out.append(_cute_warnings(spec.name, "backward", source, backward=True))
     return out
 

@@ -47,6 +47,6 @@ def test_forward_and_backward_of_the_backward_example(cli):
     rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
     assert set(rows) == {(part, check) for part in ("forward", "backward")
                          for check in ("conformance", "descriptors", "registers", "cute-warnings")} | {
-        ("forward", "emulator"), ("forward", "protocol")}
+        ("forward", "emulator"), ("forward", "protocol"), ("backward", "emulator")}
     assert all(x["ok"] for x in rows.values())
     assert "spills 0 B st + 0 B ld (budget 0)" in rows[("backward", "registers")]["detail"]
