@@ -9,7 +9,6 @@ byte as ``quant.to_tcgen05_sf_layout`` packs them.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -136,22 +135,15 @@ def test_map_checks():
 
 # ------------------------------------------------------------------ maps from compiled kernels -----
 
-CACHE = Path("/tmp/fp4gen-emu-tensor-cache")
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def _artifacts(name):
-    """(ptx, mlir) of a generated module, compiled once per source (cached by its sha256)."""
-    from fp4gen.lowering import conformance
+    """(ptx, mlir) of a generated module, through the emulator's one compile cache."""
+    from fp4gen.lowering.emulator.run import compiled
 
     src = (ROOT / "generated" / f"{name}_sm100a.py").read_text()
-    d = CACHE / hashlib.sha256(src.encode()).hexdigest()[:16]
-    if not (d / "a.mlir").exists():
-        a = conformance.compile_artifacts(src, backward=name.startswith("sm100_bwd"))
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "a.ptx").write_text(a.ptx)
-        (d / "a.mlir").write_text(a.mlir)
-    return (d / "a.ptx").read_text(), (d / "a.mlir").read_text()
+    return compiled(src, backward=name.startswith("sm100_bwd"))
 
 
 def _module(name):
