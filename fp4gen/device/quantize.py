@@ -54,6 +54,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
+from fp4gen.runtime.cache import tvm_ffi_available
+
 from . import ptx
 from .layout import FP8_DS_KEY_PERM, FP8_P_KEY_PERM
 
@@ -421,12 +423,6 @@ _BLOCK_T_KINDS = tuple(_BLOCK_T_OPERAND)
 _KINDS = ("block", "amax", "vt", "vt_nat") + _BLOCK_T_KINDS
 
 
-def _use_tvm_ffi() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tvm_ffi") is not None
-
-
 def _check_head_dim(d: int):
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
@@ -472,7 +468,7 @@ def compile_once(cache: dict, key, make_op, fake_args, tvm_ffi):
 def _compile(kind: str, d: int, tvm_ffi=None):
     """Compile one kernel once per process (per head dim and calling convention)."""
     _check_head_dim(d)
-    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
+    tvm_ffi = tvm_ffi_available() if tvm_ffi is None else tvm_ffi
     return compile_once(_COMPILED, (kind, d, tvm_ffi), lambda: _make_op(kind, d), lambda: _fake_args(kind, d),
                         tvm_ffi)
 
@@ -504,7 +500,7 @@ def launch(compile_for, *args):
 
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     with torch.cuda.device(tensors[0].device):
-        tvm_ffi = _use_tvm_ffi()
+        tvm_ffi = tvm_ffi_available()
         kern = compile_for(tvm_ffi)
         if tvm_ffi:
             kern(*args)

@@ -381,6 +381,14 @@ _warned: set = set()
 KERNEL_MANIFEST = "kernel.sha256"  # the entry header of kernel.o
 
 
+def tvm_ffi_available() -> bool:
+    """Whether kernels compile and launch through TVM-FFI (the ``tvm_ffi`` package is
+    importable): the one test every compile path uses to pick its calling convention."""
+    import importlib.util
+
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
 def _symbol(name: str, key: str) -> str:
     # a C identifier, unique per entry so several kernels can share a process
     return re.sub(r"[^A-Za-z0-9_]", "_", f"fp4gen_{name}_{key[:12]}")
