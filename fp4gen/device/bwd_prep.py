@@ -40,9 +40,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
+from fp4gen.runtime.cache import tvm_ffi_available
+
 from . import quantize as _quantize
 from .layout import FP8_P_KEY_PERM
-from .quantize import (BLOCK, _asm, _block_max, _struct, _use_tvm_ffi, _words, compile_once, keep_if, launch,
+from .quantize import (BLOCK, _asm, _block_max, _struct, _words, compile_once, keep_if, launch,
                        ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, store_transposed_tile,
                        transpose_tile_setup, umax)
 
@@ -405,7 +407,7 @@ def _fake_args(kind: str, d: int):
 def _compile(kind: str, d: int, tvm_ffi=None):
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"backward pre/post-processing: head dim must be one of {SUPPORTED_HEAD_DIMS}; got {d}")
-    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
+    tvm_ffi = tvm_ffi_available() if tvm_ffi is None else tvm_ffi
     ops = {"pre": lambda: _Pre(d, False), "pre_fp8": lambda: _Pre(d, True), "pre_fp8t": lambda: _PreFp8(d),
            "post": lambda: _Post(d), "quant": lambda: _ScaleQuant(d)}
     return compile_once(_COMPILED, (kind, d, tvm_ffi), ops[kind], lambda: _fake_args(kind, d), tvm_ffi)
