@@ -1,0 +1,1 @@
+"""Hopper (sm_90a) kernel classes: ``forward`` (attention forward), ``backward`` (its gradients)."""
