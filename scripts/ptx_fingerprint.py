@@ -62,7 +62,9 @@ def normalise(ptx: str) -> str:
 
 def fingerprint(module: Path) -> list:
     with tempfile.TemporaryDirectory(prefix="fp4gen_fp_") as d:
-        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=d, FP4GEN_CACHE_DIR=str(Path(d) / "cache"))
+        arch = "sm_100a" if module.stem.endswith("_sm100a") else "sm_90a"  # what the GPU would say
+        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=d, CUTE_DSL_ARCH=arch,
+                   FP4GEN_CACHE_DIR=str(Path(d) / "cache"))
         r = subprocess.run([sys.executable, "-c", _CHILD, str(module)], env=env, capture_output=True,
                            text=True, cwd=str(ROOT))
         if r.returncode != 0:
