@@ -8,6 +8,9 @@ head_dim 64, no mask; tile 128 x 128,
 2 consumer warpgroups (64 query rows each) + 1 producer warp (TMA),
 2 K/V stages, softmax of tile n overlapped with QK^T of tile n+1.
 
+The kernel is fp4gen.device.sm90.forward (its variants are the values of CONFIG below), the
+host side fp4gen.runtime.sm90_host.
+
 Spec lines behind the choices:
   Q: examples/sm90_fp8_d64.attn: (default for Q)
   K: examples/sm90_fp8_d64.attn: (default for K)
@@ -18,20 +21,8 @@ Spec lines behind the choices:
   head_dim: examples/sm90_fp8_d64.attn:30: head_dim 64
   schedule: examples/sm90_fp8_d64.attn:32: schedule { tile 128 x 128 }
 """
-import math
-import os
-
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
-from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
-
-from fp4gen.device import layout as dlayout
-from fp4gen.device import mask as dmask
-from fp4gen.device import softmax as dsoftmax
+from fp4gen.device.sm90.forward import ForwardConfig, kernel_class
+from fp4gen.runtime.sm90_host import ForwardHost
 
 KERNEL_NAME = 'sm90_bf16_d64'
 TARGET = "sm90a"
@@ -312,440 +303,43 @@ PLAN_JSON = (
     '}\n'
 )
 
-HEAD_DIM = 64
-CAUSAL = False
-IN_FP8 = False
-P_MODE = 'bf16'
-SOFTMAX_MODE = P_MODE
-TILE_M = 128
-TILE_N = 128
-KV_STAGES = 2
-QUANT_BLOCK = 128  # tokens per Q/K scale (numerics contract)
-
-_IN_DTYPE = cutlass.BFloat16
-_NUM_THREADS = 128 * (2 + 1)
-_NUM_MMA_THREADS = 128 * 2
-# named barriers: 0 is __syncthreads; 1 + i gates consumer warpgroup i's MMA issue
-_BAR_SCHED = 1
-
-
-class Sm90Bf16D64Sm90Fwd:
-    """One CTA = 128 query rows of one (batch, head); loops over key tiles."""
-
-    def __init__(self):
-        self.tile_m, self.tile_n, self.hdim = TILE_M, TILE_N, HEAD_DIM
-        self.kv_stages = KV_STAGES
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, Sq, H, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, D)
-        mO: cute.Tensor,  # (B, Sq, H, D) bf16
-        mLSE: cute.Tensor,  # (B, H, Sq) fp32
-        seqlen_k: Int32,  # keys (mV may be padded beyond it)
-        softmax_scale_log2: Float32,  # softmax_scale * log2(e)
-        causal_offset: Int32,
-        stream,
-    ):
-        # kernel views: (seq, d, head, batch) with d contiguous
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        # V as the (N=D, K=keys) B operand, D contiguous (MN-major)
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-
-        # QK^T twice: one copy overwrites (first k-block), one accumulates; each keeps its
-        # runtime ACCUMULATE flag fixed for the whole kernel (no per-iteration MMA state)
-        tiled_mma_qk, tiled_mma_qk_acc = [
-            sm90_utils.make_trivial_tiled_mma(
-                _IN_DTYPE, _IN_DTYPE, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-                Float32, (2, 1, 1), (64, self.tile_n),
-            )
-            for _ in range(2)
-        ]
-        v_major = LayoutEnum.from_tensor(mV).sm90_mma_major_mode()
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            _IN_DTYPE, _IN_DTYPE, warpgroup.OperandMajorMode.K, v_major,
-            Float32, (2, 1, 1), (64, self.hdim),
-            warpgroup.OperandSource.RMEM,  # P stays in registers
-        )
-        sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), _IN_DTYPE, 1)
-        sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), _IN_DTYPE, self.kv_stages)
-        sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.from_tensor(mV), (self.tile_m, self.hdim, self.tile_n), _IN_DTYPE, self.kv_stages)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.hdim, self.tile_n))
-        self.q_bytes = cute.size_in_bytes(_IN_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
-        self.k_bytes = cute.size_in_bytes(_IN_DTYPE, cute.select(sK_layout, mode=[0, 1]))
-        self.v_bytes = cute.size_in_bytes(_IN_DTYPE, cute.select(sV_layout, mode=[0, 1]))
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
-            sQ: cute.struct.Align[cute.struct.MemRange[_IN_DTYPE, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[_IN_DTYPE, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[_IN_DTYPE, cute.cosize(sV_layout)], 1024]
-
-        self.shared_storage = SharedStorage
-
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
-        self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, tiled_mma_qk, tiled_mma_qk_acc, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
-            seqlen_k, softmax_scale_log2, causal_offset,
-        ).launch(grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
-
-    @cute.kernel
-    def kernel(
-        self,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_qk_acc: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        seqlen_k: Int32,
-        softmax_scale_log2: Float32,
-        causal_offset: Int32,
-    ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_Q)
-            cpasync.prefetch_descriptor(tma_atom_K)
-            cpasync.prefetch_descriptor(tma_atom_V)
-
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, _NUM_MMA_THREADS // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.k_bytes, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.v_bytes, defer_sync=True)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-
-        bidx, head, batch = cute.arch.block_idx()
-        n_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        m_block = bidx
-        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
-        seqlen_q = mQ.shape[0]
-        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(24)
-            if warp_idx == 0:
-                self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
-        else:
-            cute.arch.setmaxregister_increase(240)
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-            tiled_mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
-            tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)  # O starts at 0
-            self.consumer(
-                (tiled_mma_qk, tiled_mma_qk_acc), tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
-                softmax_scale_log2, causal_offset, tidx - 128, None)
-
-    # ------------------------------------------------------------------ producer
-    @cute.jit
-    def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
-        """One warp: Q once, then K/V tiles in ascending key order."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.hdim, self.tile_n), (0, None))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if n_block_max > 0:
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK[None, 0], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ[None, 0],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            # consumer order: K(0), K(1) before V(0), K(2) before V(1), ...
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                prev_state = kv_state.clone()
-                kv_state.advance()
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, i + 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(prev_state)
-                cute.copy(tma_atom_V, tVgV[None, i], tVsV[None, prev_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-
-    # ------------------------------------------------------------------ consumers
-    @cute.jit
-    def consumer(self, mma_qk, tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                 mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
-                 softmax_scale_log2, causal_offset, tidx, l_parts):
-        tiled_mma_qk = mma_qk[0]
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        # descriptors are per warpgroup: slice with the warpgroup's first thread
-        wg_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdim)))
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        # epilogue partitions, made before any MMA runtime state changes
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
-        tOgO = thr_pv.partition_C(
-            cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0)))
-
-        n_rows = cute.size(dlayout.acc_mn(acc_O), mode=[0])
-        row_max = cute.make_rmem_tensor(n_rows, Float32)
-        row_sum = cute.make_rmem_tensor(n_rows, Float32)
-        row_scale = cute.make_rmem_tensor(n_rows, Float32)
-        row_lse = cute.make_rmem_tensor(n_rows, Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        acc_O.fill(0.0)
-        pv_l = None
-
-        q_mult = softmax_scale_log2
-        out_mult = Float32(1.0)
-        row0 = m_block * self.tile_m
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-
-        if n_block_max > 0:
-            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            # Key tiles run in ascending order, as the numerics oracle does: Direct-P's codes
-            # depend on the running max at the time a tile is turned into P.
-            n_block = 0
-            # ---- first key tile: masked (it may be the last, or cross the causal diagonal)
-            acc_S = thr_qk.make_fragment_C(s_shape)
-            pipe_k.consumer_wait(kv_state)
-            self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(kv_state)
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, CAUSAL, causal_offset)
-            dsoftmax.tile(acc_S, row_max, row_sum, row_scale, self.tile_mult(q_mult, None, None, None, None), True, SOFTMAX_MODE)
-            self.store_p(acc_S, tOrP)
-            # tiles from n_mask_start on need masking: the last one (sequence end)
-            n_mask_start = n_block_max - 1
-            n_mask_start = cutlass.max(n_mask_start, 1)
-            for i in cutlass.range(n_mask_start - 1, unroll=1):
-                kv_state = self.step_overlap(
-                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                    pipe_k, pipe_v, kv_state, 1 + i, row_max, row_sum, row_scale,
-                    q_mult, None, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
-            for i in cutlass.range(n_block_max - n_mask_start, unroll=1):
-                kv_state = self.step_overlap(
-                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                    pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
-                    q_mult, None, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
-            # ---- last PV
-            pipe_v.consumer_wait(kv_state)
-            self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index, pv_l)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(kv_state)
-            kv_state.advance()
-
-        dsoftmax.finalize(acc_O, row_max, row_sum, row_lse, out_mult, 0, True)
-        self.epilogue(acc_O, row_lse, tOcO, tOgO, mLSE, m_block, head, batch, seqlen_q)
-
-    @cute.jit
-    def tile_mult(self, q_mult, mSK, batch, head_kv, n_block):
-        return q_mult
-
-    @cute.jit
-    def store_p(self, acc_S, tOrP):
-        dlayout.store_p_bf16(acc_S, tOrP)
-
-    @cute.jit
-    def gemm(self, mmas, acc, tA, tB, stage):
-        """Issue one warpgroup MMA over all k-blocks (asynchronous; caller waits).
-
-        ``mmas[0]`` runs the first k-block, ``mmas[1]`` the rest (overwrite / accumulate).
-        """
-        warpgroup.fence()
-        n_k = cute.size(tA, mode=[2])
-        for k in cutlass.range_constexpr(n_k):
-            mma = mmas[0] if k == 0 else mmas[1]
-            if const_expr(cute.rank(tA) == 4):
-                cute.gemm(mma, acc, tA[None, None, k, 0], tB[None, None, k, stage], acc)
-            else:
-                cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k, stage], acc)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def pv(self, tiled_mma_pv, acc_O, tOrP, tOrV, stage, pv_l):
-        """O += P V."""
-        self.gemm((tiled_mma_pv, tiled_mma_pv), acc_O, tOrP, tOrV, stage)
-
-    @cute.jit
-    def rescale(self, acc_O, row_scale, pv_l):
-        dsoftmax.rescale_o(acc_O, row_scale)
-
-    @cute.jit
-    def step_overlap(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                     pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-                     q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
-                     masked: cutlass.Constexpr[bool], wg, pv_l):
-        """QK^T of tile n_block and PV of the previous tile in flight, then softmax(n_block)."""
-        v_state = kv_state.clone()
-        kv_state.advance()
-        c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(kv_state)
-        self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
-        pipe_v.consumer_wait(v_state)
-        self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index, pv_l)
-        warpgroup.wait_group(1)
-        pipe_k.consumer_release(kv_state)
-        if const_expr(masked):
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, CAUSAL, causal_offset)
-        dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, SOFTMAX_MODE)
-        warpgroup.wait_group(0)
-        pipe_v.consumer_release(v_state)
-        self.store_p(acc_S, tOrP)
-        self.rescale(acc_O, row_scale, pv_l)
-        return kv_state
-
-    @cute.jit
-    def epilogue(self, acc_O, row_lse, cO, tOgO, mLSE, m_block, head, batch, seqlen_q):
-        """Registers -> global: bf16 pairs per thread, rows past seqlen_q skipped."""
-        rO = cute.make_rmem_tensor_like(acc_O, tOgO.element_type)
-        rO.store(acc_O.load().to(tOgO.element_type))
-        o_mn = dlayout.acc_mn(rO)
-        c_mn = dlayout.acc_mn(cO)
-        g_mn = dlayout.acc_mn(tOgO)
-        row0 = m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            if row0 + c_mn[r, 0][0] < seqlen_q:
-                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    g_mn[r, j] = o_mn[r, j]
-                if c_mn[r, 0][1] == 0:
-                    mLSE[row0 + c_mn[r, 0][0], head, batch] = row_lse[r]
+# The kernel's values, each from the plan (fp4gen/lowering/sm90.py: config); the plan's warp
+# roles and key-tile order (pipeline.roles, pipeline.mma_order), which these values select:
+#   role producer (4 warps, 24 registers): one warp issues TMA loads of Q, K, V (the others idle)
+#   role consumer0 (4 warps, 240 registers): wgmma QK^T / PV on query rows 0..63, softmax and P in registers
+#   role consumer1 (4 warps, 240 registers): wgmma QK^T / PV on query rows 64..127, softmax and P in registers
+#   one key tile: per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) (intra-warpgroup overlap)
+CONFIG = ForwardConfig(
+    kernel_name=KERNEL_NAME,  # the spec's kernel name
+    head_dim=64,  # examples/sm90_fp8_d64.attn:30: head_dim 64
+    causal=False,  # examples/sm90_fp8_d64.attn:31: mask     none
+    in_fp8=False,  # examples/sm90_fp8_d64.attn: (default for Q)
+    p_mode='bf16',  # examples/sm90_fp8_d64.attn: (default for P)
+    l_from_mma=False,  # plan: sm90.l_from_mma
+    tile_m=128,  # examples/sm90_fp8_d64.attn:32: schedule { tile 128 x 128 }
+    tile_n=128,  # examples/sm90_fp8_d64.attn:32: schedule { tile 128 x 128 }
+    consumer_wgs=2,  # plan: sm90.consumer_warpgroups
+    kv_stages=2,  # plan: sm90.kv_stages
+    intra_wg_overlap=True,  # plan: sm90.intra_warpgroup_overlap
+    pingpong=False,  # plan: sm90.pingpong
+    producer_regs=24,  # plan: sm90.producer_registers
+    consumer_regs=240,  # plan: sm90.consumer_registers
+    quant_block=None,  # examples/sm90_fp8_d64.attn: (default for Q)
+)
 
 
-# ====================================================================== host side
-import torch  # noqa: E402
-
-from fp4gen.device.layout import FP8_P_KEY_PERM  # noqa: E402
-
-_FP8_AS_UINT8 = None
-_COMPILED = {}  # tvm_ffi calling convention -> compiled kernel; one compile serves every B, S, H
+def _build():
+    """The kernel object; defined here, so that the compile cache keys on this module's source."""
+    return kernel_class(CONFIG)(CONFIG)
 
 
-def _use_tvm_ffi() -> bool:
-    import importlib.util
+_HOST = ForwardHost(CONFIG, _build)
 
-    return importlib.util.find_spec("tvm_ffi") is not None
-
-
-def _fake_args():
-    """Symbolic-shape stand-ins for every kernel argument (no GPU needed)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor as fake
-    sym = cute.sym_int
-    b, sq, sk, h, hkv = sym(), sym(), sym(), sym(), sym()
-    d = HEAD_DIM
-    q = fake(_IN_DTYPE, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    k = fake(_IN_DTYPE, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    v = fake(_IN_DTYPE, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    ins = (q, k, v)
-    o = fake(cutlass.BFloat16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    lse = fake(Float32, (b, h, sq), stride_order=(2, 1, 0), assumed_align=4)
-    return (*ins, o, lse, Int32(1), Float32(1.0), Int32(0))
-
-
-def _compile(arch=None, tvm_ffi=None):
-    """The compiled forward; symbolic shapes let one compile serve every B, S, H.
-
-    At run time (``arch`` None) the kernel goes through fp4gen's on-disk cache
-    (``fp4gen.runtime.cache``: keyed by this module's text, the calling convention
-    and the CuTe DSL version, written atomically), so a new process loads the
-    object file instead of tracing and compiling again. ``compile_only`` compiles
-    in memory only.
-    """
-    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
-    if tvm_ffi not in _COMPILED:
-        def build():
-            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-            # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
-            opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
-            return cute.compile(Sm90Bf16D64Sm90Fwd(), *_fake_args(), stream, options=opts)
-
-        if arch is None:
-            from fp4gen.runtime import cache
-
-            with open(__file__, encoding="utf-8") as f:
-                source = f.read()
-            _COMPILED[tvm_ffi] = cache.compiled_kernel(
-                "forward", f"arch=sm_90a,tvm_ffi={tvm_ffi}", build, module_source=source, enable_tvm_ffi=tvm_ffi)
-        else:
-            _COMPILED[tvm_ffi] = build()
-    return _COMPILED[tvm_ffi]
-
-
-def compile_only(arch: str = "sm_90a") -> list:
-    """Compile every kernel variant of this module for ``arch`` without a GPU."""
-    if arch != "sm_90a":
-        raise ValueError(f"{KERNEL_NAME} is a Hopper kernel: arch must be 'sm_90a', got {arch!r}")
-    _compile(arch, tvm_ffi=False)
-    names = [KERNEL_NAME]
-    # the backward section, when the spec has one, is appended below this forward module
-    bwd = globals().get("compile_only_backward")
-    if bwd is not None:
-        names += bwd(arch)
-    return names
-
-
-def _check(q, k, v, softmax_scale):
-    from fp4gen.runtime import checks
-
-    checks.check_softmax_scale(KERNEL_NAME, softmax_scale)
-    sizes = checks.check_qkv(KERNEL_NAME, q, k, v, dtypes=(torch.bfloat16,), head_dim=HEAD_DIM)
-    checks.require_arch("sm_90a", kernel=KERNEL_NAME, device=q.device)
-    return sizes
+# the names tests, benchmarks, fp4gen.torch_ops and the backward section use
+HEAD_DIM, CAUSAL, IN_FP8, P_MODE = CONFIG.head_dim, CONFIG.causal, CONFIG.in_fp8, CONFIG.p_mode
+TILE_M, TILE_N, KV_STAGES, QUANT_BLOCK = CONFIG.tile_m, CONFIG.tile_n, CONFIG.kv_stages, CONFIG.quant_block
+SOFTMAX_MODE = CONFIG.softmax_mode
+_compile, _check, run_prepared = _HOST.compile, _HOST.check, _HOST.run_prepared
 
 
 def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
@@ -754,51 +348,15 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
     Returns o (B, Sq, H, D) bf16, or (o, lse) with lse (B, H, Sq) fp32 (natural log).
     ``prepared``: unused (BF16 takes q, k, v as they are); accepted for a uniform API.
     """
-    sizes = _check(q, k, v, softmax_scale)
-    B, Sq, H, D = q.shape
-    Sk = sizes.seqlen_k
-    causal_offset = Sk - Sq
-    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-    o = torch.empty_like(q)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    ins = (q, k, v)
-    run_prepared(ins, o, lse, Sk, scale, causal_offset)
-    return (o, lse) if return_lse else o
+    return _HOST.forward(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, prepared=prepared)
 
 
-def run_prepared(ins, o, lse, seqlen_k, softmax_scale, causal_offset=0):
-    """Launch on already prepared operands (``ins`` as ``forward`` builds them)."""
-    with torch.cuda.device(o.device):
-        tvm_ffi = _use_tvm_ffi()
-        kern = _compile(None, tvm_ffi)
-        scalars = (int(seqlen_k), float(softmax_scale) * math.log2(math.e), int(causal_offset))
-        if tvm_ffi:
-            global _FP8_AS_UINT8
-            if _FP8_AS_UINT8 is None:
-                # torch >= 2.11 exports float8 through DLPack; older torch needs a uint8 view
-                try:
-                    kern(*ins, o, lse, *scalars)
-                    _FP8_AS_UINT8 = False
-                    return
-                except ValueError:
-                    if not IN_FP8:
-                        raise
-                    _FP8_AS_UINT8 = True
-            args = [t.view(torch.uint8) if (_FP8_AS_UINT8 and t.dtype == torch.float8_e4m3fn) else t
-                    for t in ins]
-            kern(*args, o, lse, *scalars)
-        else:
-            import cuda.bindings.driver as cuda
-            from cutlass.cute.runtime import from_dlpack
-
-            def conv(t):
-                if t.dtype == torch.float8_e4m3fn:
-                    ct = from_dlpack(t.view(torch.uint8), assumed_align=16)
-                    ct.element_type = cutlass.Float8E4M3FN
-                else:
-                    ct = from_dlpack(t, assumed_align=16 if t.dtype != torch.float32 else 4)
-                return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-            kern(*[conv(t) for t in ins], conv(o), conv(lse), Int32(scalars[0]), Float32(scalars[1]),
-                 Int32(scalars[2]), stream)
+def compile_only(arch: str = "sm_90a") -> list:
+    """Compile every kernel variant of this module for ``arch`` without a GPU (the forward,
+    the FP8 input quantizer, the backward section's kernels); returns the names compiled."""
+    names = _HOST.compile_only(arch)
+    # the backward section, when the spec has one, is appended below this forward module
+    bwd = globals().get("compile_only_backward")
+    if bwd is not None:
+        names += bwd(arch)
+    return names

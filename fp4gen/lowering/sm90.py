@@ -1,18 +1,22 @@
 """sm90a backend: a finished ``KernelPlan`` -> CuTe DSL Hopper forward module source.
 
-One jinja2 template (``templates/sm90/fwd.py.j2``) covers every variant; this
-file only turns plan fields into the template context and refuses plans the
-template cannot express (those should have been refused by the planner).
+The kernel is one library class (``fp4gen.device.sm90.forward``); this file derives its
+``ForwardConfig`` from the plan (``config``), refuses plans the kernel cannot run (those
+should have been refused by the planner), and renders ``templates/sm90/fwd.py.j2``: the
+module's docstring, ``PLAN_JSON``, the config literal with the spec line behind each value,
+the roles the plan lays out, and the binding to the runtime (``fp4gen.runtime.sm90_host``).
 """
 from __future__ import annotations
 
-from . import Comment, LoweringError, identifier, plan_json, template_env
+import dataclasses
+
+from . import Code, Comment, LoweringError, plan_json, pyrepr, template_env
 
 TEMPLATE = "fwd.py.j2"
 
 
 def context(plan) -> dict:
-    from fp4gen.ir.spec import Format, Mask, PKind, ScaleGranularity, Target
+    from fp4gen.ir.spec import Format, PKind, ScaleGranularity, Target
 
     spec = plan.spec
     sm = plan.sm90
@@ -67,29 +71,82 @@ def context(plan) -> dict:
 
     origins = {k: Comment(spec.origin(k)) for k in ("Q", "K", "P", "V", "O", "mask", "head_dim")}
     origins["schedule"] = Comment(spec.origin("schedule.tile"))
-    name = spec.name
+    cfg = _config(plan, in_fp8, p_mode)
     return dict(
-        kernel_name=Comment(name),
-        class_name=identifier("".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Fwd"),
+        kernel_name=Comment(spec.name),
         spec_file=Comment(spec.source_file),
         plan_json=plan_json(plan),
         origins=origins,
+        config=cfg,
+        config_fields=_config_fields(cfg, origins),
+        structure=_structure(plan),
+    )
+
+
+def _structure(plan) -> list:
+    """Comment lines on the warp roles and the per-tile MMA order the plan lays out
+    (``plan.pipeline``; none for a plan without one, as tests build them)."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return []
+    return [Comment(f"role {r.name} ({r.warps} warps, {r.registers} registers): {r.does}") for r in pipe.roles] + \
+        [Comment(f"one key tile: {pipe.mma_order}")]
+
+
+def config(plan):
+    """The ``ForwardConfig`` of ``plan`` (a LoweringError for a plan the kernel cannot run):
+    the literal the generated module renders, and what tests compare it with."""
+    return context(plan)["config"]
+
+
+def _config(plan, in_fp8: bool, p_mode: str):
+    from fp4gen.device.sm90.forward import ForwardConfig
+    from fp4gen.ir.spec import Mask
+
+    spec, sm = plan.spec, plan.sm90
+    return ForwardConfig(
+        kernel_name=spec.name,
         head_dim=spec.head_dim,
         causal=spec.mask is Mask.CAUSAL,
         in_fp8=in_fp8,
         p_mode=p_mode,
+        # optional plan field (Sm90Plan.l_from_mma): Direct-P's l as P @ ones on the MMA
+        l_from_mma=bool(getattr(sm, "l_from_mma", False)) and p_mode == "fp8_directp",
         tile_m=sm.tile_m,
         tile_n=sm.tile_n,
         consumer_wgs=sm.consumer_warpgroups,
         kv_stages=sm.kv_stages,
         intra_wg_overlap=sm.intra_warpgroup_overlap,
         pingpong=sm.pingpong,
-        # optional plan field (request: Sm90Plan.l_from_mma): Direct-P's l as P @ ones on the MMA
-        l_from_mma=bool(getattr(sm, "l_from_mma", False)) and p_mode == "fp8_directp",
         producer_regs=sm.producer_registers,
         consumer_regs=sm.consumer_registers,
-        smem_bytes=sm.smem_bytes,
+        quant_block=spec.q.block if in_fp8 else None,  # the spec's Q/K scale block (checked 128 above)
     )
+
+
+# the spec line (origins key) or plan field behind each ForwardConfig value, for its comment
+_FIELD_SOURCE = {
+    "head_dim": "head_dim", "causal": "mask", "in_fp8": "Q", "p_mode": "P", "quant_block": "Q",
+    "tile_m": "schedule", "tile_n": "schedule",
+}
+
+
+def _config_fields(cfg, origins) -> list:
+    """(name, literal, comment) per ForwardConfig field, in declaration order."""
+    rows = []
+    for f in dataclasses.fields(cfg):
+        value = Code("KERNEL_NAME") if f.name == "kernel_name" else pyrepr(getattr(cfg, f.name))
+        src = _FIELD_SOURCE.get(f.name)
+        if f.name == "kernel_name":
+            note = Comment("the spec's kernel name")
+        else:
+            note = origins[src] if src else Comment(f"plan: sm90.{_PLAN_FIELD.get(f.name, f.name)}")
+        rows.append((Code(f.name), value, note))
+    return rows
+
+
+_PLAN_FIELD = {"consumer_wgs": "consumer_warpgroups", "intra_wg_overlap": "intra_warpgroup_overlap",
+               "producer_regs": "producer_registers", "consumer_regs": "consumer_registers"}
 
 
 def render(plan) -> str:

@@ -6,11 +6,14 @@ mode runs by default, the full matrix (3 modes x D 64/128 x causal) is marked ``
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +23,10 @@ from plans import VARIANTS, load_module, make_plan  # noqa: E402
 
 from fp4gen.ir.spec import Format, OperandFormat, PKind, PProduction  # noqa: E402
 from fp4gen.lowering import LoweringError  # noqa: E402
+from fp4gen.lowering.sm90 import config as sm90_config  # noqa: E402
 from fp4gen.lowering.sm90 import render  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MATRIX = [(v, d, c) for v in VARIANTS for d in (64, 128) for c in (False, True)]
 FAST = [("bf16", 64, False), ("fp8_exp", 64, False), ("fp8_directp", 64, False)]
@@ -33,35 +39,90 @@ FAST = [("bf16", 64, False), ("fp8_exp", 64, False), ("fp8_directp", 64, False)]
 def test_render_contract(variant, d, causal):
     plan = make_plan(variant, d, causal)
     src = render(plan)
-    compile(src, plan.spec.name, "exec")  # valid Python
+    tree = ast.parse(src)  # valid Python
     for name in ("KERNEL_NAME", "TARGET", "SPEC_FILE", "PLAN_JSON", "def forward(", "def compile_only("):
         assert name in src
     assert 'TARGET = "sm90a"' in src
-    assert f"HEAD_DIM = {d}" in src and f"CAUSAL = {causal}" in src
+    assert f"    head_dim={d},  #" in src and f"    causal={causal},  #" in src
     # generated code imports no compiler stage
     for banned in ("fp4gen.ir", "fp4gen.frontend", "jinja2", "lark", "fp4gen.lowering"):
         assert banned not in src
     # the spec lines behind each choice are quoted
     assert "Spec lines behind the choices" in src and "P: " in src
+    # no kernel and no host code: the library class and fp4gen.runtime.sm90_host hold them
+    assert not any(isinstance(n, ast.ClassDef) for n in ast.walk(tree))
+    assert {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} == {"_build", "forward", "compile_only"}
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert imported <= {"fp4gen.device.sm90.forward", "fp4gen.runtime.sm90_host", "fp4gen.device"}, imported
 
 
-def test_variants_render_only_their_code():
-    bf16 = render(make_plan("bf16"))
-    exp = render(make_plan("fp8_exp"))
-    dp = render(make_plan("fp8_directp"))
-    assert "mSQ" not in bf16 and "quantize_inputs" not in bf16 and "store_p_bf16" in bf16
-    assert "pack_p_fp8(acc_S, tOrP, False)" in exp and "pack_p_fp8(acc_S, tOrP, True)" not in exp
-    assert "pack_p_fp8(acc_S, tOrP, True)" in dp
-    assert "P_MODE = 'fp8_directp'\n" in dp  # rendered with | pyrepr
-    nopp = render(make_plan("bf16", pingpong=False))
-    assert "barrier_arrive" not in nopp and "barrier_arrive" in bf16
-    plain = render(make_plan("bf16", overlap=False))
-    assert "step_plain" in plain and "def step_overlap" not in plain
-    lmma = render(make_plan("fp8_directp", l_from_mma=True))
-    assert "tiled_mma_l" in lmma and 'SOFTMAX_MODE = "fp8_directp_l_mma"' in lmma
-    assert "tiled_mma_l" not in dp
+def rendered_config(src: str) -> dict:
+    """The keyword values of the module's ``CONFIG = ForwardConfig(...)`` literal, read with ast
+    (``kernel_name=KERNEL_NAME`` resolved): what the module's kernel and host run with."""
+    tree = ast.parse(src)
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              and isinstance(n.value, ast.Constant) for t in n.targets if isinstance(t, ast.Name)}
+    (call,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
+               and [getattr(t, "id", None) for t in n.targets] == ["CONFIG"]]
+    assert isinstance(call, ast.Call) and call.func.id == "ForwardConfig" and not call.args
+    return {kw.arg: consts[kw.value.id] if isinstance(kw.value, ast.Name) else ast.literal_eval(kw.value)
+            for kw in call.keywords}
+
+
+@pytest.mark.parametrize("variant,d,causal", MATRIX)
+def test_rendered_config_is_the_lowerings(variant, d, causal):
+    plan = make_plan(variant, d, causal)
+    assert rendered_config(render(plan)) == dataclasses.asdict(sm90_config(plan))
+
+
+GENERATED = sorted((ROOT / "generated").glob("*_sm90a.py"))
+
+
+@pytest.mark.parametrize("path", GENERATED, ids=lambda p: p.stem)
+def test_generated_config_agrees_with_its_plan(path):
+    """A generated module cannot disagree with its plan: the CONFIG it renders is the one the
+    lowering derives from the plan of the spec in its PLAN_JSON, and that plan is the one
+    PLAN_JSON records."""
+    from fp4gen.ir.dump import to_json
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.ir.serialize import spec_from_plan_json
+
+    src = path.read_text(encoding="utf-8")
+    plan_json = next(ast.literal_eval(n.value) for n in ast.parse(src).body if isinstance(n, ast.Assign)
+                     and [getattr(t, "id", None) for t in n.targets] == ["PLAN_JSON"])
+    plan = plan_kernel(spec_from_plan_json(plan_json))
+    assert json.loads(plan_json)["sm90"] == to_json(plan)["sm90"]
+    assert rendered_config(src) == dataclasses.asdict(sm90_config(plan))
+
+
+def test_variants_differ_only_in_their_config():
+    def cfg(variant, **kw):
+        return sm90_config(make_plan(variant, **kw))
+
+    bf16, exp, dp = cfg("bf16"), cfg("fp8_exp"), cfg("fp8_directp")
+    assert (bf16.in_fp8, bf16.p_mode, bf16.quant_block) == (False, "bf16", None)
+    assert (exp.in_fp8, exp.p_mode, exp.quant_block) == (True, "fp8_exp", 128)
+    assert dp.p_mode == "fp8_directp" and dp.softmax_mode == "fp8_directp"
+    assert "quantize_inputs" not in render(make_plan("bf16")) and "quantize_inputs" in render(make_plan("fp8_exp"))
+    assert "p_mode='fp8_directp',  #" in render(make_plan("fp8_directp"))  # rendered with | pyrepr
+    assert cfg("bf16", pingpong=False).pingpong is False and bf16.pingpong is True
+    assert cfg("bf16", overlap=False).intra_wg_overlap is False
+    lmma = cfg("fp8_directp", l_from_mma=True)
+    assert lmma.l_from_mma and lmma.softmax_mode == "fp8_directp_l_mma" and not dp.l_from_mma
     # l_from_mma only changes Direct-P (the exp path's l sums the unrounded p)
-    assert "tiled_mma_l" not in render(make_plan("fp8_exp", l_from_mma=True))
+    assert not cfg("fp8_exp", l_from_mma=True).l_from_mma
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(p_mode="bf16"), "p_mode 'bf16' with in_fp8=True"),
+    (dict(p_mode="fp8_exp", l_from_mma=True), "l_from_mma needs"),
+    (dict(quant_block=64), "must be key tiles"),
+    (dict(p_mode="fp4"), "p_mode must be one of"),
+])
+def test_forward_config_refuses_inconsistent_values(change, msg):
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(sm90_config(make_plan("fp8_directp", l_from_mma=True)), **change)
 
 
 def _with(plan, **spec_changes):

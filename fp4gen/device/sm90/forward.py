@@ -1,0 +1,643 @@
+"""The Hopper (sm_90a) attention forward: one CuTe DSL kernel class for every sm90a spec.
+
+A generated sm90a module renders a ``ForwardConfig`` literal from its plan (the lowering,
+fp4gen/lowering/sm90.py, derives every field) and compiles ``kernel_class(config)(config)``.
+Variants are values of the config, chosen while tracing with ``const_expr`` (or plain Python
+outside ``@cute.jit`` code), so each config traces to the code its own rendered kernel had:
+
+- ``in_fp8``: Q, K, V in FP8 E4M3 with fp32 scales (Q, K one per ``quant_block`` tokens,
+  V one per (batch, kv head)), V^T as the K-major PV operand; else BF16.
+- ``p_mode``: P as bf16 (``"bf16"``), e4m3(2^8 exp2(x - m)) (``"fp8_exp"``) or by FP8
+  Direct-P codes (``"fp8_directp"``, fp4gen.device.directp).
+- ``l_from_mma``: Direct-P's normaliser l = sum of decoded P codes as P @ ones on the
+  tensor cores, from the very registers PV reads.
+- ``causal``: bottom-right aligned causal mask, longest query tiles scheduled first.
+- ``intra_wg_overlap``: a warpgroup's QK^T of tile n+1 runs under the softmax of tile n
+  (``step_overlap``); else one tile after the other (``step_plain``).
+- ``pingpong``: the consumer warpgroups take turns issuing MMAs (named barriers 1 + wg).
+
+Roles: warpgroup 0 is the producer (warp 0 issues the TMA loads of Q, K, V; its registers
+are cut to ``producer_regs``), warpgroups 1.. are the consumers (64 query rows each,
+``consumer_regs`` registers): QK^T, online softmax, PV in registers, epilogue.
+
+The FP8 entry point takes the three scale tensors after V (``Fp8ForwardKernel.__call__``);
+``kernel_class`` picks the class for a config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .. import directp as ddirectp
+from .. import layout as dlayout
+from .. import mask as dmask
+from .. import softmax as dsoftmax
+
+P_MODES = ("bf16", "fp8_exp", "fp8_directp")
+WARPGROUP_THREADS = 128
+BAR_SCHED = 1  # named barriers: 0 is __syncthreads; BAR_SCHED + i gates consumer warpgroup i's MMA issue
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Everything the sm90a forward takes from its plan (fp4gen/lowering/sm90.py: ``config``).
+
+    The generated module renders one literal of this class; the kernel class and the host
+    (fp4gen/runtime/sm90_host.py) read only these values."""
+
+    kernel_name: str  # the spec's kernel name: the prefix of every message
+    head_dim: int  # 64 or 128
+    causal: bool  # mask causal (bottom-right aligned)
+    in_fp8: bool  # Q, K, V in FP8 E4M3 with fp32 scales
+    p_mode: str  # one of P_MODES
+    l_from_mma: bool  # Direct-P's l as P @ ones on the tensor cores
+    tile_m: int  # query rows per CTA (64 per consumer warpgroup)
+    tile_n: int  # keys per tile
+    consumer_wgs: int  # consumer warpgroups
+    kv_stages: int  # K/V SMEM ring depth
+    intra_wg_overlap: bool  # QK^T of tile n+1 under the softmax of tile n
+    pingpong: bool  # consumer warpgroups take turns on the tensor cores
+    producer_regs: int  # setmaxnreg of the producer warpgroup
+    consumer_regs: int  # setmaxnreg of the consumer warpgroups
+    quant_block: Optional[int]  # FP8: tokens per Q/K scale (the spec's block); None for BF16
+
+    def __post_init__(self):
+        if self.p_mode not in P_MODES:
+            raise ValueError(f"{self.kernel_name}: p_mode must be one of {P_MODES}, got {self.p_mode!r}")
+        if self.in_fp8 != (self.p_mode != "bf16"):
+            raise ValueError(f"{self.kernel_name}: p_mode {self.p_mode!r} with in_fp8={self.in_fp8}")
+        if self.l_from_mma and self.p_mode != "fp8_directp":
+            raise ValueError(f"{self.kernel_name}: l_from_mma needs p_mode 'fp8_directp'")
+        if self.in_fp8 and self.quant_block != self.tile_n:
+            # the kernel reads one K scale per key tile (tile_mult)
+            raise ValueError(f"{self.kernel_name}: FP8 scale blocks ({self.quant_block}) must be key tiles ({self.tile_n})")
+
+    @property
+    def softmax_mode(self) -> str:
+        """The mode of fp4gen.device.softmax.tile."""
+        return "fp8_directp_l_mma" if self.l_from_mma else self.p_mode
+
+    @property
+    def in_dtype(self):
+        return cutlass.Float8E4M3FN if self.in_fp8 else cutlass.BFloat16
+
+    @property
+    def num_mma_threads(self) -> int:
+        return WARPGROUP_THREADS * self.consumer_wgs
+
+    @property
+    def num_threads(self) -> int:
+        return WARPGROUP_THREADS * (self.consumer_wgs + 1)
+
+    @property
+    def l_scale_log2(self) -> int:
+        """log2 of the fixed scale l is kept at: FP8 P is stored as 2^8 P."""
+        return ddirectp.P_SCALE_LOG2 if self.in_fp8 else 0
+
+
+class ForwardKernel:
+    """One CTA = ``tile_m`` query rows of one (batch, head); loops over key tiles.
+    Entry point of BF16 inputs (FP8: ``Fp8ForwardKernel``)."""
+
+    def __init__(self, config: ForwardConfig):
+        self.config = config
+        self.tile_m, self.tile_n, self.hdim = config.tile_m, config.tile_n, config.head_dim
+        self.kv_stages = config.kv_stages
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, H, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, D)
+        mO: cute.Tensor,  # (B, Sq, H, D) bf16
+        mLSE: cute.Tensor,  # (B, H, Sq) fp32
+        seqlen_k: Int32,  # keys (mV may be padded beyond it)
+        softmax_scale_log2: Float32,  # softmax_scale * log2(e)
+        causal_offset: Int32,
+        stream,
+    ):
+        self.launch(mQ, mK, mV, None, None, None, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream)
+
+    def shared_storage(self, sQ_layout, sK_layout, sV_layout, sOnes_layout):
+        """The CTA's SMEM struct: mbarriers, then Q, the K and V rings (and the ones operand)."""
+        cfg = self.config
+        dtype = cfg.in_dtype
+        fields = {
+            "mbar_q": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_k": cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages],
+            "mbar_v": cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages],
+            "sQ": cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024],
+        }
+        if cfg.l_from_mma:
+            fields["sOnes"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, cute.cosize(sOnes_layout) // 4], 1024]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream):
+        """Kernel views, MMAs, SMEM layouts and TMA atoms; then the grid. ``mSQ``, ``mSK``,
+        ``mSV``: FP8 scales (B, H, ceil(Sq/blk)), (B, Hkv, ceil(Sk/blk)), (B, Hkv), or None."""
+        cfg = self.config
+        in_dtype = cfg.in_dtype
+        # kernel views: (seq, d, head, batch) with d contiguous
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        if const_expr(cfg.in_fp8):
+            # V^T (B, Hkv, D, Skp), keys permuted per 32 (layout.FP8_P_KEY_PERM), as the
+            # (N=D, K=keys) B operand, keys contiguous (K-major, as FP8 wgmma needs)
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
+        else:
+            # V as the (N=D, K=keys) B operand, D contiguous (MN-major)
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        # QK^T twice: one copy overwrites (first k-block), one accumulates; each keeps its
+        # runtime ACCUMULATE flag fixed for the whole kernel (no per-iteration MMA state)
+        tiled_mma_qk, tiled_mma_qk_acc = [
+            sm90_utils.make_trivial_tiled_mma(
+                in_dtype, in_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                Float32, (cfg.consumer_wgs, 1, 1), (64, self.tile_n),
+            )
+            for _ in range(2)
+        ]
+        v_major = LayoutEnum.from_tensor(mV).sm90_mma_major_mode()
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            in_dtype, in_dtype, warpgroup.OperandMajorMode.K, v_major,
+            Float32, (cfg.consumer_wgs, 1, 1), (64, self.hdim),
+            warpgroup.OperandSource.RMEM,  # P stays in registers
+        )
+        tiled_mma_l = None
+        sOnes_layout = None
+        if const_expr(cfg.l_from_mma):
+            tiled_mma_l = sm90_utils.make_trivial_tiled_mma(
+                in_dtype, in_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                Float32, (cfg.consumer_wgs, 1, 1), (64, 8), warpgroup.OperandSource.RMEM)
+            sOnes_layout = sm90_utils.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (self.tile_m, 8, self.tile_n), in_dtype, 1)
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), in_dtype, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), in_dtype, self.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.from_tensor(mV), (self.tile_m, self.hdim, self.tile_n), in_dtype, self.kv_stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.hdim, self.tile_n))
+        self.q_bytes = cute.size_in_bytes(in_dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.k_bytes = cute.size_in_bytes(in_dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.v_bytes = cute.size_in_bytes(in_dtype, cute.select(sV_layout, mode=[0, 1]))
+        self.shared_storage_t = self.shared_storage(sQ_layout, sK_layout, sV_layout, sOnes_layout)
+
+        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mSQ, mSK, mSV,
+            mO, mLSE, tiled_mma_qk, tiled_mma_qk_acc, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+            tiled_mma_l, sOnes_layout,
+            seqlen_k, softmax_scale_log2, causal_offset,
+        ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        mSQ,  # FP8: cute.Tensor, else None (no kernel parameter)
+        mSK,
+        mSV,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_qk_acc: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_l,  # l_from_mma: cute.TiledMma, else None
+        sOnes_layout,  # l_from_mma: cute.ComposedLayout, else None
+        seqlen_k: Int32,
+        softmax_scale_log2: Float32,
+        causal_offset: Int32,
+    ):
+        cfg = self.config
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage_t)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
+            consumer_group=mma_warps, tx_count=self.q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
+            consumer_group=mma_warps, tx_count=self.k_bytes, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
+            consumer_group=mma_warps, tx_count=self.v_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        bidx, head, batch = cute.arch.block_idx()
+        n_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        if const_expr(cfg.causal):
+            # longest rows first: the last query tiles see the most keys
+            m_block = n_m_blocks - 1 - bidx
+        else:
+            m_block = bidx
+        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
+        seqlen_q = mQ.shape[0]
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(cfg.causal):
+            n_block_max = cutlass.min(
+                n_block_max, cute.ceil_div((m_block + 1) * self.tile_m + causal_offset, self.tile_n))
+            n_block_max = cutlass.max(n_block_max, 0)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+            tiled_mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
+            tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)  # O starts at 0
+            l_parts = None
+            if const_expr(cfg.l_from_mma):
+                tiled_mma_l.set(warpgroup.Field.ACCUMULATE, True)
+                # the ones operand: every byte E4M3 1.0 (0x38), so its swizzle does not matter
+                ones_words = storage.sOnes.get_tensor(cute.make_layout(cute.cosize(sOnes_layout) // 4))
+                for i in cutlass.range_constexpr(cute.cosize(sOnes_layout) // 4 // cfg.num_mma_threads):
+                    ones_words[(tidx - 128) + i * cfg.num_mma_threads] = cutlass.Uint32(0x38383838)
+                cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> wgmma reads
+                cute.arch.barrier(barrier_id=BAR_SCHED + 2, number_of_threads=cfg.num_mma_threads)
+                sOnes = cute.make_tensor(
+                    cute.recast_ptr(storage.sOnes.data_ptr(), sOnes_layout.inner, dtype=cfg.in_dtype),
+                    sOnes_layout.outer)
+                l_parts = (tiled_mma_l, sOnes)
+            self.consumer(
+                (tiled_mma_qk, tiled_mma_qk_acc), tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                mSQ, mSK, mSV,
+                mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
+                softmax_scale_log2, causal_offset, tidx - 128, l_parts)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
+        """One warp: Q once, then K/V tiles in ascending key order."""
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.hdim, self.tile_n), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if n_block_max > 0:
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, 0], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ[None, 0],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if const_expr(self.config.intra_wg_overlap):
+                # consumer order: K(0), K(1) before V(0), K(2) before V(1), ...
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    prev_state = kv_state.clone()
+                    kv_state.advance()
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(tma_atom_K, tKgK[None, i + 1], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(prev_state)
+                    cute.copy(tma_atom_V, tVgV[None, i], tVsV[None, prev_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+            else:
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(tma_atom_K, tKgK[None, i + 1], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(tma_atom_V, tVgV[None, i + 1], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consumer(self, mma_qk, tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                 mSQ, mSK, mSV,
+                 mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
+                 softmax_scale_log2, causal_offset, tidx, l_parts):
+        cfg = self.config
+        tiled_mma_qk = mma_qk[0]
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # descriptors are per warpgroup: slice with the warpgroup's first thread
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdim)))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        # epilogue partitions, made before any MMA runtime state changes
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
+        tOgO = thr_pv.partition_C(
+            cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0)))
+
+        n_rows = cute.size(dlayout.acc_mn(acc_O), mode=[0])
+        row_max = cute.make_rmem_tensor(n_rows, Float32)
+        row_sum = cute.make_rmem_tensor(n_rows, Float32)
+        row_scale = cute.make_rmem_tensor(n_rows, Float32)
+        row_lse = cute.make_rmem_tensor(n_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc_O.fill(0.0)
+        pv_l = None
+        if const_expr(cfg.l_from_mma):
+            tiled_mma_l, sOnes = l_parts
+            wg_l = tiled_mma_l.get_slice(wg * 128)
+            thr_l = tiled_mma_l.get_slice(tidx)
+            tLrOnes = wg_l.make_fragment_B(wg_l.partition_B(sOnes))
+            acc_L = thr_l.make_fragment_C(thr_l.partition_shape_C((self.tile_m, 8)))
+            acc_L.fill(0.0)
+            pv_l = (tiled_mma_l, acc_L, tLrOnes)
+
+        if const_expr(cfg.in_fp8):
+            # x = s * (scale_q * scale_k * softmax_scale * log2 e)
+            q_mult = mSQ[batch, head, m_block] * softmax_scale_log2
+            out_mult = mSV[batch, head_kv]  # O = O_acc * scale_v / l (l at P's 2^8 scale)
+        else:
+            q_mult = softmax_scale_log2
+            out_mult = Float32(1.0)
+        row0 = m_block * self.tile_m
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+
+        if const_expr(cfg.pingpong):
+            # warpgroup 0 goes first
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=cfg.num_mma_threads)
+        if n_block_max > 0:
+            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            # Key tiles run in ascending order, as the numerics oracle does: Direct-P's codes
+            # depend on the running max at the time a tile is turned into P.
+            n_block = 0
+            # ---- first key tile: masked (it may be the last, or cross the causal diagonal)
+            acc_S = thr_qk.make_fragment_C(s_shape)
+            pipe_k.consumer_wait(kv_state)
+            self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(kv_state)
+            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset)
+            dsoftmax.tile(acc_S, row_max, row_sum, row_scale, self.tile_mult(q_mult, mSK, batch, head_kv, n_block),
+                          True, cfg.softmax_mode)
+            self.store_p(acc_S, tOrP)
+            if const_expr(not cfg.intra_wg_overlap):
+                pipe_v.consumer_wait(kv_state)
+                self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index, pv_l)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(kv_state)
+                kv_state.advance()
+            # tiles from n_mask_start on need masking: the last one (sequence end), and
+            # with a causal mask those crossing the diagonal
+
+            n_mask_start = n_block_max - 1
+            if const_expr(cfg.causal):
+                n_mask_start = cutlass.min(n_mask_start, (row0 + causal_offset) // self.tile_n)
+            n_mask_start = cutlass.max(n_mask_start, 1)
+            for i in cutlass.range(n_mask_start - 1, unroll=1):
+                kv_state = self.step(
+                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                    pipe_k, pipe_v, kv_state, 1 + i, row_max, row_sum, row_scale,
+                    q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
+            for i in cutlass.range(n_block_max - n_mask_start, unroll=1):
+                kv_state = self.step(
+                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                    pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
+                    q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+            if const_expr(cfg.intra_wg_overlap):
+                # ---- last PV
+                pipe_v.consumer_wait(kv_state)
+                self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index, pv_l)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(kv_state)
+                kv_state.advance()
+
+        if const_expr(cfg.l_from_mma):
+            # each of the 8 columns of P @ ones holds a row's full l: no quad reduction
+            l_mn = dlayout.acc_mn(pv_l[1])
+            for r in cutlass.range_constexpr(n_rows):
+                row_sum[r] = l_mn[r, 0]
+        dsoftmax.finalize(acc_O, row_max, row_sum, row_lse, out_mult, cfg.l_scale_log2, not cfg.l_from_mma)
+        self.epilogue(acc_O, row_lse, tOcO, tOgO, mLSE, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def tile_mult(self, q_mult, mSK, batch, head_kv, n_block):
+        """The softmax multiplier c of key tile ``n_block``."""
+        if const_expr(self.config.in_fp8):
+            # quant_block-token K scale blocks coincide with key tiles (ForwardConfig checks)
+            return q_mult * mSK[batch, head_kv, n_block]
+        else:
+            return q_mult
+
+    @cute.jit
+    def store_p(self, acc_S, tOrP):
+        """Softmax output -> the PV A fragment: bf16, e4m3 (RNE), or Direct-P codes (4 per register)."""
+        if const_expr(self.config.p_mode == "bf16"):
+            dlayout.store_p_bf16(acc_S, tOrP)
+        else:
+            dlayout.pack_p_fp8(acc_S, tOrP, self.config.p_mode == "fp8_directp")
+
+    @cute.jit
+    def gemm(self, mmas, acc, tA, tB, stage):
+        """Issue one warpgroup MMA over all k-blocks (asynchronous; caller waits).
+
+        ``mmas[0]`` runs the first k-block, ``mmas[1]`` the rest (overwrite / accumulate).
+        """
+        warpgroup.fence()
+        n_k = cute.size(tA, mode=[2])
+        for k in cutlass.range_constexpr(n_k):
+            mma = mmas[0] if k == 0 else mmas[1]
+            if const_expr(cute.rank(tA) == 4):
+                cute.gemm(mma, acc, tA[None, None, k, 0], tB[None, None, k, stage], acc)
+            else:
+                cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k, stage], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pv(self, tiled_mma_pv, acc_O, tOrP, tOrV, stage, pv_l):
+        """O += P V, and with l_from_mma l += P 1 on the tensor cores (same P registers)."""
+        if const_expr(self.config.l_from_mma):
+            tiled_mma_l, acc_L, tLrOnes = pv_l
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+                cute.gemm(tiled_mma_l, acc_L, tOrP[None, None, k], tLrOnes[None, None, k, 0], acc_L)
+            warpgroup.commit_group()
+        else:
+            self.gemm((tiled_mma_pv, tiled_mma_pv), acc_O, tOrP, tOrV, stage)
+
+    @cute.jit
+    def rescale(self, acc_O, row_scale, pv_l):
+        dsoftmax.rescale_o(acc_O, row_scale)
+        if const_expr(self.config.l_from_mma):
+            dsoftmax.rescale_o(pv_l[1], row_scale)
+
+    @cute.jit
+    def step(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+             pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
+             q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
+             masked: cutlass.Constexpr[bool], wg, pv_l):
+        """One key tile after the first: ``step_overlap`` or ``step_plain`` (intra_wg_overlap)."""
+        if const_expr(self.config.intra_wg_overlap):
+            return self.step_overlap(
+                mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
+                q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, masked, wg, pv_l)
+        else:
+            return self.step_plain(
+                mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
+                q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, masked, wg, pv_l)
+
+    @cute.jit
+    def step_overlap(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                     pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
+                     q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
+                     masked: cutlass.Constexpr[bool], wg, pv_l):
+        """QK^T of tile n_block and PV of the previous tile in flight, then softmax(n_block)."""
+        cfg = self.config
+        v_state = kv_state.clone()
+        kv_state.advance()
+        c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        pipe_k.consumer_wait(kv_state)
+        if const_expr(cfg.pingpong):
+            cute.arch.barrier(barrier_id=BAR_SCHED + wg, number_of_threads=cfg.num_mma_threads)
+        self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
+        pipe_v.consumer_wait(v_state)
+        self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index, pv_l)
+        if const_expr(cfg.pingpong):
+            cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=cfg.num_mma_threads)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(kv_state)
+        if const_expr(masked):
+            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset)
+        dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, cfg.softmax_mode)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        self.store_p(acc_S, tOrP)
+        self.rescale(acc_O, row_scale, pv_l)
+        return kv_state
+
+    @cute.jit
+    def step_plain(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                   pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
+                   q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
+                   masked: cutlass.Constexpr[bool], wg, pv_l):
+        """QK^T, softmax, then PV of the same tile."""
+        cfg = self.config
+        c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        pipe_k.consumer_wait(kv_state)
+        self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+        if const_expr(masked):
+            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset)
+        dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, cfg.softmax_mode)
+        self.store_p(acc_S, tOrP)
+        self.rescale(acc_O, row_scale, pv_l)
+        pipe_v.consumer_wait(kv_state)
+        self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index, pv_l)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def epilogue(self, acc_O, row_lse, cO, tOgO, mLSE, m_block, head, batch, seqlen_q):
+        """Registers -> global: bf16 pairs per thread, rows past seqlen_q skipped."""
+        rO = cute.make_rmem_tensor_like(acc_O, tOgO.element_type)
+        rO.store(acc_O.load().to(tOgO.element_type))
+        o_mn = dlayout.acc_mn(rO)
+        c_mn = dlayout.acc_mn(cO)
+        g_mn = dlayout.acc_mn(tOgO)
+        row0 = m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            if row0 + c_mn[r, 0][0] < seqlen_q:
+                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    g_mn[r, j] = o_mn[r, j]
+                if c_mn[r, 0][1] == 0:
+                    mLSE[row0 + c_mn[r, 0][0], head, batch] = row_lse[r]
+
+
+class Fp8ForwardKernel(ForwardKernel):
+    """Entry point of FP8 inputs: the fp32 scales follow V (the same kernel otherwise)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, H, D) e4m3
+        mK: cute.Tensor,  # (B, Sk, Hkv, D) e4m3
+        mV: cute.Tensor,  # (B, Hkv, D, Skp) e4m3: transposed, keys permuted per 32 (layout.FP8_P_KEY_PERM)
+        mSQ: cute.Tensor,  # (B, H, ceil(Sq/quant_block)) fp32
+        mSK: cute.Tensor,  # (B, Hkv, ceil(Sk/quant_block)) fp32
+        mSV: cute.Tensor,  # (B, Hkv) fp32
+        mO: cute.Tensor,  # (B, Sq, H, D) bf16
+        mLSE: cute.Tensor,  # (B, H, Sq) fp32
+        seqlen_k: Int32,
+        softmax_scale_log2: Float32,
+        causal_offset: Int32,
+        stream,
+    ):
+        self.launch(mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream)
+
+
+def kernel_class(config: ForwardConfig) -> type:
+    """The kernel class whose ``__call__`` takes ``config``'s operands."""
+    return Fp8ForwardKernel if config.in_fp8 else ForwardKernel

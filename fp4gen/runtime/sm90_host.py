@@ -1,0 +1,267 @@
+"""Host side of the generated sm90a attention forward: argument checks, FP8 operand packing,
+compile and launch (docs/design/host-code.md).
+
+One copy for every sm90a module. A generated module builds one ``ForwardHost`` from its
+config (``fp4gen.device.sm90.forward.ForwardConfig``: the host reads ``kernel_name``,
+``head_dim``, ``in_fp8`` and ``quant_block``), its kernel builder (``_build() -> kernel
+object``, defined in the module so that the compile cache is keyed by the module's source)
+and, for FP8 inputs, the fused input quantizer (``fp4gen.device.quantize``), and binds its
+host names to it (``forward``, ``run_prepared``, ``quantize_inputs``, ``compile_only``, ...).
+
+Importing this module imports only the standard library: torch, CuTe DSL and fp4gen.numerics
+are imported inside the functions that use them, and no compiler stage ever is.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from fp4gen.runtime.sm100_host import module_source
+
+ARCH = "sm_90a"
+
+
+class ForwardHost:
+    """The host side of one generated sm90a forward. Holds its compiled kernels (one per
+    calling convention: TVM-FFI or CuTe's own; one compile serves every B, S, H)."""
+
+    def __init__(self, config, build: Callable, quantizer=None):
+        if config.in_fp8 and quantizer is None:
+            raise ValueError(f"{config.kernel_name}: an FP8 forward needs its input quantizer")
+        self.config = config
+        self.build = build
+        self.quantizer = quantizer  # fp4gen.device.quantize for FP8 inputs, else None
+        self._compiled = {}  # tvm_ffi -> compiled kernel
+        self._fp8_as_uint8 = None  # TVM-FFI: whether float8 tensors go as uint8 views (torch < 2.11)
+
+    # ------------------------------------------------------------------ compile
+
+    def fake_args(self):
+        """Symbolic-shape stand-ins for every kernel argument (no GPU needed)."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+        from cutlass.cute.runtime import make_fake_compact_tensor as fake
+
+        cfg = self.config
+        dtype = cutlass.Float8E4M3FN if cfg.in_fp8 else cutlass.BFloat16
+        sym = cute.sym_int
+        b, sq, sk, h, hkv = sym(), sym(), sym(), sym(), sym()
+        d = cfg.head_dim
+        q = fake(dtype, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+        k = fake(dtype, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+        if cfg.in_fp8:
+            skp = sym(divisibility=32)
+            v = fake(dtype, (b, hkv, d, skp), stride_order=(3, 2, 1, 0), assumed_align=16)
+            nqb, nkb = sym(), sym()
+            sq_scale = fake(Float32, (b, h, nqb), stride_order=(2, 1, 0), assumed_align=4)
+            sk_scale = fake(Float32, (b, hkv, nkb), stride_order=(2, 1, 0), assumed_align=4)
+            sv_scale = fake(Float32, (b, hkv), stride_order=(1, 0), assumed_align=4)
+            ins = (q, k, v, sq_scale, sk_scale, sv_scale)
+        else:
+            v = fake(dtype, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+            ins = (q, k, v)
+        o = fake(cutlass.BFloat16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+        lse = fake(Float32, (b, h, sq), stride_order=(2, 1, 0), assumed_align=4)
+        return (*ins, o, lse, Int32(1), Float32(1.0), Int32(0))
+
+    def compile(self, arch=None, tvm_ffi=None):
+        """The compiled forward; symbolic shapes let one compile serve every B, S, H.
+
+        At run time (``arch`` None) through ``fp4gen.runtime.cache.compiled_kernel``: in
+        memory, then a verified disk entry keyed by the generated module's source (read from
+        the file that defines ``build``; a module whose source cannot be read compiles in
+        memory only), the calling convention and the CuTe DSL version. With ``arch``
+        (``compile_only``) a plain compile in memory.
+        """
+        from fp4gen.runtime import cache
+
+        tvm_ffi = cache.tvm_ffi_available() if tvm_ffi is None else tvm_ffi
+        if tvm_ffi not in self._compiled:
+            def build():
+                import cutlass.cute as cute
+
+                stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+                # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
+                opts = f"--gpu-arch {ARCH}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+                return cute.compile(self.build(), *self.fake_args(), stream, options=opts)
+
+            if arch is None:
+                source = module_source(self.build)
+                self._compiled[tvm_ffi] = cache.compiled_kernel(
+                    "forward", f"arch={ARCH},tvm_ffi={tvm_ffi}", build, module_source=source,
+                    persist=bool(source), enable_tvm_ffi=tvm_ffi)
+            else:
+                self._compiled[tvm_ffi] = build()
+        return self._compiled[tvm_ffi]
+
+    def compile_only(self, arch: str = ARCH) -> list:
+        """Compile the forward (and the FP8 input quantizer) for ``arch`` without a GPU;
+        returns the names compiled."""
+        cfg = self.config
+        if arch != ARCH:
+            raise ValueError(f"{cfg.kernel_name} is a Hopper kernel: arch must be {ARCH!r}, got {arch!r}")
+        self.compile(arch, tvm_ffi=False)
+        names = [cfg.kernel_name]
+        if cfg.in_fp8:
+            names += self.quantizer.compile_only(arch, cfg.head_dim)  # the fused input quantizer
+        return names
+
+    # ------------------------------------------------------------------ operands
+
+    def check(self, q, k, v, softmax_scale):
+        """User-facing argument checks (fp4gen.runtime.checks); returns the sizes."""
+        import torch
+
+        from fp4gen.runtime import checks
+
+        kernel = self.config.kernel_name
+        checks.check_softmax_scale(kernel, softmax_scale)
+        sizes = checks.check_qkv(kernel, q, k, v, dtypes=(torch.bfloat16,), head_dim=self.config.head_dim)
+        checks.require_arch(ARCH, kernel=kernel, device=q.device)
+        return sizes
+
+    def quantize(self, x, per_block: bool, fast: bool = True):
+        """(B, S, H, D) bf16 -> e4m3 payload (B, S, H, D) and fp32 scales (B, H, nblk) or (B, H).
+
+        Contract (numerics oracle): scale = amax / 448 (1 where amax == 0), payload =
+        e4m3_rne(x / scale), saturating; one scale per ``quant_block`` tokens (``per_block``)
+        or per (batch, head). ``fast``: the same arithmetic with torch's own
+        round-to-nearest-even float8 cast (tests check it bit-equal to the oracle's quantizers);
+        otherwise the oracle's quantizers themselves.
+        """
+        import torch
+
+        from fp4gen.numerics.formats import E4M3
+
+        blk = self.config.quant_block
+        if not fast:
+            from fp4gen.numerics.quant import quantize_fp8_blockwise, quantize_fp8_tensor
+
+            if per_block:
+                t = quantize_fp8_blockwise(x, block=blk, dim=1)
+                return t.payload, t.scale.permute(0, 2, 1).contiguous()  # (B, nb, H) -> (B, H, nb)
+            t = quantize_fp8_tensor(x)
+            return t.payload, t.scale.contiguous()
+        fmax = E4M3.max_value
+        B, S, H, D = x.shape
+        xf = x.float()
+        if per_block:
+            nb = (S + blk - 1) // blk
+            pad = nb * blk - S
+            xp = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, pad)) if pad else xf
+            amax = xp.view(B, nb, blk, H, D).abs().amax(dim=(2, 4))  # (B, nb, H)
+            scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmax)
+            full = scale.repeat_interleave(blk, dim=1)[:, :S, :, None]
+            payload = (xf / full).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+            return payload, scale.permute(0, 2, 1).contiguous()
+        amax = xf.abs().amax(dim=(1, 3))  # (B, H)
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / fmax)
+        payload = (xf / scale[:, None, :, None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+        return payload, scale.contiguous()
+
+    def v_operand(self, v8):
+        """(B, Sk, Hkv, D) e4m3 -> V^T (B, Hkv, D, Skp): keys contiguous, padded to 32, keys
+        permuted inside each 32-block to match P's register order (the quantizer's
+        ``FP8_P_KEY_PERM``, from fp4gen.device.layout)."""
+        import torch
+
+        B, S, H, D = v8.shape
+        skp = (S + 31) // 32 * 32
+        vt = torch.zeros((B, H, D, skp), dtype=torch.uint8, device=v8.device)
+        vt[..., :S] = v8.view(torch.uint8).permute(0, 2, 3, 1)
+        perm = torch.tensor(self.quantizer.FP8_P_KEY_PERM, device=v8.device)
+        idx = (torch.arange(skp // 32, device=v8.device)[:, None] * 32 + perm[None, :]).reshape(-1)
+        return vt.index_select(3, idx).contiguous().view(torch.float8_e4m3fn)
+
+    def quantize_inputs(self, q, k, v, fast: bool = True, for_backward: bool = False,
+                        transposed_qk: bool = False):
+        """bf16 q, k, v -> the kernel's FP8 operands (q8, k8, vt8, scale_q, scale_k, scale_v).
+
+        ``fast``: on CUDA, the fused CuTe DSL quantizer (fp4gen.device.quantize: 4 launches,
+        memory bound, bit-identical to the torch path); ``fast=False``, or tensors it does not
+        take (not on CUDA, other head dims), use the torch path (``quantize``, ``v_operand``).
+        ``for_backward``: a seventh tensor, v8, V's payload in its own (B, Sk, Hkv, D) layout,
+        written by the same pass; an FP8 backward given these ``prepared`` reads it instead of
+        quantizing V again. ``transposed_qk`` (with ``for_backward``): two more, the transposed
+        copies of Q's and K's payloads that a backward with FP8 dS reads
+        (``fp4gen.device.quantize.TRANSPOSED_TILES``), written by the same Q and K passes.
+        """
+        dq = self.quantizer
+        if transposed_qk and not for_backward:
+            raise ValueError("quantize_inputs: transposed_qk=True needs for_backward=True")
+        if fast and q.is_cuda and self.config.head_dim in dq.SUPPORTED_HEAD_DIMS:
+            return dq.quantize_inputs(q, k, v, for_backward=for_backward, transposed_qk=transposed_qk)
+        q8, sq = self.quantize(q, True)
+        k8, sk = self.quantize(k, True)
+        v8, sv = self.quantize(v, False)
+        out = (q8, k8, self.v_operand(v8), sq, sk, sv) + ((v8,) if for_backward else ())
+        if transposed_qk:
+            out += (dq.transposed_operand(q8, "q"), dq.transposed_operand(k8, "k"))
+        return out
+
+    def bench_inputs(self, q, k, v):
+        """For bench/attention.py: time the kernel alone, with the quantization done beforehand."""
+        return (q, k, v), {"prepared": self.quantize_inputs(q, k, v)}
+
+    # ------------------------------------------------------------------ launch
+
+    def forward(self, q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
+        """The generated module's ``forward`` (its docstring states the contract)."""
+        import torch
+
+        sizes = self.check(q, k, v, softmax_scale)
+        B, Sq, H, D = q.shape
+        Sk = sizes.seqlen_k
+        causal_offset = Sk - Sq
+        scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+        if self.config.in_fp8:
+            ins = prepared[:6] if prepared is not None else self.quantize_inputs(q, k, v)
+        else:
+            ins = (q, k, v)
+        self.run_prepared(ins, o, lse, Sk, scale, causal_offset)
+        return (o, lse) if return_lse else o
+
+    def run_prepared(self, ins, o, lse, seqlen_k, softmax_scale, causal_offset=0):
+        """Launch on already prepared operands (``ins`` as ``forward`` builds them)."""
+        import torch
+
+        from fp4gen.runtime import cache
+
+        with torch.cuda.device(o.device):
+            tvm_ffi = cache.tvm_ffi_available()
+            kern = self.compile(None, tvm_ffi)
+            scalars = (int(seqlen_k), float(softmax_scale) * math.log2(math.e), int(causal_offset))
+            if tvm_ffi:
+                if self._fp8_as_uint8 is None:
+                    # torch >= 2.11 exports float8 through DLPack; older torch needs a uint8 view
+                    try:
+                        kern(*ins, o, lse, *scalars)
+                        self._fp8_as_uint8 = False
+                        return
+                    except ValueError:
+                        if not self.config.in_fp8:
+                            raise
+                        self._fp8_as_uint8 = True
+                args = [t.view(torch.uint8) if (self._fp8_as_uint8 and t.dtype == torch.float8_e4m3fn) else t
+                        for t in ins]
+                kern(*args, o, lse, *scalars)
+            else:
+                import cuda.bindings.driver as cuda
+                import cutlass
+                from cutlass import Float32, Int32
+                from cutlass.cute.runtime import from_dlpack
+
+                def conv(t):
+                    if t.dtype == torch.float8_e4m3fn:
+                        ct = from_dlpack(t.view(torch.uint8), assumed_align=16)
+                        ct.element_type = cutlass.Float8E4M3FN
+                    else:
+                        ct = from_dlpack(t, assumed_align=16 if t.dtype != torch.float32 else 4)
+                    return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+                stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+                kern(*[conv(t) for t in ins], conv(o), conv(lse), Int32(scalars[0]), Float32(scalars[1]),
+                     Int32(scalars[2]), stream)
