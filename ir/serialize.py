@@ -35,8 +35,8 @@ from typing import Any, Mapping, Optional
 
 from .plan import KernelPlan
 from .spec import (
-    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Mask, OperandFormat, PKind,
-    PProduction, PPublish, PSource, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest,
+    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Layout, Mask, OperandFormat, PKind,
+    PProduction, PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest,
 )
 
 SPEC_SCHEMA = 1
@@ -60,6 +60,31 @@ def _fmt_from(d: dict) -> OperandFormat:
                          Format(d["scale"]) if d["scale"] is not None else None)
 
 
+def _extensions_to(spec: KernelSpec) -> dict[str, Any]:
+    """The fields beyond dense none/causal attention (window, softcap, sinks, layout), each
+    written only when it is not the default: a spec that does not use them serializes byte for
+    byte as before they existed (the goldens, every committed PLAN_JSON, the torch_ops keys)."""
+    d: dict[str, Any] = {}
+    if spec.window is not None:
+        d["window"] = list(spec.window)
+    if spec.softcap:
+        d["softcap"] = spec.softcap
+    if spec.sinks is not Sinks.NONE:
+        d["sinks"] = spec.sinks.value
+    if spec.layout is not Layout.DENSE:
+        d["layout"] = spec.layout.value
+    return d
+
+
+def _extensions_from(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``_extensions_to``'s inverse: KernelSpec keyword arguments (the defaults for absent keys)."""
+    w = d.get("window")
+    if (d["mask"] == Mask.WINDOW.value) != (w is not None):
+        raise ValueError(f"mask {d['mask']!r} with window {w!r}: a window mask and its sizes come together")
+    return {"window": None if w is None else (int(w[0]), int(w[1])), "softcap": float(d.get("softcap", 0.0)),
+            "sinks": Sinks(d.get("sinks", "none")), "layout": Layout(d.get("layout", "dense"))}
+
+
 def spec_to_dict(spec: KernelSpec, *, with_source: bool = True) -> dict[str, Any]:
     """Every field of ``spec`` as JSON-compatible values (enums by their spelling);
     ``with_source=False`` leaves out ``locs`` and ``source_lines``."""
@@ -71,6 +96,7 @@ def spec_to_dict(spec: KernelSpec, *, with_source: bool = True) -> dict[str, Any
         "head_dim": spec.head_dim,
         "mask": spec.mask.value,
         "softmax_scale": spec.softmax_scale,
+        **_extensions_to(spec),
         "operands": {n: _fmt_to(spec.operand(n)) for n in ("Q", "K", "P", "V", "O")},
         "p_production": {"kind": spec.p_production.kind.value, "policy": spec.p_production.policy.value,
                          "a": spec.p_production.a, "b": spec.p_production.b},
@@ -116,7 +142,7 @@ def spec_from_dict(d: Mapping[str, Any]) -> KernelSpec:
                       deterministic=b["deterministic"])
     return KernelSpec(
         name=d["name"], target=Target(d["target"]), head_dim=d["head_dim"], mask=Mask(d["mask"]),
-        softmax_scale=d["softmax_scale"], **ops,
+        softmax_scale=d["softmax_scale"], **_extensions_from(d), **ops,
         p_production=PProduction(PKind(pp["kind"]), DirectPPolicy(pp["policy"]), pp["a"], pp["b"]),
         guard=Guard(GuardKind(g["kind"]), g["m"], g["l"]),
         schedule=Schedule(tile_m=s["tile_m"], tile_n=s["tile_n"], q_stages=s["q_stages"],
@@ -173,7 +199,7 @@ def _spec_view(s: KernelSpec) -> dict:
     """The spec as a reader wants it: the scale resolved, formats spelled as in a spec."""
     sch = s.schedule
     return {
-        "head_dim": s.head_dim, "mask": s.mask.value, "softmax_scale": s.scale,
+        "head_dim": s.head_dim, "mask": s.mask.value, "softmax_scale": s.scale, **_extensions_to(s),
         "formats": {k: str(s.operand(k)) for k in ("Q", "K", "P", "V", "O")},
         "p_production": {"kind": s.p_production.kind.value, "policy": s.p_production.policy.value,
                          "a": s.p_production.a, "b": s.p_production.b},

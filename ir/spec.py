@@ -148,8 +148,44 @@ class Guard:
 
 
 class Mask(str, Enum):
+    """Which keys a query row sees. ``WINDOW`` carries its sizes in ``KernelSpec.window``;
+    ``mask_for_window`` maps FlashAttention's ``window_size`` to the three."""
+
     NONE = "none"
-    CAUSAL = "causal"
+    CAUSAL = "causal"  # window(-1, 0)
+    WINDOW = "window"  # window(left, right), at least one side bounded and not (-1, 0)
+
+
+class Sinks(str, Enum):
+    """Attention sinks: ``LEARNED`` is GPT-OSS's per-head sink logit, one extra term
+    ``exp(sink[h])`` in each row's softmax denominator with no value row (an input tensor (H,)
+    in the units of the scaled scores)."""
+
+    NONE = "none"
+    LEARNED = "learned"
+
+
+class Layout(str, Enum):
+    """How a batch is laid out: ``DENSE`` (B, S, H, D) tensors, or ``VARLEN`` sequences packed
+    into (total_tokens, H, D) tensors with ``cu_seqlens`` offsets (flash_attn's varlen)."""
+
+    DENSE = "dense"
+    VARLEN = "varlen"
+
+
+# window(left, right): -1 (unbounded) or a key count; larger than any sequence is unbounded anyway
+WINDOW_RANGE = range(-1, 1 << 31)
+
+
+def mask_for_window(left: int, right: int) -> "tuple[Mask, Optional[tuple[int, int]]]":
+    """(mask, window) for FlashAttention's ``window_size=(left, right)``: (-1, -1) is no mask,
+    (-1, 0) is causal, anything else a window. One spelling per mask, so that ``window(-1, 0)``
+    and ``causal`` are one spec (and run one kernel)."""
+    if (left, right) == (-1, -1):
+        return Mask.NONE, None
+    if (left, right) == (-1, 0):
+        return Mask.CAUSAL, None
+    return Mask.WINDOW, (left, right)
 
 
 class PPublish(str, Enum):
@@ -200,6 +236,8 @@ GUARD_M_RANGE = range(1, 128)  # |max score| threshold in log2 units; E8M0 spans
 GUARD_L_RANGE = range(1, 65)  # sampled keys per row: a loop per CTA, a table per row
 # also the bound of softmax_scale= in fp4gen.attention and generated forwards (runtime/checks.py)
 SOFTMAX_SCALE_RANGE = (1e-6, 1e6)
+# softcap c (scores become c * tanh(s / c)): Gemma-2 uses 50 and 30; 0 (the default) is none
+SOFTCAP_RANGE = (1e-2, 1e4)
 
 
 def bound_text(x: float) -> str:
@@ -240,6 +278,11 @@ class KernelSpec:
     head_dim: int
     mask: Mask = Mask.NONE
     softmax_scale: Optional[float] = None  # None = 1/sqrt(head_dim)
+    # (left, right) keys either side of the diagonal when mask is WINDOW, else None
+    window: Optional[tuple[int, int]] = None
+    softcap: float = 0.0  # c > 0: scores become c * tanh(s / c) (s scaled); 0 = none
+    sinks: Sinks = Sinks.NONE
+    layout: Layout = Layout.DENSE
     q: OperandFormat = OperandFormat(Format.BF16)
     k: OperandFormat = OperandFormat(Format.BF16)
     p: OperandFormat = OperandFormat(Format.BF16)
@@ -258,6 +301,31 @@ class KernelSpec:
     def operand(self, name: str) -> OperandFormat:
         """Format of a forward operand by its spec name (Q, K, P, V, O)."""
         return {"Q": self.q, "K": self.k, "P": self.p, "V": self.v, "O": self.o}[name]
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """The mask as FlashAttention's ``window_size`` (-1 = unbounded): query i (of Sq) sees
+        key j (of Sk) iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (bottom-right aligned)."""
+        if self.mask is Mask.CAUSAL:
+            return (-1, 0)
+        if self.mask is Mask.WINDOW and self.window is not None:
+            return self.window
+        return (-1, -1)
+
+    @property
+    def uses_extensions(self) -> tuple[str, ...]:
+        """The spec fields beyond dense none/causal attention that it sets (field paths of
+        ``locs``: "mask", "softcap", "sinks", "layout"), for the targets that refuse them."""
+        out = []
+        if self.mask is Mask.WINDOW:
+            out.append("mask")
+        if self.softcap:
+            out.append("softcap")
+        if self.sinks is not Sinks.NONE:
+            out.append("sinks")
+        if self.layout is not Layout.DENSE:
+            out.append("layout")
+        return tuple(out)
 
     @property
     def scale(self) -> float:

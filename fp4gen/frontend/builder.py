@@ -18,9 +18,11 @@ from lark import Token, Tree
 from fp4gen.ir.plan import TMEM_COLUMNS
 from fp4gen.ir.spec import (
     BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, FORWARD_OPERANDS, FP8_TOKEN_BLOCKS,
-    GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTMAX_SCALE_RANGE, TILE_RANGE,
-    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Mask, OperandFormat, PKind, PProduction,
-    PPublish, PSource, ScaleGranularity, Schedule, SourceLoc, Target, TmemRegionRequest, bound_text, default_operand_format,
+    GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTCAP_RANGE,
+    SOFTMAX_SCALE_RANGE, TILE_RANGE, WINDOW_RANGE,
+    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Layout, Mask, OperandFormat, PKind, PProduction,
+    PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest, bound_text,
+    default_operand_format, mask_for_window,
 )
 
 from .diagnostics import Diagnostic, Note, did_you_mean, one_of
@@ -28,6 +30,8 @@ from .diagnostics import Diagnostic, Note, did_you_mean, one_of
 ELEMENT_FORMATS = tuple(f.value for f in Format if f not in (Format.E8M0, Format.E4M3))
 TARGETS = tuple(t.value for t in Target)
 MASKS = tuple(m.value for m in Mask)
+SINKS = tuple(x.value for x in Sinks)
+LAYOUTS = tuple(x.value for x in Layout)
 P_KINDS = tuple(k.value for k in PKind)
 POLICIES = tuple(p.value for p in DirectPPolicy)
 PUBLISH = tuple(p.value for p in PPublish)
@@ -36,7 +40,8 @@ GUARDS = tuple(g.value for g in GuardKind)
 # words accepted by `scale=` inside a format's parentheses
 SCALE_WORDS = ("tensor", "token", "none", "fp32", "e8m0", "e4m3")
 
-KERNEL_KEYWORDS = ("target", "head_dim", "mask", "scale", "guard", "schedule", "backward")
+KERNEL_KEYWORDS = ("target", "head_dim", "mask", "softcap", "sinks", "layout", "scale", "guard", "schedule",
+                   "backward")
 SCHEDULE_KEYWORDS = ("tile", "q_stages", "kv_stages", "p_publish", "p_source", "tmem")
 BACKWARD_KEYWORDS = ("reuse", "deterministic")
 BLOCK_HOME = {**{k: "schedule" for k in SCHEDULE_KEYWORDS}, **{k: "backward" for k in BACKWARD_KEYWORDS}}
@@ -243,11 +248,43 @@ class KernelBuilder:
                         self.locs["head_dim"] = self.err.loc(tok)
             elif kind == "mask_stmt":
                 if self.first_time("mask", st, "the mask"):
+                    res = self.mask(st)
+                    if res is not None:
+                        f["mask"], f["window"] = res
+                        self.locs["mask"] = self.err.loc(st.children[0])
+            elif kind == "softcap_stmt":
+                if self.first_time("softcap", st, "softcap"):
+                    (child,) = st.children
+                    tok = child.children[0] if isinstance(child, Tree) else child
+                    if tok.type == "NAME":
+                        if self.word(tok, ("none",), "softcap value") is not None:
+                            self.locs["softcap"] = self.err.loc(tok)
+                    elif tok.type == "SIGNED_NUMBER" and self.short(tok, "softcap") and float(tok) == 0:
+                        self.error(tok, "softcap 0 would divide by zero", hint="write 'softcap none' (the default)")
+                    else:
+                        v = self.real(tok, "softcap", bounds=SOFTCAP_RANGE)
+                        if v is not None:
+                            f["softcap"] = v
+                            self.locs["softcap"] = self.err.loc(tok)
+            elif kind == "sinks_stmt":
+                if self.first_time("sinks", st, "sinks"):
+                    (child,) = st.children
+                    tok = child.children[0] if isinstance(child, Tree) else child
+                    if tok.type != "NAME":
+                        self.error(tok, f"sinks takes {one_of(SINKS)}, not a count of sink tokens ('{tok}')",
+                                   hint="'sinks learned' is GPT-OSS's learned per-head sink logit")
+                    else:
+                        v = self.word(tok, SINKS, "sinks value")
+                        if v is not None:
+                            f["sinks"] = Sinks(v)
+                            self.locs["sinks"] = self.err.loc(tok)
+            elif kind == "layout_stmt":
+                if self.first_time("layout", st, "the layout"):
                     (tok,) = st.children
-                    v = self.word(tok, MASKS, "mask")
+                    v = self.word(tok, LAYOUTS, "layout")
                     if v is not None:
-                        f["mask"] = Mask(v)
-                        self.locs["mask"] = self.err.loc(tok)
+                        f["layout"] = Layout(v)
+                        self.locs["layout"] = self.err.loc(tok)
             elif kind == "scale_stmt":
                 if self.first_time("scale", st, "the softmax scale"):
                     (child,) = st.children
@@ -477,6 +514,37 @@ class KernelBuilder:
         for a in args.values():
             self.locs[f"P.via.{a.name}"] = self.err.loc(a.key)
         return PProduction(kind=PKind.DIRECT_P, **kw) if kw else prod
+
+    def mask(self, st: Tree) -> Optional[tuple[Mask, Optional[tuple[int, int]]]]:
+        """(mask, window) of `mask none | causal | window(left, right)`; window sizes follow
+        FlashAttention's window_size (-1 = unbounded), and window(-1, -1) / window(-1, 0) are
+        the masks none / causal (``mask_for_window``)."""
+        tok = st.children[0]
+        kind = self.word(tok, MASKS, "mask")
+        if kind is None:
+            return None
+        if kind != "window":
+            return (Mask(kind), None) if self.args(st, (), f"mask {kind}") is not None else None
+        args = self.args(st, ("left", "right"), "window")
+        if args is None:
+            return None
+        missing = [p for p in ("left", "right") if p not in args]
+        if missing:
+            self.error(tok, f"window needs {' and '.join(missing)}",
+                       hint="e.g. 'mask window(128, 0)': 128 keys before the diagonal, none after (-1 = unbounded)")
+            return None
+        sizes = []
+        for p in ("left", "right"):
+            v = self.whole(args[p].value, f"window {p}")
+            if v is None:
+                return None
+            if v not in WINDOW_RANGE:
+                self.error(args[p].value, f"window {p} must be -1 (unbounded) or a key count from 0 to "
+                                          f"{WINDOW_RANGE[-1]}, got {v}")
+                return None
+            sizes.append(v)
+            self.locs[f"mask.{p}"] = self.err.loc(args[p].key)
+        return mask_for_window(sizes[0], sizes[1])
 
     def guard(self, call: Tree) -> Optional[Guard]:
         tok = call.children[0]

@@ -231,6 +231,32 @@ def _check_shape(spec: KernelSpec) -> None:
         raise PlanError(f"{t.value} has no tensor memory; drop the tmem block", _loc(spec, "schedule.tmem", "schedule"))
 
 
+def _check_extensions(spec: KernelSpec) -> None:
+    """sm90a and sm100a implement dense attention with mask none or causal: a window, softcap,
+    sinks or the varlen layout is refused at its spec line (only the reference target runs
+    them), here in the first planning pass, so that ``fp4gen check`` and ``fp4gen compile``
+    refuse it alike."""
+    t = spec.target
+    if t is Target.REFERENCE:
+        return
+    used = spec.uses_extensions
+    if not used:
+        return
+    field = used[0]
+    what = {
+        "mask": f"mask window({spec.window_size[0]}, {spec.window_size[1]}): {t.value} implements mask none "
+                "and causal (window(-1, 0))",
+        "softcap": f"softcap {spec.softcap:g}: {t.value} implements attention without a softcap",
+        "sinks": f"sinks {spec.sinks.value}: {t.value} implements attention without sinks",
+        "layout": f"layout {spec.layout.value}: {t.value} implements the dense (B, S, H, D) layout only",
+    }[field]
+    fix = {"mask": "write mask none or mask causal", "softcap": "drop the softcap line (or write softcap none)",
+           "sinks": "drop the sinks line (or write sinks none)", "layout": "drop the layout line (or write layout dense)"}
+    raise PlanError(what, spec.loc(field),
+                    [f"{fix[field]}, or target reference, which implements window, softcap, sinks and varlen "
+                     "(kernels for them are issue 19)"])
+
+
 def _sources(spec: KernelSpec, name: str, a: OperandFormat, b: OperandFormat) -> tuple[str, str, str, str]:
     """(a_source, b_source, a_major, b_major)."""
     t = spec.target
@@ -248,6 +274,7 @@ def _sources(spec: KernelSpec, name: str, a: OperandFormat, b: OperandFormat) ->
 
 def legalize(spec: KernelSpec) -> KernelPlan:
     """Check the spec against its target and choose the MMA kind of QK^T and PV."""
+    _check_extensions(spec)  # first: no setting of the other fields makes them run
     if spec.target is not Target.REFERENCE:
         _check_formats(spec)
         _check_scales(spec)

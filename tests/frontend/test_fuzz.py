@@ -119,8 +119,13 @@ def specs(draw):
     target = draw(st.sampled_from(list(Target)))
     head_dim = draw(st.sampled_from([32, 64, 96, 128, 192, 256, 80, 16]))  # 80, 16: the GPU planners refuse
     mask = draw(st.sampled_from(list(Mask)))
-    lines = [f"attention gen {{", f"  target {target.value}", f"  head_dim {head_dim}", f"  mask {mask.value}"]
+    mask_text = mask.value
     want = {"target": target, "head_dim": head_dim, "mask": mask}
+    if mask is Mask.WINDOW:  # sizes other than (-1, -1) and (-1, 0), which spell none and causal
+        window = draw(st.tuples(st.integers(-1, 300), st.integers(-1, 300)).filter(lambda w: w[0] >= 0 or w[1] > 0))
+        mask_text = f"window({window[0]}, {window[1]})"
+        want["window"] = window
+    lines = [f"attention gen {{", f"  target {target.value}", f"  head_dim {head_dim}", f"  mask {mask_text}"]
     if draw(st.booleans()):
         scale = draw(st.sampled_from([0.088, 0.125, 1.0]))
         lines.append(f"  scale {scale}")

@@ -16,7 +16,8 @@ from fp4gen.ir.serialize import (
     PlanJsonError, computed_fields, json_text, plan_to_dict, spec_from_dict, spec_from_plan_dict,
     spec_from_plan_json, spec_to_dict,
 )
-from fp4gen.ir.spec import Backward, Guard, KernelSpec, OperandFormat, PProduction, PSource, Schedule
+from fp4gen.ir.spec import (Backward, Guard, KernelSpec, Layout, Mask, OperandFormat, PProduction, PSource, Schedule,
+                            Sinks)
 
 ROOT = Path(__file__).resolve().parents[2]
 frontend = pytest.importorskip("fp4gen.frontend")
@@ -33,6 +34,9 @@ def test_spec_dict_names_every_field():
     # schedule.p_source is written only when it is not the default (tmem), so that the embedded
     # dicts of the tmem kernels keep their bytes: set it
     spec = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, p_source=PSource.SMEM))
+    # so are the window, softcap, sinks and layout (issue 19): set them too
+    spec = dataclasses.replace(spec, mask=Mask.WINDOW, window=(64, 0), softcap=30.0, sinks=Sinks.LEARNED,
+                               layout=Layout.VARLEN)
     d = spec_to_dict(spec)
     ops = {"q", "k", "p", "v", "o"}
     assert set(d) - {"schema", "operands"} == field_names(KernelSpec) - ops
