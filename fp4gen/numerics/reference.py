@@ -5,7 +5,17 @@
 
 q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D), H % Hkv == 0 (GQA); any float dtype, any
 device. o: (B, Sq, H, D) float32; lse: (B, H, Sq) float32, natural log, in the
-units of s * softmax_scale.
+units of s * softmax_scale (after the softcap), flash_attn's convention.
+
+Masks, softcap and sinks follow ``masking.py`` (FlashAttention's window_size, bottom-right
+aligned; ``c * tanh(s / c)`` on the scaled score; a learned sink logit per query head,
+``sinks`` (H,), in the units of the scaled scores). The sink adds ``exp(sink[h])`` to each
+row's softmax denominator after the last key tile (the row max taken over it too), has no
+value row, and is part of the LSE, as flash_attn's learnable sink is; ``sinks_grad`` is its
+gradient. A row that sees no key: o = 0 and lse = -inf (with sinks: lse = the sink), no NaN.
+Varlen (``forward_varlen`` / ``backward_varlen``): the dense path per sequence of the packed
+(total, H, D) tensors, so per-tensor FP8 scales and FP8 token blocks are per sequence; its
+lse is (H, total_q), as flash_attn's varlen returns it.
 
 The forward is flash-style: keys in tiles of ``spec.schedule.tile_n`` (128 by
 default, the Hopper contract's tile), query rows in chunks, never an Sq x Sk
@@ -23,11 +33,12 @@ from typing import Optional
 
 import torch
 
-from fp4gen.ir.spec import (Format, KernelSpec, Mask, OperandFormat, PKind, ScaleGranularity,
-                            GuardKind)
+from fp4gen.ir.spec import (Format, KernelSpec, Layout, OperandFormat, PKind, ScaleGranularity,
+                            GuardKind, Sinks)
 from . import backward_rules as _bwd_rules  # the sm90a backward's tile and FP8 dS rule
 
 from . import directp as dp
+from . import masking
 from .formats import E4M3, E5M2, decode, round_to
 from .quant import quantize_fp8, quantize_mxfp4, quantize_nvfp4
 
@@ -164,9 +175,19 @@ def _expand_heads(x: Optional[torch.Tensor], H: int, dim: int):
     return x if g == 1 else x.repeat_interleave(g, dim=dim)
 
 
-def _causal_allowed(rows: torch.Tensor, cols: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
-    # bottom-right aligned (as FlashAttention >= 2.1): query i sees key j iff j <= i + sk - sq
-    return cols[None, :] <= rows[:, None] + (sk - sq)
+def _check_sinks(sinks, spec: KernelSpec, H: int, device) -> Optional[torch.Tensor]:
+    """The (H,) float32 sink logits a ``sinks learned`` spec needs (None for other specs)."""
+    if spec.sinks is Sinks.NONE:
+        if sinks is not None:
+            raise ReferenceError(f"spec {spec.name!r} has no sinks, but sinks were given (write 'sinks learned')")
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not torch.is_floating_point(sinks):
+        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ReferenceError(f"spec {spec.name!r} has learned sinks: pass sinks, a float tensor (H,) = ({H},); "
+                             f"got {got}")
+    if sinks.device != device:
+        raise ReferenceError(f"sinks are on {sinks.device}, q on {device}")
+    return sinks.to(torch.float32)
 
 
 def _row_chunk(B: int, H: int, tile_n: int, D: int) -> int:
@@ -196,7 +217,10 @@ class _Prepared:
         self.vpost = None if V.post_scale is None else _expand_heads(V.post_scale, H, 1)  # (B, H)
         # c = fp32(softmax_scale * log2(e)), folded with the FP8 scales into one multiplier
         self.c = torch.tensor(spec.scale * dp.LOG2E, dtype=torch.float32).item()
-        self.causal = spec.mask is Mask.CAUSAL
+        self.window = spec.window_size
+        self.masked = masking.is_masked(self.window)
+        # softcap in log2 units: t = s log2(e), so c tanh(s / c) log2(e) = c2 tanh(t / c2)
+        self.cap2 = spec.softcap * dp.LOG2E if spec.softcap else 0.0
         self.tile_n = spec.schedule.tile_n
         self.device = q.device
 
@@ -218,12 +242,22 @@ class _Prepared:
             t = dot * ((sq * sk) * self.c)
         else:
             t = dot * self.c
-        if self.causal:
+        if self.cap2:
+            t = self.cap2 * torch.tanh(t / self.cap2)
+        if self.masked:
             rows = torch.arange(r0, r1, device=self.device)
             cols = torch.arange(c0, c1, device=self.device)
-            ok = _causal_allowed(rows, cols, self.Sq, self.Sk)
+            ok = masking.allowed(rows, cols, self.Sq, self.Sk, self.window)
             t = t.masked_fill(~ok, float("-inf"))
         return t
+
+    def key_tiles(self, r0, r1) -> range:
+        """Starts of the key tiles rows r0:r1 see (tiles aligned to tile_n, as a kernel's);
+        the fully masked ones are skipped."""
+        first, last = masking.key_span(r0, r1, self.Sq, self.Sk, self.window)
+        if first >= last:
+            return range(0)
+        return range(first // self.tile_n * self.tile_n, last, self.tile_n)
 
 
 def _guard_refs(st: _Prepared, spec: KernelSpec) -> torch.Tensor:
@@ -240,15 +274,30 @@ def _guard_refs(st: _Prepared, spec: KernelSpec) -> torch.Tensor:
         t = dot * ((sq * sk) * st.c)
     else:
         t = dot * st.c
-    if st.causal:
-        ok = _causal_allowed(torch.arange(Sq, device=st.device), pos, Sq, st.Sk)
+    if st.cap2:
+        t = st.cap2 * torch.tanh(t / st.cap2)
+    if st.masked:
+        ok = masking.allowed(torch.arange(Sq, device=st.device), pos, Sq, st.Sk, st.window)
         t = t.masked_fill(~ok, float("-inf"))
     return dp.guard_reference(t, float(spec.guard.m), row_block=spec.schedule.tile_m)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec):
-    """Attention forward with the spec's numerics. Returns (o float32 (B,Sq,H,D), lse (B,H,Sq))."""
+def _dense_only(spec: KernelSpec, what: str) -> None:
+    if spec.layout is not Layout.DENSE:
+        raise ReferenceError(f"spec {spec.name!r} is layout varlen: call {what}_varlen with cu_seqlens")
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec, *,
+            sinks: Optional[torch.Tensor] = None):
+    """Attention forward with the spec's numerics. Returns (o float32 (B,Sq,H,D), lse (B,H,Sq)).
+    ``sinks`` (H,): the sink logits of a ``sinks learned`` spec."""
+    _dense_only(spec, "forward")
+    return _forward(q, k, v, spec, sinks)
+
+
+def _forward(q, k, v, spec: KernelSpec, sinks):
     st = _Prepared(q, k, v, spec)
+    sink = _check_sinks(sinks, spec, st.H, st.device)
     p_fn, running_max, lse_shift = _p_method(spec)
     B, H, Sq, Sk, D = st.B, st.H, st.Sq, st.Sk, st.D
     dev = st.device
@@ -264,8 +313,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec)
             m = torch.full((B, H, r1 - r0), float("-inf"), device=dev)
         else:
             m = fixed_m[:, :, r0:r1]
-        last = Sk if not st.causal else min(Sk, r1 + Sk - Sq)  # keys past the diagonal are masked
-        for c0 in range(0, max(0, last), st.tile_n):
+        for c0 in st.key_tiles(r0, r1):
             c1 = min(Sk, c0 + st.tile_n)
             t = st.scores(r0, r1, c0, c1)
             if running_max:
@@ -282,6 +330,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec)
                 l = l + l_inc
                 acc = acc + pv @ st.v[:, :, c0:c1]
         m_s = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        if sink is not None:  # exp(sink) joins the denominator; the max is taken over it too
+            sink_t = (sink * dp.LOG2E)[None, :, None].expand_as(m_s)
+            m_fin = torch.maximum(m_s, sink_t)
+            alpha = torch.exp2(m_s - m_fin)
+            # in the units of l: 2**lse_shift (Direct-P's gain) per unit of probability
+            l = l * alpha + torch.exp2(sink_t - m_fin + lse_shift)
+            acc = acc * alpha[..., None]
+            m_s = m_fin
         empty = l == 0  # fully masked row (or every P rounded to zero): O = 0, LSE = -inf
         o[:, :, r0:r1] = torch.where(empty[..., None], torch.zeros_like(acc),
                                      acc / torch.where(empty, torch.ones_like(l), l)[..., None])
@@ -436,7 +492,7 @@ def _hp(x: torch.Tensor, fmt: OperandFormat) -> torch.Tensor:
     return x.to(_HP_DTYPES.get(fmt.format, torch.bfloat16)).to(torch.float32)
 
 
-def backward(q, k, v, o, lse, do, spec: KernelSpec):
+def backward(q, k, v, o, lse, do, spec: KernelSpec, *, sinks: Optional[torch.Tensor] = None):
     """Attention backward with the spec's gradient formats. Returns (dq, dk, dv) float32
     shaped like q, k, v (dk, dv summed over each GQA group).
 
@@ -455,8 +511,15 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
       the bf16 V and P rounded to bf16 (or P's own float dtype).
     - dQ = dS K and dK = dS^T Q: with an FP8 dS, the reused (quantized) Q/K; else bf16 Q/K.
 
-    dQ/dK/dV are rounded to their formats at the end.
+    dQ/dK/dV are rounded to their formats at the end. With a softcap, dS is taken through
+    ``c tanh(s / c)`` (times 1 - tanh^2) before it is rounded. ``sinks``: as given to
+    ``forward`` (the LSE holds them; their own gradient is ``sinks_grad``).
     """
+    _dense_only(spec, "backward")
+    return _backward(q, k, v, o, lse, do, spec, sinks)
+
+
+def _backward(q, k, v, o, lse, do, spec: KernelSpec, sinks):
     bw = spec.backward
     if bw is None:
         from fp4gen.ir.spec import Backward
@@ -464,6 +527,7 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
     reuse = bw.reuse
     st = _Prepared(q, k, v, spec, reuse_qk=("q" in reuse, "k" in reuse))
     B, H, Sq, Sk, D, Hkv = st.B, st.H, st.Sq, st.Sk, st.D, st.Hkv
+    _check_sinks(sinks, spec, H, st.device)  # P = exp2(t - lse2) needs no sink: the LSE holds it
     dev = st.device
     if do.shape != q.shape or o.shape != q.shape:
         raise ReferenceError(f"o and do must have q's shape {tuple(q.shape)}")
@@ -520,8 +584,7 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
         ds_guess = {}
     for r0 in range(0, Sq, rc):
         r1 = min(Sq, r0 + rc)
-        last = Sk if not st.causal else min(Sk, r1 + Sk - Sq)
-        for c0 in range(0, max(0, last), st.tile_n):
+        for c0 in st.key_tiles(r0, r1):
             c1 = min(Sk, c0 + st.tile_n)
             t = st.scores(r0, r1, c0, c1)
             if m_ref is None:
@@ -537,9 +600,12 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
             dv[:, :, c0:c1] += pq.transpose(-1, -2) @ dO[:, :, r0:r1]
             dpm = _fake_quant_rows(dO[:, :, r0:r1] @ vv[:, :, c0:c1].transpose(-1, -2), fdp)
             ds = p * (dpm - Drow[:, :, r0:r1, None])
+            if st.cap2:  # through c tanh(s / c): t / c2 = tanh(s / c)
+                ds = ds * masking.softcap_grad(t, st.cap2)
             if ds_tile_m is not None:
                 # the kernel's CTA for this key tile starts at its first query tile with a visible key
-                m_min = max(0, c0 - (Sk - Sq)) // ds_tile_m if st.causal else 0
+                right = st.window[1]
+                m_min = max(0, c0 - (Sk - Sq) - right) // ds_tile_m if right >= 0 else 0
                 ds, ds_guess[c0] = _fp8_ds_round_tiles(ds, st.sq[:, :, r0:r1], ds_tile_m, r0 // ds_tile_m, m_min,
                                                        ds_guess.get(c0, torch.ones(B, H, device=dev)))
             else:
@@ -562,3 +628,85 @@ def backward(q, k, v, o, lse, do, spec: KernelSpec):
                     if f.format in _FP8 else x)
     return tuple(o_.contiguous() for o_ in outs)
 
+
+
+def sinks_grad(o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """dL/dsinks (H,) float32 for the learned sinks: o_i = sum_j p_ij v_j with the sink in every
+    row's denominator, so d o_i / d sink_h = -p_sink,i o_i and
+    ``dsinks[h] = -sum_{b,i} exp(sink[h] - lse[b,h,i]) (dO_i . O_i)``. Dense: o, do (B, Sq, H, D),
+    lse (B, H, Sq); varlen: o, do (total_q, H, D), lse (H, total_q)."""
+    D = (do.to(torch.float32) * o.to(torch.float32)).sum(-1)  # (B, Sq, H) or (total, H)
+    if lse.dim() == 3:
+        p_sink = torch.exp(sinks.to(torch.float32)[None, :, None] - lse.to(torch.float32))  # (B, H, Sq)
+        return -(p_sink * D.transpose(1, 2)).sum((0, 2))
+    p_sink = torch.exp(sinks.to(torch.float32)[:, None] - lse.to(torch.float32))  # (H, total)
+    return -(p_sink * D.transpose(0, 1)).sum(1)
+
+
+# ------------------------------------------------------------- varlen -----
+
+def _dense_spec(spec: KernelSpec) -> KernelSpec:
+    from dataclasses import replace
+
+    return replace(spec, layout=Layout.DENSE) if spec.layout is not Layout.DENSE else spec
+
+
+def _check_packed(q, k, v, spec: KernelSpec):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ReferenceError(f"varlen {name} must be a 3-D (total_tokens, H, D) tensor")
+    if k.shape != v.shape:
+        raise ReferenceError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, spec: KernelSpec, *, sinks=None,
+                   max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None):
+    """Packed sequences (q (total_q, H, D), k/v (total_k, Hkv, D)) -> (o (total_q, H, D) float32,
+    lse (H, total_q) float32): ``forward`` on each sequence. A sequence without keys gets
+    o = 0 and lse = -inf (the sink with sinks)."""
+    _check_packed(q, k, v, spec)
+    dense = _dense_spec(spec)
+    H, D = q.shape[1], q.shape[2]
+    sink = _check_sinks(sinks, spec, H, q.device)
+    segs = _segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o = torch.zeros(q.shape[0], H, D, device=q.device)
+    empty_lse = float("-inf")
+    lse = torch.full((H, q.shape[0]), empty_lse, device=q.device)
+    if sink is not None:
+        lse[:] = sink[:, None]
+    for q0, q1, k0, k1 in segs:
+        if q1 == q0 or k1 == k0:
+            continue
+        ob, lb = _forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dense, sinks)
+        o[q0:q1] = ob[0]
+        lse[:, q0:q1] = lb[0]
+    return o, lse
+
+
+def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, spec: KernelSpec, *, sinks=None,
+                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None):
+    """``backward`` per packed sequence -> (dq, dk, dv) float32 shaped like q, k, v; lse is
+    ``forward_varlen``'s (H, total_q)."""
+    _check_packed(q, k, v, spec)
+    dense = _dense_spec(spec)
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise ReferenceError(f"varlen lse must have shape {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
+    segs = _segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq = torch.zeros(q.shape, device=q.device)
+    dk = torch.zeros(k.shape, device=q.device)
+    dv = torch.zeros(v.shape, device=q.device)
+    for q0, q1, k0, k1 in segs:
+        if q1 == q0 or k1 == k0:
+            continue
+        g = _backward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
+                      lse[None, :, q0:q1], do[None, q0:q1], dense, sinks)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _segments(q, k, cu_q, cu_k, max_q, max_k):
+    try:
+        return masking.segments(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                who="fp4gen reference varlen")
+    except ValueError as e:
+        raise ReferenceError(str(e)) from None
