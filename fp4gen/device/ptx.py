@@ -1,23 +1,26 @@
-"""Side-effect-free PTX wrappers.
+"""Inline-PTX wrappers: the one module for them. Each cites its PTX ISA section by title
+(docs.nvidia.com/cuda/parallel-thread-execution).
 
-CuTe DSL's own ``cute.arch.exp2`` / ``cute.arch.prmt`` are emitted with
-``has_side_effects=True``, which pins them in program order; ours are pure so
-LLVM/ptxas may schedule them freely (they are plain arithmetic).
+Arithmetic is side-effect-free: CuTe DSL's own ``cute.arch.exp2`` / ``cute.arch.prmt`` are
+emitted with ``has_side_effects=True``, which pins them in program order; ours are pure so
+LLVM/ptxas may schedule them freely. Memory operations, barriers and warp-collective ops
+(the ones below "ordered") keep their side effects: their order is the program's.
 """
 from __future__ import annotations
 
-from cutlass import Float32, Uint32
+import cutlass
+from cutlass import Float32, Int32, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
 
-def _asm(ret_type, ptx: str, constraints: str, args, *, loc=None, ip=None):
+def _asm(ret_type, ptx: str, constraints: str, args, *, side_effects: bool = False, loc=None, ip=None):
     return llvm.inline_asm(
         ret_type,
         [a.ir_value(loc=loc, ip=ip) for a in args],
         ptx,
         constraints,
-        has_side_effects=False,
+        has_side_effects=side_effects,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
@@ -126,3 +129,75 @@ def fp8_scale_cover(x, *, loc=None, ip=None) -> Float32:
         "@special mov.b32 r, 0x7fc00000;\n"
         "mov.b32 $0, r;\n}",
         "=f,f", [Float32(x)], loc=loc, ip=ip))
+
+
+# ---------------------------------------------------------------------------- ordered
+# (memory, barriers, warp collectives: emitted with side effects, kept in program order)
+
+
+@dsl_user_op
+def bulk_load(gmem_ptr, smem_ptr, mbar_ptr, num_bytes: int, *, loc=None, ip=None):
+    """``num_bytes`` (a multiple of 16) global -> SMEM by the TMA unit, completing on ``mbar_ptr``
+    (whose transaction count must include these bytes). PTX ISA: Data Movement and Conversion
+    Instructions, ``cp.async.bulk``."""
+    _asm(None, "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [$1], [$0], $3, [$2];",
+         "l,r,r,r", [gmem_ptr.toint(loc=loc, ip=ip), smem_ptr.toint(loc=loc, ip=ip),
+                     mbar_ptr.toint(loc=loc, ip=ip), Int32(num_bytes)], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None):
+    """``num_bytes`` of fp32 in SMEM added element-wise into global memory by the TMA unit (one
+    bulk reduce: the L2 sees whole lines, not one atomic per element); completes with the
+    thread's bulk async-group. PTX ISA: Data Movement and Conversion Instructions,
+    ``cp.reduce.async.bulk``."""
+    _asm(None, "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+         "l,r,r", [gmem_ptr.toint(loc=loc, ip=ip), smem_ptr.toint(loc=loc, ip=ip), Int32(num_bytes)],
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def stmatrix_x4_trans(smem_addr, r0, r1, r2, r3, *, loc=None, ip=None):
+    """Four 8x8 matrices of 16-bit units, stored transposed: lane l gives the address of row
+    l % 8 of matrix l // 8, which receives column l % 8. PTX ISA: Warp-level Matrix
+    Instructions, ``stmatrix`` (``.x4.trans.b16``)."""
+    _asm(None, "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+         [Int32(smem_addr)] + [Uint32(r) for r in (r0, r1, r2, r3)], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def barrier_red(barrier_id: int, number_of_threads: int, pred, op: str, *, loc=None, ip=None):
+    """Named barrier that also reduces ``pred`` over its threads (``op``: "or" / "and"); every
+    thread gets the same answer. PTX ISA: Parallel Synchronization and
+    Communication Instructions, ``bar.red``."""
+    return cutlass.Boolean(_asm(
+        T.i32(),
+        "{\n.reg .pred p, q;\nsetp.ne.b32 p, $1, 0;\nbar.red." + op + ".pred q, " + str(barrier_id) + ", "
+        + str(number_of_threads) + ", p;\nselp.u32 $0, 1, 0, q;\n}", "=r,r", [Int32(pred)],
+        side_effects=True, loc=loc, ip=ip)) != 0
+
+
+@dsl_user_op
+def warp_max_nonneg(x, *, loc=None, ip=None) -> Float32:
+    """Max over the warp of a non-negative float: one ``redux.sync`` on its bits (non-negative
+    floats order as their unsigned bit patterns). PTX ISA: Parallel Synchronization and
+    Communication Instructions, ``redux.sync``."""
+    return Float32(_asm(
+        T.f32(), "{\n.reg .b32 a, r;\nmov.b32 a, $1;\nredux.sync.max.u32 r, a, 0xffffffff;\nmov.b32 $0, r;\n}",
+        "=f,f", [Float32(x)], side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:
+    """Load with acquire semantics at GPU scope (a dQ turn counter). PTX ISA: Data Movement
+    and Conversion Instructions, ``ld`` (``.acquire``); Memory Consistency Model.."""
+    return Int32(_asm(T.i32(), "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr.toint(loc=loc, ip=ip)],
+                      side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def red_release_add_s32(ptr, val, *, loc=None, ip=None):
+    """Add with release semantics at GPU scope (hands a dQ turn on). PTX ISA:
+    Parallel Synchronization and Communication Instructions, ``red`` (``.release``)."""
+    _asm(None, "red.release.gpu.global.add.s32 [$0], $1;", "l,r", [ptr.toint(loc=loc, ip=ip), Int32(val)],
+         side_effects=True, loc=loc, ip=ip)

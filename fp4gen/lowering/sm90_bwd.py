@@ -1,20 +1,20 @@
 """sm90a backward: a finished ``KernelPlan`` -> the Python source of the backward section.
 
-The section (functions, a kernel class, host code) is appended to the forward module
-rendered by ``sm90.py``; it is self-contained (its own imports, names prefixed
-``_bwd``/``BWD_``) and defines, at module level,
+The section is appended to the forward module rendered by ``sm90.py`` and reads
+``KERNEL_NAME`` from it. It renders the plan's decisions as the kernel library's config
+(``fp4gen.device.sm90.backward.BackwardConfig``: the kernel class lives there) and binds
+the host side (``fp4gen.runtime.sm90_bwd_host.BackwardHost``); at module level it defines
 
-- ``backward(q, k, v, o, lse, do, *, softmax_scale=None) -> (dq, dk, dv)``
+- ``backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None) -> (dq, dk, dv)``
 - ``compile_only_backward(arch) -> list[str]``
 
-and reads ``KERNEL_NAME`` from the forward part. All decisions come from the
-``BackwardPlan`` (``fp4gen.ir.passes.backward.plan_backward``); this file only turns
-it into a jinja2 context.
+All decisions come from the ``BackwardPlan`` (``fp4gen.ir.passes.backward.plan_backward``);
+this file only turns it into a jinja2 context.
 """
 from __future__ import annotations
 
 
-from . import Comment, LoweringError, identifier, template_env
+from . import Comment, LoweringError, template_env
 
 TEMPLATE = "bwd.py.j2"
 
@@ -29,8 +29,15 @@ def backward_plan(plan):
     return plan_backward(plan)
 
 
+# BackwardConfig's fields besides the MMA majors, from the BackwardPlan field of each
+CONFIG_FIELDS = (("head_dim", "head_dim"), ("causal", "causal"), ("tile_m", "tile_m"), ("tile_n", "tile_n"),
+                 ("mma_warpgroups", "mma_warpgroups"), ("q_stages", "q_stages"), ("ds_stages", "ds_stages"),
+                 ("deterministic", "deterministic"), ("producer_registers", "producer_registers"),
+                 ("consumer_registers", "consumer_registers"))
+MMA_ORDER = ("S", "dP", "dV", "dK", "dQ")  # fp4gen.device.sm90.backward.MMA_NAMES
+
+
 def context(plan) -> dict:
-    from fp4gen.numerics import backward_rules as rules  # FP8 dS's scale rule, the oracle's too
     from fp4gen.ir.spec import Target
 
     spec = plan.spec
@@ -45,13 +52,16 @@ def context(plan) -> dict:
     ds_ok = fmts["dK"] == fmts["dQ"] == "bf16" or \
         fmts["dK"] == fmts["dQ"] == fmts["S"] == fmts["dP"] == "fp8e4m3"
     if not ds_ok or fmts["dV"] != fmts["dP"] or not {fmts["S"], fmts["dP"]} <= {"bf16", "fp8e4m3"}:
-        raise LoweringError(f"the sm90 backward template has no variant for MMA formats {fmts}")
+        raise LoweringError(f"the sm90 backward kernel has no variant for MMA formats {fmts}")
     if bp.tile_n != 64 * bp.mma_warpgroups or bp.tile_m != 64:
         raise LoweringError(f"sm90 backward tiles must be 64 x (64 x warpgroups), got {bp.tile_m} x {bp.tile_n}")
     if bp.mma_warpgroups != 2:
         # the dQ accumulator's fragment order (fp4gen.device.bwd_prep.dq_fragment_index, which the
         # post-processing kernel undoes) is that of two warpgroups splitting the head dim
         raise LoweringError(f"the sm90 backward's dQ layout needs 2 MMA warpgroups, the plan has {bp.mma_warpgroups}")
+    mmas = {m.name: m for m in bp.mmas}
+    if tuple(sorted(mmas)) != tuple(sorted(MMA_ORDER)):
+        raise LoweringError(f"the sm90 backward kernel runs the MMAs {MMA_ORDER}, the plan has {tuple(mmas)}")
     name = spec.name
     summary = [
         f"tiles: {bp.tile_m} queries x {bp.tile_n} keys, {bp.mma_warpgroups} MMA warpgroups + a TMA warp "
@@ -63,29 +73,27 @@ def context(plan) -> dict:
         f"post: {bp.postprocess}",
         "reuse: " + " ".join(bp.reuse) + "; gradients: " + ", ".join(f"{n} {f}" for n, f in bp.grad_formats),
     ]
+    flags = dict(
+        s_fp8=fmts["S"] == "fp8e4m3",  # S^T = K Q^T from the forward's FP8 Q/K payloads (reuse q k)
+        do_fp8=fmts["dP"] == "fp8e4m3",  # dP^T = V dO^T and dV += P^T dO with FP8 dO, V, P
+        ds_fp8=bp.ds_fp8,  # dK += dS^T Q and dQ = dS K in FP8 (dS : fp8e4m3)
+    )
+    config = {field: getattr(bp, attr) for field, attr in CONFIG_FIELDS}
+    config.update(flags)
     return dict(
         kernel_name=Comment(name),
-        class_name=identifier("".join(p.capitalize() for p in name.replace("-", "_").split("_")) + "Sm90Bwd"),
-        s_fp8=fmts["S"] == "fp8e4m3",
-        do_fp8=fmts["dP"] == "fp8e4m3",
-        ds_fp8=bp.ds_fp8,  # dK += dS^T Q and dQ = dS K in FP8 (dS : fp8e4m3)
-        # FP8 dS's scale rule, as the numerics oracle has it (reference.fp8_ds_tile_scale)
-        ds_small=rules.FP8_DS_SMALL, ds_headroom=rules.FP8_DS_HEADROOM,
-        ds_halve_min_log2=rules.FP8_DS_HALVE_MIN_LOG2,
         origins={k: Comment(spec.origin(path)) for k, path in (
             ("backward", "backward"), ("mask", "mask"), ("reuse", "backward.reuse"),
             ("deterministic", "backward.deterministic"), ("ds", "backward.dS"))},
-        head_dim=bp.head_dim,
+        config=config,
+        mmas=[dict(formula=Comment(mmas[n].formula), a_source=Comment(mmas[n].a_source),
+                   a_major=mmas[n].a_major, b_major=mmas[n].b_major,
+                   operand_format=Comment(mmas[n].operand_format)) for n in MMA_ORDER],
         causal=bp.causal,
         tile_m=bp.tile_m,
         tile_n=bp.tile_n,
-        mma_wgs=bp.mma_warpgroups,
-        q_stages=bp.q_stages,
-        ds_stages=bp.ds_stages,
-        deterministic=bp.deterministic,
-        producer_regs=bp.producer_registers,
-        consumer_regs=bp.consumer_registers,
         plan_summary=[Comment(line) for line in summary],
+        **flags,
     )
 
 

@@ -79,7 +79,7 @@ def render_module(plan) -> str:
     from fp4gen.lowering.sm90_bwd import render_backward
 
     src = render(plan)
-    if "def compile_only_backward(" not in src:  # the forward renderer may append it itself
+    if "_BWD_HOST = " not in src:  # the forward renderer appends it itself when the plan has one
         src += "\n\n" + render_backward(plan)
     return src
 

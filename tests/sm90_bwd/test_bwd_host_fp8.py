@@ -55,7 +55,7 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
     (q, k, v8, do8, q8, k8, scale_q, scale_k, dot8, scale_v, scale_do, lse2, dsum, dq_acc, dk_h, dv_h) = args
     bf = torch.bfloat16
     assert v8.dtype == E4M3 and do8.dtype == E4M3 and q8.dtype == E4M3 and dot8.dtype == E4M3
-    BM, BN, QB = mod.BWD_TILE_M, mod.BWD_TILE_N, mod._BWD_QUANT_BLOCK
+    BM, BN, QB = mod.BWD_TILE_M, mod.BWD_TILE_N, mod._bwd_dquant.BLOCK
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv
@@ -70,7 +70,7 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
     Kb, Kp = heads(k, n_kb * BN), heads(k8, n_kb * BN)
     Vp, dOp = heads(v8, n_kb * BN), heads(do8, sqp)
     # dO^T as the dV MMA reads it: column 32b + p holds query 32b + FP8_P_KEY_PERM[p]
-    perm = torch.tensor(mod.FP8_P_KEY_PERM)
+    perm = torch.tensor(FP8_P_KEY_PERM)
     assert dot8.shape == (B, H, sqp // BM, D, BM)  # one contiguous D x 64 block per query tile
     dOt = dot_untiles(dot8.view(torch.uint8)).view(E4M3).float()  # (B, H, D, Sqp)
     cols = dOt.shape[3]
@@ -155,7 +155,7 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
      lse2, dsum, dq_acc, dk_h, dv_h) = args
     for t in (v8, do8, q8, k8, dot8, qt8, kt8):
         assert t.dtype == E4M3, t.dtype
-    BM, BN, QB = mod.BWD_TILE_M, mod.BWD_TILE_N, mod._BWD_QUANT_BLOCK
+    BM, BN, QB = mod.BWD_TILE_M, mod.BWD_TILE_N, mod._bwd_dquant.BLOCK
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv

@@ -241,15 +241,20 @@ def test_tile_scale_halves_the_next_guess_below_a_sixteenth():
     assert cs == [guess, guess / 2, guess / 4, guess / 4]
 
 
-def test_kernel_is_rendered_with_the_oracles_rule():
-    """The generated all-FP8 backward halves, hands on and floors its dS scale with the oracle's
-    constants (one definition in the planner, rendered into the template)."""
+def test_kernel_takes_the_oracles_rule():
+    """The all-FP8 backward kernel halves, hands on and floors its dS scale with the oracle's
+    constants (one definition in fp4gen.numerics.backward_rules, imported by the kernel
+    library), and the generated module asks for that kernel variant."""
     import importlib
 
+    from fp4gen.device.sm90 import backward as K
+
+    assert K.DS_SMALL == R.FP8_DS_SMALL == 448 / 16
+    assert K.DS_HEADROOM == R.FP8_DS_HEADROOM == 4.0
+    assert K.DS_C_HALVE_MIN == R.FP8_DS_HALVE_MIN == 2.0 ** -59
     mod = importlib.import_module("fp4gen.generated.sm90_fp8_train_ds8_causal_d128_sm90a")
-    assert mod._BWD_DS_SMALL == R.FP8_DS_SMALL == 448 / 16
-    assert mod._BWD_DS_HEADROOM == R.FP8_DS_HEADROOM == 4.0
-    assert mod._BWD_DS_C_HALVE_MIN == R.FP8_DS_HALVE_MIN == 2.0 ** -59
+    assert mod.BWD_CONFIG.ds_fp8 and mod.BWD_CONFIG.s_fp8 and mod.BWD_CONFIG.do_fp8
+    assert mod.BWD_CONFIG.mma_majors == (("K", "K"),) * 5  # every FP8 wgmma operand K-major
 
 
 def test_tile_scale_guess_never_halves_below_the_floor():
