@@ -13,7 +13,8 @@ What this module computes (when launched on an sm_100 GPU):
 Kernel structure (one CTA = 2 query tiles of 128 rows, one (batch, head)):
   warps 0-3   softmax, query stage 0     warps 4-7   softmax, query stage 1
   warps 8-11  correction/epilogue        warp 12     MMA issue      warp 13  TMA loads
-TMEM columns come from the plan (see TMEM below); nothing here chooses them.
+TMEM columns, warp roles and P parts come from the plan (FWD_CONFIG below); the kernel is
+fp4gen/device/sm100/forward.py (AttentionFwdSm100), the same class for every sm100a module.
 
 STATUS -- compiled for sm_100a and checked statically (fp4gen.lowering.conformance);
 never run on Blackwell hardware. Known gaps (also in docs/sm100.md):
@@ -24,11 +25,9 @@ never run on Blackwell hardware. Known gaps (also in docs/sm100.md):
   - forward() quantizes and packs the operands (prepare_operands; checked on the CPU against fp4gen.numerics and the kernel's own global layouts), compiles and launches: the launch, the FP4 nibble order as the hardware reads it and the tcgen05 scale-factor layout on the device are unverified
   - never run on hardware: numerics are checked only by reading the code against docs/numerics.md
   - p_source smem: P's E2M1 codes go to a 64-byte-swizzled K-major SMEM tile by plain st.shared (four 32-bit stores per 16-byte chunk, not vectorized)
-Generated code: edit templates/sm100/fwd.py.j2, not this file.
+Generated code: edit templates/sm100/fwd.py.j2 or the kernel library, not this file.
 """
 
-
-import math
 
 KERNEL_NAME = 'fa4_fp4_psmem_d128'
 TARGET = "sm100a"
@@ -599,726 +598,67 @@ PLAN_JSON = (
     '}\n'
 )
 
-# ---- everything below is rendered from the plan ---------------------------------
-HEAD_DIM = 128
+# ---- rendered from the plan: the kernel's config (fp4gen/device/sm100/config.py) ----
+from fp4gen.device.sm100.config import ForwardKernelConfig  # noqa: E402
+
+FWD_CONFIG = ForwardKernelConfig(
+    head_dim=128,
+    tile_m=128,
+    tile_n=128,
+    q_stages=2,
+    kv_stages=4,
+    causal=True,
+    pv_fp8=False,
+    pv_block_scaled=True,
+    pv_sf_vec=32,
+    v_k_major=True,
+    p_mode='directp_fp4',
+    p_policy='fast',
+    p_fp8_scale=256.0,
+    o_scale=1.0,
+    lse_shift=1.5360529002402097,
+    direct_p_a=1.5,
+    direct_p_b=1.2,
+    p_parts=2,
+    p_part_cols=8,
+    p_smem=True,
+    p_row_bytes=64,
+    guard_m=110,
+    guard_l=16,
+    softmax_warps=((0, 1, 2, 3), (4, 5, 6, 7)),
+    correction_warps=(8, 9, 10, 11),
+    mma_warp=12,
+    load_warp=13,
+    idle_warps=(14, 15),
+    n_warps=16,
+    regs_softmax=192,
+    regs_correction=80,
+    regs_other=48,
+    tmem_alloc_cols=512,
+    tmem=(('S0', 0, 127), ('S1', 128, 255), ('O0', 256, 383), ('O1', 384, 511), ('SFP0', 64, 67), ('SFV0', 68, 71), ('SFP1', 192, 195), ('SFV1', 196, 199), ('SFQ0', 128, 135), ('SFK0', 136, 143), ('SFQ1', 0, 7), ('SFK1', 8, 15)),
+)
 SOFTMAX_SCALE = 0.08838834764831845  # the spec's scale (forward's default)
-TILE_M = 128
-TILE_N = 128
-Q_STAGES = 2
-KV_STAGES = 4
-CAUSAL = True
-PV_FP8 = False  # True: P/V in FP8 E4M3
-PV_BLOCK_SCALED = True  # PV kind carries P/V block scales (MXFP4: E8M0 1x32)
-PV_SF_VEC = 32  # keys per P/V block scale: 32 (MXFP4, E8M0) or 16 (NVFP4, E4M3)
-V_K_MAJOR = True  # V stored transposed (D x keys) for a K-major PV B operand
-N_WARPS = 16
-REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 80, 48
-P_MODE = 'directp_fp4'  # directp_fp4 | exp_fp8 | two_level_fp4
-TWO_LEVEL = P_MODE == "two_level_fp4"  # O is kept in units of the tile's row factor r (docs/sm100.md)
-P_POLICY = 'fast'  # Direct-P policy: fast | accurate (None otherwise)
-O_SCALE = 1.0  # FP8 P is stored as e4m3(256 p): O is divided by 256
-LSE_SHIFT = 1.5360529002402097  # Direct-P: log2 G, P ~ G 2^(t - m) (numerics.directp.DIRECT_P_GAIN)
-DIRECT_P_A = 1.5
-DIRECT_P_B = 1.2
-P_PUBLISH_HALVES = True
-# p_source smem: P is the PV MMA's A operand in SMEM, one K-major tile per query stage whose
-# rows are P_ROW_BYTES long; the UMMA swizzle of that width XORs a row's 16-byte chunk index
-# with bits 7.. of its byte offset (PTX ISA 5.5.7 swizzling modes; 9.7.16.4.1 descriptor)
-P_ROW_BYTES = 64
-P_SWIZZLE = "S<%d,4,3>" % {1: 0, 2: 1, 4: 2, 8: 3}[P_ROW_BYTES // 16]  # CuTe's name of that swizzle
-GUARD = (110, 16)  # None or (M, L) of the sampling guard (Algorithm 3)
-GUARD_M, GUARD_L = GUARD if GUARD else (0, 0)
-TMEM_ALLOC_COLS = 512
-# region -> (first column, last column), inclusive, from plan.tmem
-TMEM = {
-    'S0': (0, 127),
-    'S1': (128, 255),
-    'O0': (256, 383),
-    'O1': (384, 511),
-    'SFP0': (64, 67),
-    'SFV0': (68, 71),
-    'SFP1': (192, 195),
-    'SFV1': (196, 199),
-    'SFQ0': (128, 135),
-    'SFK0': (136, 143),
-    'SFQ1': (0, 7),
-    'SFK1': (8, 15),
-}
-# ---------------------------------------------------------------------------------
+HEAD_DIM = FWD_CONFIG.head_dim
 
 
 def _build():
-    """Import CuTe DSL lazily so that importing this module never needs a GPU toolchain."""
+    """The kernel class with this module's config bound, ``(Kernel, cutlass, cute)``; CuTe DSL
+    is imported here, so that importing this module never needs a GPU toolchain."""
+    import functools
+
     import cutlass
     import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
-    import cutlass.utils.blackwell_helpers as sm100_utils
-    import cutlass.utils.blockscaled_layout as bsl
-    from cutlass import Float32, Int32, const_expr
-    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-    from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
-    from fp4gen.device.sm100 import direct_p as dp
-    from fp4gen.device.sm100 import opaque as opq
-    from fp4gen.device.sm100 import two_level as tl
+    from fp4gen.device.sm100.forward import AttentionFwdSm100
 
-    F4 = cutlass.Float4E2M1FN
-    E4M3 = cutlass.Float8E4M3FN
-    E8M0 = cutlass.Float8E8M0FNU
-    PV_SF = E4M3 if PV_SF_VEC == 16 else E8M0  # P/V block-scale type of a block-scaled PV
-    PV_DTYPE = E4M3 if PV_FP8 else F4
-    LOG2E = math.log2(math.e)
-
-    def coop(n):
-        return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-    class AttentionFwdSm100:
-        """Warp-specialized two-stage block-scaled attention forward (see module docstring)."""
-
-        def __init__(self):
-            self.softmax_warps = ((0, 1, 2, 3), (4, 5, 6, 7))
-            self.correction_warps = (8, 9, 10, 11)
-            self.mma_warp = 12
-            self.load_warp = 13
-            self.threads = 32 * N_WARPS  # the plan's roles; warps past the load warp idle
-            self.qk_tiler = (TILE_M, TILE_N, HEAD_DIM)
-            self.pv_tiler = (TILE_M, HEAD_DIM, TILE_N)
-            # Number of P publications per KV tile (halves: keys [0, N/2) then [N/2, N)).
-            self.p_parts = 2 if P_PUBLISH_HALVES else 1
-
-        @cute.jit
-        def __call__(
-            self,
-            q_ptr: cute.Pointer, sfq_ptr: cute.Pointer,
-            k_ptr: cute.Pointer, sfk_ptr: cute.Pointer,
-            v_ptr: cute.Pointer, sfv_ptr: cute.Pointer,
-            o_ptr: cute.Pointer, lse_ptr: cute.Pointer, vs_ptr: cute.Pointer,
-            seqlen_q: Int32, seqlen_k: Int32, num_bh: Int32, kv_group: Int32,
-            scale_log2: Float32,
-            stream,
-        ):
-            D = HEAD_DIM
-            num_bh_kv = num_bh // kv_group
-            # Global layouts shared with the host (_gmem_layouts; prepare_operands builds
-            # tensors that match them, tests/sm100/test_sm100_host.py checks both agree).
-            gl = _gmem_layouts(cute, bsl, seqlen_q, seqlen_k, num_bh, num_bh_kv)
-            mQ = cute.make_tensor(q_ptr, gl["q"])
-            mK = cute.make_tensor(k_ptr, gl["k"])
-            mV = cute.make_tensor(v_ptr, gl["v"])
-            mO = cute.make_tensor(o_ptr, gl["o"])
-            mLSE = cute.make_tensor(lse_ptr, gl["lse"])
-            # V's per-(batch, kv head) fp32 tensor scale (1.0 when V has block scales only)
-            mVS = cute.make_tensor(vs_ptr, gl["vs"])
-            # Scale factors in the tcgen05 scale-factor atom layout (32x4x4 bytes per atom).
-            mSFQ = cute.make_tensor(sfq_ptr, gl["sfq"])
-            mSFK = cute.make_tensor(sfk_ptr, gl["sfk"])
-            mSFV = cute.make_tensor(sfv_ptr, gl["sfv"]) if const_expr(PV_BLOCK_SCALED) else None
-
-            # byte views of Q, K and their scales for the guard's software dot products
-            mQb = cute.make_tensor(cute.recast_ptr(q_ptr, dtype=cutlass.Uint8), cute.make_layout(
-                (seqlen_q, D // 2, num_bh), stride=(D // 2, 1, cute.assume(seqlen_q * (D // 2), 64))))
-            mKb = cute.make_tensor(cute.recast_ptr(k_ptr, dtype=cutlass.Uint8), cute.make_layout(
-                (seqlen_k, D // 2, num_bh_kv), stride=(D // 2, 1, cute.assume(seqlen_k * (D // 2), 64))))
-            mSFQb = cute.make_tensor(cute.recast_ptr(sfq_ptr, dtype=cutlass.Uint8), mSFQ.layout)
-            mSFKb = cute.make_tensor(cute.recast_ptr(sfk_ptr, dtype=cutlass.Uint8), mSFK.layout)
-
-            qk_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-                F4, F4, OperandMajorMode.K, OperandMajorMode.K, E4M3, 16,
-                tcgen05.CtaGroup.ONE, self.qk_tiler[:2])
-            v_major = OperandMajorMode.K if const_expr(V_K_MAJOR) else OperandMajorMode.MN
-            if const_expr(PV_BLOCK_SCALED):
-                pv_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-                    PV_DTYPE, PV_DTYPE, OperandMajorMode.K, v_major, PV_SF, PV_SF_VEC,
-                    tcgen05.CtaGroup.ONE, self.pv_tiler[:2], tcgen05.OperandSource.SMEM)
-            else:
-                pv_mma = sm100_utils.make_trivial_tiled_mma(
-                    PV_DTYPE, PV_DTYPE, OperandMajorMode.K, v_major, Float32,
-                    tcgen05.CtaGroup.ONE, self.pv_tiler[:2], tcgen05.OperandSource.SMEM)
-            cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,))
-
-            sQ_l = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, F4, Q_STAGES)
-            sK_l = sm100_utils.make_smem_layout_b(qk_mma, self.qk_tiler, F4, KV_STAGES)
-            sV_l = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, PV_DTYPE, KV_STAGES)
-            sSFQ_l = bsl.make_smem_layout_sfa(qk_mma, self.qk_tiler, 16, Q_STAGES)
-            sSFK_l = bsl.make_smem_layout_sfb(qk_mma, self.qk_tiler, 16, KV_STAGES)
-            sSFV_l = None
-            sSFP_l = None
-            if const_expr(PV_BLOCK_SCALED):
-                sSFV_l = bsl.make_smem_layout_sfb(pv_mma, self.pv_tiler, PV_SF_VEC, KV_STAGES)
-                # P's block scales take the same path as the loaded scales (SMEM -> tcgen05.cp
-                # -> TMEM): one buffer per query stage.
-                sSFP_l = bsl.make_smem_layout_sfa(pv_mma, self.pv_tiler, PV_SF_VEC, Q_STAGES)
-            # Layout of P as the A operand in SMEM (p_source smem): one tile per query stage. The
-            # softmax warps' stores compute the same swizzle by hand; this says they agree.
-            tP_l = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, PV_DTYPE, Q_STAGES)
-            assert str(tP_l.inner) == P_SWIZZLE, f"P's SMEM swizzle is {tP_l.inner}, the stores assume {P_SWIZZLE}"
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-
-            def slice0(l):
-                return cute.slice_(l, (None, None, None, 0))
-
-            tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_A(g2s, mQ, slice0(sQ_l), self.qk_tiler, qk_mma, cluster_vmnk.shape)
-            tma_k, gK = cute.nvgpu.make_tiled_tma_atom_B(g2s, mK, slice0(sK_l), self.qk_tiler, qk_mma, cluster_vmnk.shape)
-            tma_v, gV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mV, slice0(sV_l), self.pv_tiler, pv_mma, cluster_vmnk.shape)
-            tma_sfq, gSFQ = cute.nvgpu.make_tiled_tma_atom_A(g2s, mSFQ, slice0(sSFQ_l), self.qk_tiler, qk_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
-            tma_sfk, gSFK = cute.nvgpu.make_tiled_tma_atom_B(g2s, mSFK, slice0(sSFK_l), self.qk_tiler, qk_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
-            tma_sfv, gSFV = None, None
-            if const_expr(PV_BLOCK_SCALED):
-                tma_sfv, gSFV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mSFV, slice0(sSFV_l), self.pv_tiler, pv_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
-
-            self.q_bytes = cute.size_in_bytes(F4, slice0(sQ_l)) + cute.size_in_bytes(E4M3, slice0(sSFQ_l))
-            self.k_bytes = cute.size_in_bytes(F4, slice0(sK_l)) + cute.size_in_bytes(E4M3, slice0(sSFK_l))
-            self.v_bytes = cute.size_in_bytes(PV_DTYPE, slice0(sV_l))
-            if const_expr(PV_BLOCK_SCALED):
-                self.v_bytes += cute.size_in_bytes(PV_SF, slice0(sSFV_l))
-
-            grid = (cute.ceil_div(seqlen_q, TILE_M * Q_STAGES), num_bh, 1)
-            self.kernel(
-                qk_mma, pv_mma,
-                tma_q, gQ, tma_k, gK, tma_v, gV, tma_sfq, gSFQ, tma_sfk, gSFK, tma_sfv, gSFV,
-                mO, mLSE, mVS, mQb, mKb, mSFQb, mSFKb, sQ_l, sK_l, sV_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l, tP_l,
-                seqlen_q, seqlen_k, kv_group, scale_log2,
-            ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
-                     # .minnctapersm 1: without it ptxas cannot know the entry register count and
-                     # ignores every setmaxnreg (C7508); all warps then get 128 and spill
-                     min_blocks_per_mp=1, hint_smem_base_uniform=False)
-
-        @cute.kernel
-        def kernel(
-            self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
-            tma_q: cute.CopyAtom, gQ_mkl: cute.Tensor, tma_k: cute.CopyAtom, gK_nkl: cute.Tensor,
-            tma_v: cute.CopyAtom, gV_nkl: cute.Tensor, tma_sfq: cute.CopyAtom, gSFQ_mkl: cute.Tensor,
-            tma_sfk: cute.CopyAtom, gSFK_nkl: cute.Tensor, tma_sfv: cute.CopyAtom, gSFV_nkl: cute.Tensor,
-            mO: cute.Tensor, mLSE: cute.Tensor, mVS: cute.Tensor,
-            mQb: cute.Tensor, mKb: cute.Tensor, mSFQb: cute.Tensor, mSFKb: cute.Tensor,
-            sQ_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
-            sSFQ_l: cute.Layout, sSFK_l: cute.Layout, sSFV_l: cute.Layout, sSFP_l: cute.Layout,
-            tP_l: cute.ComposedLayout,
-            seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32, scale_log2: Float32,
-        ):
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            tidx, _, _ = cute.arch.thread_idx()
-
-            if warp == self.load_warp:
-                for atom in (tma_q, tma_k, tma_v, tma_sfq, tma_sfk):
-                    cpasync.prefetch_descriptor(atom)
-                if const_expr(PV_BLOCK_SCALED):
-                    cpasync.prefetch_descriptor(tma_sfv)
-
-            @cute.struct
-            class Storage:
-                q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                k_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
-                v_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
-                s_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                p_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2 * 2]
-                o_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                stats_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                # two-level P: row_sum also holds the last tile's row factor r (after the sums)
-                row_sum: cute.struct.MemRange[Float32, Q_STAGES * TILE_M * (2 if TWO_LEVEL else 1)]
-                row_max: cute.struct.MemRange[Float32, Q_STAGES * TILE_M]
-                guard_flag: cute.struct.MemRange[Int32, Q_STAGES]
-                tmem_holding_buf: Int32
-
-            smem = utils.SmemAllocator()
-            st = smem.allocate(Storage)
-            # swizzled MMA operands start on a 1024-byte boundary (a whole 128B-swizzle pattern):
-            # the SMEM descriptors carry base offset 0, which is right only there (PTX ISA
-            # 9.7.16.4.1, matrix descriptor "base offset"). Found by the emulator's TMA model.
-            sQ = smem.allocate_tensor(F4, sQ_l.outer, 1024, sQ_l.inner)
-            sK = smem.allocate_tensor(F4, sK_l.outer, 1024, sK_l.inner)
-            sV = smem.allocate_tensor(PV_DTYPE, sV_l.outer, 1024, sV_l.inner)
-            sP = smem.allocate_tensor(PV_DTYPE, tP_l.outer, 1024, tP_l.inner)  # p_source smem
-            sSFQ = smem.allocate_tensor(E4M3, sSFQ_l, 128)
-            sSFK = smem.allocate_tensor(E4M3, sSFK_l, 128)
-            sSFV = None
-            sSFP = None
-            if const_expr(PV_BLOCK_SCALED):
-                sSFV = smem.allocate_tensor(PV_SF, sSFV_l, 128)
-                sSFP = smem.allocate_tensor(PV_SF, sSFP_l, 128)
-
-            one = coop(1)
-            # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
-            # the mbarrier.init count (effective count: 32)" for the eight barriers with a `wg`
-            # side: it assumes a warp-ID guard selects one warp, but `warp < 4`, `4 <= warp < 8`
-            # and the correction test each select four, 128 threads = this init count. Triaged
-            # 2026-12-01: not a defect.
-            wg = coop(32 * 4)
-            # load -> MMA
-            q_prod, q_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.q_bar.data_ptr(), num_stages=Q_STAGES,
-                producer_group=one, consumer_group=one, tx_count=self.q_bytes).make_participants()
-            k_prod, k_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.k_bar.data_ptr(), num_stages=KV_STAGES,
-                producer_group=one, consumer_group=one, tx_count=self.k_bytes).make_participants()
-            v_prod, v_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.v_bar.data_ptr(), num_stages=KV_STAGES,
-                producer_group=one, consumer_group=one, tx_count=self.v_bytes).make_participants()
-            # MMA -> softmax_j: "S_j full"; softmax_j -> MMA (release): "S_j drained" (scores in
-            # registers; the lower columns of S_j may now take the other stage's QK^T scales)
-            s_prod0, s_cons0 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.s_bar.data_ptr(), num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            s_prod1, s_cons1 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.s_bar.data_ptr() + 2, num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            # softmax_j -> MMA: P_j part h written (tcgen05.st + fence) and, with part 1, its scales
-            p_prod0, p_cons0 = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=st.p_bar.data_ptr(), num_stages=self.p_parts,
-                producer_group=wg, consumer_group=one).make_participants()
-            p_prod1, p_cons1 = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=st.p_bar.data_ptr() + 4, num_stages=self.p_parts,
-                producer_group=wg, consumer_group=one).make_participants()
-            # MMA -> correction: O_j final
-            o_prod0, o_cons0 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.o_bar.data_ptr(), num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            o_prod1, o_cons1 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.o_bar.data_ptr() + 2, num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            # softmax_j -> correction: final row statistics of stage j
-            t_prod0, t_cons0 = pipeline.PipelineAsync.create(
-                barrier_storage=st.stats_bar.data_ptr(), num_stages=1,
-                producer_group=wg, consumer_group=wg).make_participants()
-            t_prod1, t_cons1 = pipeline.PipelineAsync.create(
-                barrier_storage=st.stats_bar.data_ptr() + 2, num_stages=1,
-                producer_group=wg, consumer_group=wg).make_participants()
-
-            # the word tcgen05.alloc writes the TMEM base to, at a register address (opaque_i32 says
-            # why: without the uniform-base hint LLVM folds SMEM addresses into symbol + offset)
-            tmem_word = cute.make_ptr(Int32, opq.opaque_i32(st.tmem_holding_buf.ptr.toint()),
-                                      cute.AddressSpace.smem, assumed_align=4)
-            tmem = utils.TmemAllocator(
-                tmem_word,
-                barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.threads),  # every warp retrieves the base
-                allocator_warp_id=self.correction_warps[0])
-            tmem.allocate(TMEM_ALLOC_COLS)
-
-            # ---- TMEM views: every column offset is the plan's (TMEM dict) ---------------
-            qk_thr = qk_mma.get_slice(0)
-            pv_thr = pv_mma.get_slice(0)
-            tSrQ = qk_mma.make_fragment_A(sQ)
-            tSrK = qk_mma.make_fragment_B(sK)
-            tOrV = pv_mma.make_fragment_B(sV)
-            s_fake = qk_mma.make_fragment_C(qk_mma.partition_shape_C(self.qk_tiler[:2]))
-            o_fake = pv_mma.make_fragment_C(pv_mma.partition_shape_C(self.pv_tiler[:2]))
-
-            tmem.wait_for_alloc()
-
-            # Register budgets from plan.pipeline.roles: each role sets its own (setmaxnreg) as the
-            # first statement of its branch. Set in separate branches before the roles, ptxas cannot
-            # tell which budget reaches which role, gives every role the smallest and spills.
-            if warp >= self.mma_warp + 2:  # the idle warps of the last warpgroup
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
-
-            # ============================ load warp ============================
-            if warp == self.load_warp:
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                gQ = cute.local_tile(gQ_mkl, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
-                gK = cute.local_tile(gK_nkl, cute.slice_(self.qk_tiler, (0, None, None)), (None, None, None))
-                gV = cute.local_tile(gV_nkl, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
-                gSFQ = cute.local_tile(gSFQ_mkl, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
-                gSFK = cute.local_tile(gSFK_nkl, cute.slice_(self.qk_tiler, (0, None, None)), (None, None, None))
-                tQs, tQg = self.tma_part(tma_q, sQ, qk_thr.partition_A(gQ), False)
-                tKs, tKg = self.tma_part(tma_k, sK, qk_thr.partition_B(gK), False)
-                tVs, tVg = self.tma_part(tma_v, sV, pv_thr.partition_B(gV), False)
-                tSFQs, tSFQg = self.tma_part(tma_sfq, sSFQ, qk_thr.partition_A(gSFQ), True)
-                tSFKs, tSFKg = self.tma_part(tma_sfk, sSFK, qk_thr.partition_B(gSFK), True)
-                # CuTe's checker reports W0014 (a tcgen05.ld outstanding at a release) at this
-                # acquire. The load warp issues no tcgen05.ld, so none can be outstanding here;
-                # the checker does not know which role's code a warp runs. Triaged 2026-12-01.
-                for j in cutlass.range_constexpr(Q_STAGES):
-                    h = q_prod.acquire_and_advance()
-                    mt = m_block * Q_STAGES + j
-                    cute.copy(tma_q, tQg[None, mt, 0, bh], tQs[None, h.index], tma_bar_ptr=h.barrier)
-                    cute.copy(tma_sfq, tSFQg[None, mt, 0, bh], tSFQs[None, h.index], tma_bar_ptr=h.barrier)
-                for i in cutlass.range(n_kv, unroll=1):
-                    hk = k_prod.acquire_and_advance()
-                    cute.copy(tma_k, tKg[None, i, 0, bh_kv], tKs[None, hk.index], tma_bar_ptr=hk.barrier)
-                    cute.copy(tma_sfk, tSFKg[None, i, 0, bh_kv], tSFKs[None, hk.index], tma_bar_ptr=hk.barrier)
-                    hv = v_prod.acquire_and_advance()
-                    cute.copy(tma_v, tVg[None, 0, i, bh_kv], tVs[None, hv.index], tma_bar_ptr=hv.barrier)
-                    if const_expr(PV_BLOCK_SCALED):
-                        gSFV = cute.local_tile(gSFV_nkl, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
-                        tSFVs, tSFVg = self.tma_part(tma_sfv, sSFV, pv_thr.partition_B(gSFV), True)
-                        cute.copy(tma_sfv, tSFVg[None, 0, i, bh_kv], tSFVs[None, hv.index], tma_bar_ptr=hv.barrier)
-
-            # ============================ MMA warp =============================
-            # Issue order (plan.pipeline.mma_order): QK_0(0), QK_1(0); then per KV tile i >= 1
-            # and stage j: PV_j(i-1), QK_j(i); finally PV_0(n-1), PV_1(n-1). The tensor pipe runs
-            # tcgen05 ops in issue order, so PV_j(i-1) has read P_j before QK_j(i) rewrites S_j.
-            if warp == self.mma_warp:
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, tOrP, tSFQ, tSFK, tSFV, tSFP = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                tOrP_all = pv_mma.make_fragment_A(sP)  # SMEM descriptors of P (p_source smem)
-                tOrP = [tOrP_all[None, None, None, j] for j in range(Q_STAGES)]
-                s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), E4M3)
-                cpQ = [self.s2t_part(s2t, sSFQ, tSFQ[j]) for j in range(Q_STAGES)]
-                cpK = [self.s2t_part(s2t, sSFK, tSFK[j]) for j in range(Q_STAGES)]
-                cpV, cpP = None, None
-                if const_expr(PV_BLOCK_SCALED):
-                    s2t8 = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), PV_SF)
-                    cpV = [self.s2t_part(s2t8, sSFV, tSFV[j]) for j in range(Q_STAGES)]
-                    cpP = [self.s2t_part(s2t8, sSFP, tSFP[j]) for j in range(Q_STAGES)]
-                hq0 = q_cons.wait_and_advance()
-                hq1 = q_cons.wait_and_advance()
-                hk = k_cons.wait_and_advance()
-                qk_mma, s_prod0, s_prod1 = self.issue_qk(0, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq0.index, hk.index, s_prod0, s_prod1)
-                qk_mma, s_prod1, s_prod0 = self.issue_qk(1, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq1.index, hk.index, s_prod1, s_prod0)
-                hk.release()
-                for i in cutlass.range(1, n_kv, unroll=1):
-                    hv = v_cons.wait_and_advance()
-                    hk = k_cons.wait_and_advance()
-                    pv_mma, p_cons0 = self.issue_pv(0, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, i - 1, p_cons0)
-                    qk_mma, s_prod0, s_prod1 = self.issue_qk(0, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq0.index, hk.index, s_prod0, s_prod1)
-                    pv_mma, p_cons1 = self.issue_pv(1, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, i - 1, p_cons1)
-                    qk_mma, s_prod1, s_prod0 = self.issue_qk(1, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq1.index, hk.index, s_prod1, s_prod0)
-                    hk.release()
-                    hv.release()
-                hv = v_cons.wait_and_advance()
-                pv_mma, p_cons0 = self.issue_pv(0, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, n_kv - 1, p_cons0)
-                ho = o_prod0.acquire_and_advance()
-                ho.commit()  # O_0 final once every tcgen05 op issued so far has completed
-                pv_mma, p_cons1 = self.issue_pv(1, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, n_kv - 1, p_cons1)
-                ho = o_prod1.acquire_and_advance()
-                ho.commit()
-                hv.release()
-                hq0.release()
-                hq1.release()
-
-            # ========================== softmax warps ==========================
-            if warp < 4:
-                cute.arch.setmaxregister_increase(REGS_SOFTMAX)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                self.softmax(0, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
-                             tStS[0], tOtO[0], sSFP, sP, s_cons0, p_prod0, t_prod0,
-                             st.row_sum.data_ptr(), st.row_max.data_ptr(),
-                             mQb, mKb, mSFQb, mSFKb, bh, bh_kv, st.guard_flag.data_ptr())
-            if warp >= 4 and warp < 8:
-                cute.arch.setmaxregister_increase(REGS_SOFTMAX)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                self.softmax(1, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
-                             tStS[1], tOtO[1], sSFP, sP, s_cons1, p_prod1, t_prod1,
-                             st.row_sum.data_ptr(), st.row_max.data_ptr(),
-                             mQb, mKb, mSFQb, mSFKb, bh, bh_kv, st.guard_flag.data_ptr())
-
-            # ======================= correction / epilogue =====================
-            if warp >= self.correction_warps[0] and warp <= self.correction_warps[-1]:
-                cute.arch.setmaxregister_decrease(REGS_CORRECTION)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                _, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                tmem.relinquish_alloc_permit()
-                v_scale = mVS[bh_kv]
-                self.epilogue(0, tidx % 128, m_block, bh, seqlen_q, tOtO[0], mO, mLSE, v_scale,
-                              o_cons0, t_cons0, st.row_sum.data_ptr(), st.row_max.data_ptr())
-                self.epilogue(1, tidx % 128, m_block, bh, seqlen_q, tOtO[1], mO, mLSE, v_scale,
-                              o_cons1, t_cons1, st.row_sum.data_ptr(), st.row_max.data_ptr())
-                cute.arch.barrier(barrier_id=2, number_of_threads=128)
-                tmem.free(tmem_base)
-
-        # ---------------------------------------------------------------- helpers
-        @cute.jit
-        def tile_coords(self, seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32):
-            """(query block, batch x head, its KV head, KV tiles to visit) of this CTA, read by each
-            role after its setmaxnreg: kept live from the prologue, ptxas spills them."""
-            m_block, bh, _ = cute.arch.block_idx()
-            n_kv = cute.ceil_div(seqlen_k, TILE_N)
-            if const_expr(CAUSAL):
-                # keys past the CTA's last row's diagonal (bottom-right aligned) are never needed
-                last = (m_block + 1) * TILE_M * Q_STAGES + seqlen_k - seqlen_q
-                n_kv = cutlass.min(n_kv, cute.ceil_div(cutlass.max(last, 1), TILE_N))
-            return m_block, bh, bh // kv_group, n_kv
-
-        @cute.jit
-        def tmem_views(self, tmem_base, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, s_fake: cute.Tensor,
-                       o_fake: cute.Tensor, tP_l: cute.ComposedLayout, sSFQ_l: cute.Layout, sSFK_l: cute.Layout,
-                       sSFV_l: cute.Layout, sSFP_l: cute.Layout):
-            """The plan's TMEM regions (every column offset is the plan's TMEM dict) as tensors.
-            Each role builds them after its setmaxnreg from a freshly read base: kept live from
-            the prologue, the base is one more value ptxas carries through every role's budget,
-            and it spills it."""
-
-            def region(name, layout):
-                return cute.make_tensor(tmem_base + TMEM[name][0], layout)
-
-            def region_as(name, dtype, layout):
-                return cute.make_tensor(cute.recast_ptr(tmem_base + TMEM[name][0], dtype=dtype), layout)
-
-            tStS = [region("S%d" % j, s_fake.layout) for j in range(Q_STAGES)]
-            tOtO = [region("O%d" % j, o_fake.layout) for j in range(Q_STAGES)]
-            tOrP = None  # p_source smem: P is an SMEM tile (the MMA warp's fragment of sP)
-            tSFQ_l = bsl.make_tmem_layout_sfa(qk_mma, self.qk_tiler, 16, slice0l(sSFQ_l))
-            tSFK_l = bsl.make_tmem_layout_sfb(qk_mma, self.qk_tiler, 16, slice0l(sSFK_l))
-            tSFQ = [region_as("SFQ%d" % j, E4M3, tSFQ_l) for j in range(Q_STAGES)]
-            tSFK = [region_as("SFK%d" % j, E4M3, tSFK_l) for j in range(Q_STAGES)]
-            tSFV, tSFP = None, None
-            if const_expr(PV_BLOCK_SCALED):
-                tSFV_l = bsl.make_tmem_layout_sfb(pv_mma, self.pv_tiler, PV_SF_VEC, slice0l(sSFV_l))
-                tSFP_l = bsl.make_tmem_layout_sfa(pv_mma, self.pv_tiler, PV_SF_VEC, slice0l(sSFP_l))
-                tSFV = [region_as("SFV%d" % j, PV_SF, tSFV_l) for j in range(Q_STAGES)]
-                tSFP = [region_as("SFP%d" % j, PV_SF, tSFP_l) for j in range(Q_STAGES)]
-            return tStS, tOtO, tOrP, tSFQ, tSFK, tSFV, tSFP
-
-        @cute.jit
-        def tma_part(self, atom, s, g, is_sf: cutlass.Constexpr):
-            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                           cute.group_modes(s, 0, 3), cute.group_modes(g, 0, 3))
-            if const_expr(is_sf):
-                ts = cute.filter_zeros(ts)
-                tg = cute.filter_zeros(tg)
-            return ts, tg
-
-        @cute.jit
-        def issue_qk(self, j: cutlass.Constexpr, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK,
-                     q_idx, k_idx, s_prod_j, s_prod_other):
-            """S_j <- Q_j K^T (block16 NVFP4). Its scales go to the other stage's drained S columns."""
-            s_prod_other.acquire()  # the other stage's S is drained (no advance: its own QK re-waits)
-            hs = s_prod_j.acquire_and_advance()
-            self.s2t(cpQ[j], q_idx)
-            self.s2t(cpK[j], k_idx)
-            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                qk_mma.set(tcgen05.Field.SFA, tSFQ[j][None, None, kb].iterator)
-                qk_mma.set(tcgen05.Field.SFB, tSFK[j][None, None, kb].iterator)
-                cute.gemm(qk_mma, tStS[j], tSrQ[None, None, kb, q_idx], tSrK[None, None, kb, k_idx], tStS[j])
-            hs.commit()
-            # returned so that the caller rebinds them: the tracer threads pipeline state through
-            # staged loops only as plain local variables
-            return qk_mma, s_prod_j, s_prod_other
-
-        @cute.jit
-        def issue_pv(self, j: cutlass.Constexpr, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV,
-                     v_idx, i, p_cons_j):
-            """O_j += P_j V (P_j from TMEM), one K=64/32 step group per published part of P."""
-            n_k = cute.size(tOrP[j], mode=[2])
-            per_part = n_k // self.p_parts
-            for part in cutlass.range_constexpr(self.p_parts):
-                hp = p_cons_j.wait_and_advance()
-                if const_expr(PV_BLOCK_SCALED and part == 0):
-                    # part 1 carries the block scales of the whole tile (plan.publish)
-                    self.s2t(cpV[j], v_idx)
-                    self.s2t(cpP[j], j)
-                for kk in cutlass.range_constexpr(per_part):
-                    kb = part * per_part + kk
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, (i != 0) or (kb != 0))
-                    if const_expr(PV_BLOCK_SCALED):
-                        pv_mma.set(tcgen05.Field.SFA, tSFP[j][None, None, kb].iterator)
-                        pv_mma.set(tcgen05.Field.SFB, tSFV[j][None, None, kb].iterator)
-                    cute.gemm(pv_mma, tOtO[j], tOrP[j][None, None, kb], tOrV[None, None, kb, v_idx], tOtO[j])
-                hp.release()
-            return pv_mma, p_cons_j
-
-        def s2t_part(self, atom, s_sf, t_sf):
-            s_c = cute.filter_zeros(s_sf)
-            t_c = cute.filter_zeros(t_sf)
-            tiled = tcgen05.make_s2t_copy(atom, t_c)
-            thr = tiled.get_slice(0)
-            src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(s_c))
-            return (tiled, src, thr.partition_D(t_c))
-
-        def s2t(self, cp, stage):
-            tiled, src, dst = cp
-            cute.copy(tiled, src[None, None, None, None, stage], dst)
-
-        @cute.jit
-        def softmax(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, n_kv: Int32,
-                    seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tStS, tOtO, sSFP, sP,
-                    s_cons, p_prod, st_prod, row_sum_ptr, row_max_ptr,
-                    mQb, mKb, mSFQb, mSFKb, bh: Int32, bh_kv: Int32, guard_flag_ptr):
-            """Softmax warpgroup of query stage j: one thread per query row (TMEM lane)."""
-            # S_j tile (128 lanes x TILE_N fp32 columns) -> registers, one row per thread
-            # loaded in 32-column chunks (one tcgen05.ld.32x32b.x32 each): a single x128 load
-            # would need 128 destination registers in one instruction
-            chunk_l = cute.composition(tStS.layout, cute.make_layout((TILE_M, 32)))
-            tS_chunks = [cute.make_tensor(tStS.iterator + 32 * c, chunk_l) for c in range(TILE_N // 32)]
-            ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-            thr_ld = tcgen05.make_tmem_copy(ld, tS_chunks[0]).get_slice(t)
-            tS_t = [thr_ld.partition_S(x) for x in tS_chunks]
-            tS_rc = [cute.make_rmem_tensor(thr_ld.partition_D(x).shape, Float32) for x in tS_chunks]
-            # P_j and the O rescale use fp32-typed views of their plan columns
-            p_cols = TILE_N * PV_DTYPE.width // 32
-            part_cols = p_cols // self.p_parts
-            # p_source smem: row t of stage j's P tile as 32-bit words, and the swizzle of its
-            # 16-byte chunks (bits 7.. of the row's byte offset; the tile starts 1024-aligned)
-            p_row = cute.make_ptr(Int32, sP.iterator.toint() + j * (TILE_M * P_ROW_BYTES) + t * P_ROW_BYTES,
-                                  cute.AddressSpace.smem, assumed_align=16)
-            p_sw = ((t * P_ROW_BYTES) >> Int32(7)) & Int32(P_ROW_BYTES // 16 - 1)
-            o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-            o_st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32)
-            tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-                cute.composition(tOtO.layout, cute.make_layout((TILE_M, HEAD_DIM))), (None, 32)))
-            thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
-            thr_ost = tcgen05.make_tmem_copy(o_st, tOtO_c[None, (None, 0)]).get_slice(t)
-
-            row = (m_block * Q_STAGES + j) * TILE_M + t
-            # causal masking is bottom-right aligned: row r sees key c iff c <= r + seqlen_k - seqlen_q
-            diag = row + seqlen_k - seqlen_q
-            m_run = Float32(0.0)  # Direct-P's fixed row reference (no guard: 0)
-            # Extreme-logit guard (Algorithm 3; numerics.directp.guard_reference), once per CTA:
-            # scores of this row against GUARD_L sampled keys floor(s * Sk / L), from software
-            # dot products of the dequantized NVFP4 payloads; the 128-row block (= this stage's
-            # tile) is guarded when any |max| > GUARD_M, and then each row uses its own max.
-            m_hat = -Float32.inf
-            if row < seqlen_q:
-                for smp in cutlass.range(GUARD_L, unroll=1):  # rolled: runs once per CTA
-                    pos = (smp * seqlen_k) // GUARD_L
-                    dot = Float32(0.0)
-                    for kb in cutlass.range(HEAD_DIM // 16, unroll=1):
-                        part = Float32(0.0)
-                        for e2 in cutlass.range_constexpr(8):
-                            qb = Int32(mQb[row, kb * 8 + e2, bh])
-                            kbyte = Int32(mKb[pos, kb * 8 + e2, bh_kv])
-                            part = part + dp.e2m1_nibble(qb, 0) * dp.e2m1_nibble(kbyte, 0)
-                            part = part + dp.e2m1_nibble(qb, 4) * dp.e2m1_nibble(kbyte, 4)
-                        sq = dpf.decode(dp.i32_as_f32(Int32(mSFQb[row, kb * 16, bh])))
-                        sk = dpf.decode(dp.i32_as_f32(Int32(mSFKb[pos, kb * 16, bh_kv])))
-                        dot = dot + part * (sq * sk)
-                    ts = dot * scale_log2
-                    if const_expr(CAUSAL):
-                        ts = Float32(cutlass.select_(pos > diag, -Float32.inf, ts))
-                    m_hat = cute.arch.fmax(m_hat, ts)
-            m_hat = Float32(cutlass.select_(m_hat == -Float32.inf, Float32(0.0), m_hat))
-            flag = cute.make_tensor(guard_flag_ptr + j, cute.make_layout(1))
-            if t == 0:
-                flag[0] = Int32(0)
-            cute.arch.barrier(barrier_id=3 + j, number_of_threads=128)
-            if cute.math.abs(m_hat) > Float32(GUARD_M):
-                flag[0] = Int32(1)
-            cute.arch.barrier(barrier_id=3 + j, number_of_threads=128)
-            m_run = Float32(cutlass.select_(flag[0] != Int32(0), m_hat, Float32(0.0)))
-            l_run = Float32(0.0)
-            words_per_part = part_cols
-            n_blocks = TILE_N // 32
-            for i in cutlass.range(n_kv):
-                hs = s_cons.wait_and_advance()
-                for c in cutlass.range_constexpr(TILE_N // 32):
-                    cute.copy(thr_ld, tS_t[c], tS_rc[c])
-                cute.arch.fence_view_async_tmem_load()
-                hs.release()  # "S_j drained": the MMA warp may put the other stage's QK scales here
-                # scores -> log2 units t = s * scale * log2(e); masked keys -> -inf, only on the
-                # tiles that cross the sequence end or (causal) this row's diagonal
-                s_max = -Float32.inf
-                for c in cutlass.range_constexpr(TILE_N):
-                    tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
-                # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
-                # One compare against the column's constant per key, written in place: the old
-                # form (key = i * TILE_N + c, two compares, two selects) kept the masked and the
-                # unmasked scores live at once in ptxas's if-converted code and spilled them.
-                n_valid = seqlen_k - i * TILE_N
-                if const_expr(CAUSAL):
-                    n_valid = cutlass.min(n_valid, diag + 1 - i * TILE_N)
-                if n_valid < TILE_N:
-                    for c in cutlass.range_constexpr(TILE_N):
-                        tS_rc[c // 32][c % 32] = Float32(cutlass.select_(
-                            Int32(c) < n_valid, tS_rc[c // 32][c % 32], -Float32.inf))
-                m_ref = m_run
-                # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
-                p_words = cute.make_rmem_tensor((p_cols,), cutlass.Int32)
-                sfp_bytes = None
-                if const_expr(PV_BLOCK_SCALED):
-                    sfp_bytes = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=cutlass.Uint8), sSFP.layout)
-                for b in cutlass.range_constexpr(n_blocks):
-                    lsum = Float32(0.0)
-                    bmax = -Float32.inf
-                    for c in cutlass.range_constexpr(32):
-                        bmax = cute.arch.fmax(bmax, tS_rc[b][c])
-                    e_b = dp.block_exponent(bmax - m_ref)
-                    e_bf = Float32(e_b)
-                    twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
-                    for w in cutlass.range_constexpr(4):
-                        word = Int32(0)
-                        for c in cutlass.range_constexpr(8):
-                            r = dp.fast_code(tS_rc[b][w * 8 + c], m_ref, e_bf, DIRECT_P_A, DIRECT_P_B)
-                            twice = twice + dp.twice_value(r)
-                            word = dp.insert_code(word, r, c)
-                        p_words[b * 4 + w] = word
-                    l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)
-                    # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
-                    # (((row % 32, row // 32), 0), (vec, b % 2)), MMA_M 0, K64 step b // 2, stage j
-                    sfp_bytes[(((t % 32, t // 32), 0), (0, b % 2)), 0, b // 2, j] = cutlass.Uint8(e_b + Int32(127))
-                # ---- publish P (whole or halves) ----
-                for part in cutlass.range_constexpr(self.p_parts):
-                    hp = p_prod.acquire_and_advance()
-                    # p_source smem: this part's 16-byte chunks of row t at their swizzled places
-                    # (st.shared; fence.proxy.async below hands them to the MMA's async proxy)
-                    for cc in cutlass.range_constexpr(words_per_part // 4):
-                        c = part * (words_per_part // 4) + cc
-                        dst = cute.make_tensor(p_row + ((Int32(c) ^ p_sw) * Int32(4)), cute.make_layout(4))
-                        for e in cutlass.range_constexpr(4):
-                            dst[e] = p_words[c * 4 + e]
-                    cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    hp.commit()
-            # final statistics for the epilogue
-            hst = st_prod.acquire_and_advance()
-            rs = cute.make_tensor(row_sum_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            rm = cute.make_tensor(row_max_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            rs[t] = l_run
-            rm[t] = m_run
-            if const_expr(TWO_LEVEL):
-                # O_j is in units of the last tile's r; stored after the row sums of both stages
-                rf = cute.make_tensor(row_sum_ptr + (Q_STAGES + j) * TILE_M, cute.make_layout(TILE_M))
-                rf[t] = r_prev
-            hst.commit()
-
-        @cute.jit
-        def epilogue(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, bh: Int32, seqlen_q: Int32,
-                     tOtO, mO, mLSE, v_scale: Float32, o_cons, st_cons, row_sum_ptr, row_max_ptr):
-            """O_j / l -> bf16 rows in global memory, LSE in natural log."""
-            hst = st_cons.wait_and_advance()
-            rs = cute.make_tensor(row_sum_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            rm = cute.make_tensor(row_max_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            l = rs[t]
-            m = rm[t]
-            o_fac = Float32(O_SCALE) * v_scale
-            if const_expr(TWO_LEVEL):
-                rf = cute.make_tensor(row_sum_ptr + (Q_STAGES + j) * TILE_M, cute.make_layout(TILE_M))
-                o_fac = o_fac * rf[t]  # the last KV tile's row factor r
-            hst.release()
-            ho = o_cons.wait_and_advance()
-            # P's fixed factor (FP8: PV consumed 256 p; two-level: r) and V's tensor scale fold into 1/l
-            inv = Float32(cutlass.select_(l > Float32(0.0), o_fac / l, Float32(0.0)))
-            o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-            tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-                cute.composition(tOtO.layout, cute.make_layout((TILE_M, HEAD_DIM))), (None, 32)))
-            thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
-            row = (m_block * Q_STAGES + j) * TILE_M + t
-            # every lane loads (tcgen05.ld is .sync.aligned: a ragged last tile must not split the
-            # warp) and waits for the registers; only rows inside the sequence are stored
-            for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
-                src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                cute.copy(thr_old, src, reg)
-                cute.arch.fence_view_async_tmem_load()
-                if row < seqlen_q:
-                    for e in cutlass.range_constexpr(32):
-                        mO[row, cchunk * 32 + e, bh] = (reg[e] * inv).to(mO.element_type)
-            if row < seqlen_q:
-                lse2 = m + cute.math.log2(l, fastmath=True) - Float32(LSE_SHIFT)
-                mLSE[row, bh] = Float32(cutlass.select_(l > Float32(0.0), lse2 * Float32(math.log(2.0)), -Float32.inf))
-            ho.release()
-
-    def slice0l(layout):
-        return cute.slice_(layout, (None, None, None, 0))
-
-    return AttentionFwdSm100, cutlass, cute
+    return functools.partial(AttentionFwdSm100, FWD_CONFIG, _gmem_layouts), cutlass, cute
 
 
 # ==================================================================== host side ====
 # Operand layouts and packing, argument checks, compile and launch are one hand-written
 # module for every sm100a kernel, fp4gen/runtime/sm100_host.py (docs/sm100.md "Host side"):
-# it gets the constants above and _build, nothing by name. The names below are this
-# module's host interface (the kernel's __call__ builds its global tensors from _gmem_layouts).
+# it gets the config above and _build, nothing by name. The names below are this module's
+# host interface (the kernel's __call__ builds its global tensors from _gmem_layouts).
 from fp4gen.runtime import sm100_host as _sm100_host  # noqa: E402
 from fp4gen.runtime.sm100_host import (  # noqa: E402,F401 -- re-exported
     INT32_LIMIT, MAX_GRID_Y, MXFP4_BLOCK, NVFP4_BLOCK, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, V_KEY_PAD,
@@ -1326,9 +666,10 @@ from fp4gen.runtime.sm100_host import (  # noqa: E402,F401 -- re-exported
 )
 
 _HOST = _sm100_host.ForwardHost(_sm100_host.ForwardConfig(
-    kernel_name=KERNEL_NAME, head_dim=HEAD_DIM, softmax_scale=SOFTMAX_SCALE, pv_fp8=PV_FP8,
-    pv_block_scaled=PV_BLOCK_SCALED, pv_sf_vec=PV_SF_VEC, v_k_major=V_K_MAJOR), build=_build)
-V_BLOCK = _HOST.config.v_block  # keys per V block scale (PV_SF_VEC)
+    kernel_name=KERNEL_NAME, head_dim=FWD_CONFIG.head_dim, softmax_scale=SOFTMAX_SCALE,
+    pv_fp8=FWD_CONFIG.pv_fp8, pv_block_scaled=FWD_CONFIG.pv_block_scaled, pv_sf_vec=FWD_CONFIG.pv_sf_vec,
+    v_k_major=FWD_CONFIG.v_k_major), build=_build)
+V_BLOCK = _HOST.config.v_block  # keys per V block scale (pv_sf_vec)
 Operands = _HOST.Operands
 _require_sm100 = _HOST.require_sm100
 _gmem_layouts = _HOST.gmem_layouts

@@ -13,7 +13,8 @@ What this module computes (when launched on an sm_100 GPU):
 Kernel structure (one CTA = 2 query tiles of 128 rows, one (batch, head)):
   warps 0-3   softmax, query stage 0     warps 4-7   softmax, query stage 1
   warps 8-11  correction/epilogue        warp 12     MMA issue      warp 13  TMA loads
-TMEM columns come from the plan (see TMEM below); nothing here chooses them.
+TMEM columns, warp roles and P parts come from the plan (FWD_CONFIG below); the kernel is
+fp4gen/device/sm100/forward.py (AttentionFwdSm100), the same class for every sm100a module.
 
 STATUS -- compiled for sm_100a and checked statically (fp4gen.lowering.conformance);
 never run on Blackwell hardware. Known gaps (also in docs/sm100.md):
@@ -22,11 +23,9 @@ never run on Blackwell hardware. Known gaps (also in docs/sm100.md):
   - P's block scales reach TMEM through SMEM + tcgen05.cp (not tcgen05.st)
   - forward() quantizes and packs the operands (prepare_operands; checked on the CPU against fp4gen.numerics and the kernel's own global layouts), compiles and launches: the launch, the FP4 nibble order as the hardware reads it and the tcgen05 scale-factor layout on the device are unverified
   - never run on hardware: numerics are checked only by reading the code against docs/numerics.md
-Generated code: edit templates/sm100/fwd.py.j2, not this file.
+Generated code: edit templates/sm100/fwd.py.j2 or the kernel library, not this file.
 """
 
-
-import math
 
 KERNEL_NAME = 'sm100_bwd_causal_d128'
 TARGET = "sm100a"
@@ -641,704 +640,67 @@ PLAN_JSON = (
     '}\n'
 )
 
-# ---- everything below is rendered from the plan ---------------------------------
-HEAD_DIM = 128
+# ---- rendered from the plan: the kernel's config (fp4gen/device/sm100/config.py) ----
+from fp4gen.device.sm100.config import ForwardKernelConfig  # noqa: E402
+
+FWD_CONFIG = ForwardKernelConfig(
+    head_dim=128,
+    tile_m=128,
+    tile_n=128,
+    q_stages=2,
+    kv_stages=4,
+    causal=True,
+    pv_fp8=True,
+    pv_block_scaled=False,
+    pv_sf_vec=32,
+    v_k_major=False,
+    p_mode='exp_fp8',
+    p_policy=None,
+    p_fp8_scale=256.0,
+    o_scale=0.00390625,
+    lse_shift=0.0,
+    direct_p_a=1.5,
+    direct_p_b=1.2,
+    p_parts=2,
+    p_part_cols=16,
+    p_smem=False,
+    p_row_bytes=128,
+    guard_m=0,
+    guard_l=0,
+    softmax_warps=((0, 1, 2, 3), (4, 5, 6, 7)),
+    correction_warps=(8, 9, 10, 11),
+    mma_warp=12,
+    load_warp=13,
+    idle_warps=(14, 15),
+    n_warps=16,
+    regs_softmax=192,
+    regs_correction=80,
+    regs_other=48,
+    tmem_alloc_cols=512,
+    tmem=(('S0', 0, 127), ('S1', 128, 255), ('O0', 256, 383), ('O1', 384, 511), ('P0', 64, 95), ('P1', 192, 223), ('SFQ0', 128, 135), ('SFK0', 136, 143), ('SFQ1', 0, 7), ('SFK1', 8, 15)),
+)
 SOFTMAX_SCALE = 0.08838834764831845  # the spec's scale (forward's default)
-TILE_M = 128
-TILE_N = 128
-Q_STAGES = 2
-KV_STAGES = 4
-CAUSAL = True
-PV_FP8 = True  # True: P/V in FP8 E4M3
-PV_BLOCK_SCALED = False  # PV kind carries P/V block scales (MXFP4: E8M0 1x32)
-PV_SF_VEC = 32  # keys per P/V block scale: 32 (MXFP4, E8M0) or 16 (NVFP4, E4M3)
-V_K_MAJOR = False  # V stored transposed (D x keys) for a K-major PV B operand
-N_WARPS = 16
-REGS_SOFTMAX, REGS_CORRECTION, REGS_OTHER = 192, 80, 48
-P_MODE = 'exp_fp8'  # directp_fp4 | exp_fp8 | two_level_fp4
-TWO_LEVEL = P_MODE == "two_level_fp4"  # O is kept in units of the tile's row factor r (docs/sm100.md)
-P_POLICY = None  # Direct-P policy: fast | accurate (None otherwise)
-O_SCALE = 0.00390625  # FP8 P is stored as e4m3(256 p): O is divided by 256
-LSE_SHIFT = 0.0  # Direct-P: log2 G, P ~ G 2^(t - m) (numerics.directp.DIRECT_P_GAIN)
-DIRECT_P_A = 1.5
-DIRECT_P_B = 1.2
-P_PUBLISH_HALVES = True
-GUARD = None  # None or (M, L) of the sampling guard (Algorithm 3)
-GUARD_M, GUARD_L = GUARD if GUARD else (0, 0)
-TMEM_ALLOC_COLS = 512
-# region -> (first column, last column), inclusive, from plan.tmem
-TMEM = {
-    'S0': (0, 127),
-    'S1': (128, 255),
-    'O0': (256, 383),
-    'O1': (384, 511),
-    'P0': (64, 95),
-    'P1': (192, 223),
-    'SFQ0': (128, 135),
-    'SFK0': (136, 143),
-    'SFQ1': (0, 7),
-    'SFK1': (8, 15),
-}
-# ---------------------------------------------------------------------------------
+HEAD_DIM = FWD_CONFIG.head_dim
 
 
 def _build():
-    """Import CuTe DSL lazily so that importing this module never needs a GPU toolchain."""
+    """The kernel class with this module's config bound, ``(Kernel, cutlass, cute)``; CuTe DSL
+    is imported here, so that importing this module never needs a GPU toolchain."""
+    import functools
+
     import cutlass
     import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
-    import cutlass.utils.blackwell_helpers as sm100_utils
-    import cutlass.utils.blockscaled_layout as bsl
-    from cutlass import Float32, Int32, const_expr
-    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-    from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
-    from fp4gen.device.sm100 import direct_p as dp
-    from fp4gen.device.sm100 import opaque as opq
-    from fp4gen.device.sm100 import two_level as tl
+    from fp4gen.device.sm100.forward import AttentionFwdSm100
 
-    F4 = cutlass.Float4E2M1FN
-    E4M3 = cutlass.Float8E4M3FN
-    E8M0 = cutlass.Float8E8M0FNU
-    PV_SF = E4M3 if PV_SF_VEC == 16 else E8M0  # P/V block-scale type of a block-scaled PV
-    PV_DTYPE = E4M3 if PV_FP8 else F4
-    LOG2E = math.log2(math.e)
-
-    def coop(n):
-        return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-    class AttentionFwdSm100:
-        """Warp-specialized two-stage block-scaled attention forward (see module docstring)."""
-
-        def __init__(self):
-            self.softmax_warps = ((0, 1, 2, 3), (4, 5, 6, 7))
-            self.correction_warps = (8, 9, 10, 11)
-            self.mma_warp = 12
-            self.load_warp = 13
-            self.threads = 32 * N_WARPS  # the plan's roles; warps past the load warp idle
-            self.qk_tiler = (TILE_M, TILE_N, HEAD_DIM)
-            self.pv_tiler = (TILE_M, HEAD_DIM, TILE_N)
-            # Number of P publications per KV tile (halves: keys [0, N/2) then [N/2, N)).
-            self.p_parts = 2 if P_PUBLISH_HALVES else 1
-
-        @cute.jit
-        def __call__(
-            self,
-            q_ptr: cute.Pointer, sfq_ptr: cute.Pointer,
-            k_ptr: cute.Pointer, sfk_ptr: cute.Pointer,
-            v_ptr: cute.Pointer, sfv_ptr: cute.Pointer,
-            o_ptr: cute.Pointer, lse_ptr: cute.Pointer, vs_ptr: cute.Pointer,
-            seqlen_q: Int32, seqlen_k: Int32, num_bh: Int32, kv_group: Int32,
-            scale_log2: Float32,
-            stream,
-        ):
-            D = HEAD_DIM
-            num_bh_kv = num_bh // kv_group
-            # Global layouts shared with the host (_gmem_layouts; prepare_operands builds
-            # tensors that match them, tests/sm100/test_sm100_host.py checks both agree).
-            gl = _gmem_layouts(cute, bsl, seqlen_q, seqlen_k, num_bh, num_bh_kv)
-            mQ = cute.make_tensor(q_ptr, gl["q"])
-            mK = cute.make_tensor(k_ptr, gl["k"])
-            mV = cute.make_tensor(v_ptr, gl["v"])
-            mO = cute.make_tensor(o_ptr, gl["o"])
-            mLSE = cute.make_tensor(lse_ptr, gl["lse"])
-            # V's per-(batch, kv head) fp32 tensor scale (1.0 when V has block scales only)
-            mVS = cute.make_tensor(vs_ptr, gl["vs"])
-            # Scale factors in the tcgen05 scale-factor atom layout (32x4x4 bytes per atom).
-            mSFQ = cute.make_tensor(sfq_ptr, gl["sfq"])
-            mSFK = cute.make_tensor(sfk_ptr, gl["sfk"])
-            mSFV = cute.make_tensor(sfv_ptr, gl["sfv"]) if const_expr(PV_BLOCK_SCALED) else None
-
-            # byte views of Q, K and their scales for the guard's software dot products
-            mQb = cute.make_tensor(cute.recast_ptr(q_ptr, dtype=cutlass.Uint8), cute.make_layout(
-                (seqlen_q, D // 2, num_bh), stride=(D // 2, 1, cute.assume(seqlen_q * (D // 2), 64))))
-            mKb = cute.make_tensor(cute.recast_ptr(k_ptr, dtype=cutlass.Uint8), cute.make_layout(
-                (seqlen_k, D // 2, num_bh_kv), stride=(D // 2, 1, cute.assume(seqlen_k * (D // 2), 64))))
-            mSFQb = cute.make_tensor(cute.recast_ptr(sfq_ptr, dtype=cutlass.Uint8), mSFQ.layout)
-            mSFKb = cute.make_tensor(cute.recast_ptr(sfk_ptr, dtype=cutlass.Uint8), mSFK.layout)
-
-            qk_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-                F4, F4, OperandMajorMode.K, OperandMajorMode.K, E4M3, 16,
-                tcgen05.CtaGroup.ONE, self.qk_tiler[:2])
-            v_major = OperandMajorMode.K if const_expr(V_K_MAJOR) else OperandMajorMode.MN
-            if const_expr(PV_BLOCK_SCALED):
-                pv_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-                    PV_DTYPE, PV_DTYPE, OperandMajorMode.K, v_major, PV_SF, PV_SF_VEC,
-                    tcgen05.CtaGroup.ONE, self.pv_tiler[:2], tcgen05.OperandSource.TMEM)
-            else:
-                pv_mma = sm100_utils.make_trivial_tiled_mma(
-                    PV_DTYPE, PV_DTYPE, OperandMajorMode.K, v_major, Float32,
-                    tcgen05.CtaGroup.ONE, self.pv_tiler[:2], tcgen05.OperandSource.TMEM)
-            cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,))
-
-            sQ_l = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, F4, Q_STAGES)
-            sK_l = sm100_utils.make_smem_layout_b(qk_mma, self.qk_tiler, F4, KV_STAGES)
-            sV_l = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, PV_DTYPE, KV_STAGES)
-            sSFQ_l = bsl.make_smem_layout_sfa(qk_mma, self.qk_tiler, 16, Q_STAGES)
-            sSFK_l = bsl.make_smem_layout_sfb(qk_mma, self.qk_tiler, 16, KV_STAGES)
-            sSFV_l = None
-            sSFP_l = None
-            if const_expr(PV_BLOCK_SCALED):
-                sSFV_l = bsl.make_smem_layout_sfb(pv_mma, self.pv_tiler, PV_SF_VEC, KV_STAGES)
-                # P's block scales take the same path as the loaded scales (SMEM -> tcgen05.cp
-                # -> TMEM): one buffer per query stage.
-                sSFP_l = bsl.make_smem_layout_sfa(pv_mma, self.pv_tiler, PV_SF_VEC, Q_STAGES)
-            # Layout of P as the A operand read from TMEM.
-            tP_l = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, PV_DTYPE, 1)
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-
-            def slice0(l):
-                return cute.slice_(l, (None, None, None, 0))
-
-            tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_A(g2s, mQ, slice0(sQ_l), self.qk_tiler, qk_mma, cluster_vmnk.shape)
-            tma_k, gK = cute.nvgpu.make_tiled_tma_atom_B(g2s, mK, slice0(sK_l), self.qk_tiler, qk_mma, cluster_vmnk.shape)
-            tma_v, gV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mV, slice0(sV_l), self.pv_tiler, pv_mma, cluster_vmnk.shape)
-            tma_sfq, gSFQ = cute.nvgpu.make_tiled_tma_atom_A(g2s, mSFQ, slice0(sSFQ_l), self.qk_tiler, qk_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
-            tma_sfk, gSFK = cute.nvgpu.make_tiled_tma_atom_B(g2s, mSFK, slice0(sSFK_l), self.qk_tiler, qk_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
-            tma_sfv, gSFV = None, None
-            if const_expr(PV_BLOCK_SCALED):
-                tma_sfv, gSFV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mSFV, slice0(sSFV_l), self.pv_tiler, pv_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
-
-            self.q_bytes = cute.size_in_bytes(F4, slice0(sQ_l)) + cute.size_in_bytes(E4M3, slice0(sSFQ_l))
-            self.k_bytes = cute.size_in_bytes(F4, slice0(sK_l)) + cute.size_in_bytes(E4M3, slice0(sSFK_l))
-            self.v_bytes = cute.size_in_bytes(PV_DTYPE, slice0(sV_l))
-            if const_expr(PV_BLOCK_SCALED):
-                self.v_bytes += cute.size_in_bytes(PV_SF, slice0(sSFV_l))
-
-            grid = (cute.ceil_div(seqlen_q, TILE_M * Q_STAGES), num_bh, 1)
-            self.kernel(
-                qk_mma, pv_mma,
-                tma_q, gQ, tma_k, gK, tma_v, gV, tma_sfq, gSFQ, tma_sfk, gSFK, tma_sfv, gSFV,
-                mO, mLSE, mVS, mQb, mKb, mSFQb, mSFKb, sQ_l, sK_l, sV_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l, tP_l,
-                seqlen_q, seqlen_k, kv_group, scale_log2,
-            ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
-                     # .minnctapersm 1: without it ptxas cannot know the entry register count and
-                     # ignores every setmaxnreg (C7508); all warps then get 128 and spill
-                     min_blocks_per_mp=1, hint_smem_base_uniform=False)
-
-        @cute.kernel
-        def kernel(
-            self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
-            tma_q: cute.CopyAtom, gQ_mkl: cute.Tensor, tma_k: cute.CopyAtom, gK_nkl: cute.Tensor,
-            tma_v: cute.CopyAtom, gV_nkl: cute.Tensor, tma_sfq: cute.CopyAtom, gSFQ_mkl: cute.Tensor,
-            tma_sfk: cute.CopyAtom, gSFK_nkl: cute.Tensor, tma_sfv: cute.CopyAtom, gSFV_nkl: cute.Tensor,
-            mO: cute.Tensor, mLSE: cute.Tensor, mVS: cute.Tensor,
-            mQb: cute.Tensor, mKb: cute.Tensor, mSFQb: cute.Tensor, mSFKb: cute.Tensor,
-            sQ_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
-            sSFQ_l: cute.Layout, sSFK_l: cute.Layout, sSFV_l: cute.Layout, sSFP_l: cute.Layout,
-            tP_l: cute.ComposedLayout,
-            seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32, scale_log2: Float32,
-        ):
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            tidx, _, _ = cute.arch.thread_idx()
-
-            if warp == self.load_warp:
-                for atom in (tma_q, tma_k, tma_v, tma_sfq, tma_sfk):
-                    cpasync.prefetch_descriptor(atom)
-                if const_expr(PV_BLOCK_SCALED):
-                    cpasync.prefetch_descriptor(tma_sfv)
-
-            @cute.struct
-            class Storage:
-                q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                k_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
-                v_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
-                s_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                p_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2 * 2]
-                o_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                stats_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-                # two-level P: row_sum also holds the last tile's row factor r (after the sums)
-                row_sum: cute.struct.MemRange[Float32, Q_STAGES * TILE_M * (2 if TWO_LEVEL else 1)]
-                row_max: cute.struct.MemRange[Float32, Q_STAGES * TILE_M]
-                guard_flag: cute.struct.MemRange[Int32, Q_STAGES]
-                tmem_holding_buf: Int32
-
-            smem = utils.SmemAllocator()
-            st = smem.allocate(Storage)
-            # swizzled MMA operands start on a 1024-byte boundary (a whole 128B-swizzle pattern):
-            # the SMEM descriptors carry base offset 0, which is right only there (PTX ISA
-            # 9.7.16.4.1, matrix descriptor "base offset"). Found by the emulator's TMA model.
-            sQ = smem.allocate_tensor(F4, sQ_l.outer, 1024, sQ_l.inner)
-            sK = smem.allocate_tensor(F4, sK_l.outer, 1024, sK_l.inner)
-            sV = smem.allocate_tensor(PV_DTYPE, sV_l.outer, 1024, sV_l.inner)
-            sSFQ = smem.allocate_tensor(E4M3, sSFQ_l, 128)
-            sSFK = smem.allocate_tensor(E4M3, sSFK_l, 128)
-            sSFV = None
-            sSFP = None
-            if const_expr(PV_BLOCK_SCALED):
-                sSFV = smem.allocate_tensor(PV_SF, sSFV_l, 128)
-                sSFP = smem.allocate_tensor(PV_SF, sSFP_l, 128)
-
-            one = coop(1)
-            # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
-            # the mbarrier.init count (effective count: 32)" for the eight barriers with a `wg`
-            # side: it assumes a warp-ID guard selects one warp, but `warp < 4`, `4 <= warp < 8`
-            # and the correction test each select four, 128 threads = this init count. Triaged
-            # 2026-12-01: not a defect.
-            wg = coop(32 * 4)
-            # load -> MMA
-            q_prod, q_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.q_bar.data_ptr(), num_stages=Q_STAGES,
-                producer_group=one, consumer_group=one, tx_count=self.q_bytes).make_participants()
-            k_prod, k_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.k_bar.data_ptr(), num_stages=KV_STAGES,
-                producer_group=one, consumer_group=one, tx_count=self.k_bytes).make_participants()
-            v_prod, v_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.v_bar.data_ptr(), num_stages=KV_STAGES,
-                producer_group=one, consumer_group=one, tx_count=self.v_bytes).make_participants()
-            # MMA -> softmax_j: "S_j full"; softmax_j -> MMA (release): "S_j drained" (scores in
-            # registers; the lower columns of S_j may now take the other stage's QK^T scales)
-            s_prod0, s_cons0 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.s_bar.data_ptr(), num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            s_prod1, s_cons1 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.s_bar.data_ptr() + 2, num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            # softmax_j -> MMA: P_j part h written (tcgen05.st + fence) and, with part 1, its scales
-            p_prod0, p_cons0 = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=st.p_bar.data_ptr(), num_stages=self.p_parts,
-                producer_group=wg, consumer_group=one).make_participants()
-            p_prod1, p_cons1 = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=st.p_bar.data_ptr() + 4, num_stages=self.p_parts,
-                producer_group=wg, consumer_group=one).make_participants()
-            # MMA -> correction: O_j final
-            o_prod0, o_cons0 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.o_bar.data_ptr(), num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            o_prod1, o_cons1 = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.o_bar.data_ptr() + 2, num_stages=1,
-                producer_group=one, consumer_group=wg).make_participants()
-            # softmax_j -> correction: final row statistics of stage j
-            t_prod0, t_cons0 = pipeline.PipelineAsync.create(
-                barrier_storage=st.stats_bar.data_ptr(), num_stages=1,
-                producer_group=wg, consumer_group=wg).make_participants()
-            t_prod1, t_cons1 = pipeline.PipelineAsync.create(
-                barrier_storage=st.stats_bar.data_ptr() + 2, num_stages=1,
-                producer_group=wg, consumer_group=wg).make_participants()
-
-            # the word tcgen05.alloc writes the TMEM base to, at a register address (opaque_i32 says
-            # why: without the uniform-base hint LLVM folds SMEM addresses into symbol + offset)
-            tmem_word = cute.make_ptr(Int32, opq.opaque_i32(st.tmem_holding_buf.ptr.toint()),
-                                      cute.AddressSpace.smem, assumed_align=4)
-            tmem = utils.TmemAllocator(
-                tmem_word,
-                barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.threads),  # every warp retrieves the base
-                allocator_warp_id=self.correction_warps[0])
-            tmem.allocate(TMEM_ALLOC_COLS)
-
-            # ---- TMEM views: every column offset is the plan's (TMEM dict) ---------------
-            qk_thr = qk_mma.get_slice(0)
-            pv_thr = pv_mma.get_slice(0)
-            tSrQ = qk_mma.make_fragment_A(sQ)
-            tSrK = qk_mma.make_fragment_B(sK)
-            tOrV = pv_mma.make_fragment_B(sV)
-            s_fake = qk_mma.make_fragment_C(qk_mma.partition_shape_C(self.qk_tiler[:2]))
-            o_fake = pv_mma.make_fragment_C(pv_mma.partition_shape_C(self.pv_tiler[:2]))
-
-            tmem.wait_for_alloc()
-
-            # Register budgets from plan.pipeline.roles: each role sets its own (setmaxnreg) as the
-            # first statement of its branch. Set in separate branches before the roles, ptxas cannot
-            # tell which budget reaches which role, gives every role the smallest and spills.
-            if warp >= self.mma_warp + 2:  # the idle warps of the last warpgroup
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
-
-            # ============================ load warp ============================
-            if warp == self.load_warp:
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                gQ = cute.local_tile(gQ_mkl, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
-                gK = cute.local_tile(gK_nkl, cute.slice_(self.qk_tiler, (0, None, None)), (None, None, None))
-                gV = cute.local_tile(gV_nkl, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
-                gSFQ = cute.local_tile(gSFQ_mkl, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
-                gSFK = cute.local_tile(gSFK_nkl, cute.slice_(self.qk_tiler, (0, None, None)), (None, None, None))
-                tQs, tQg = self.tma_part(tma_q, sQ, qk_thr.partition_A(gQ), False)
-                tKs, tKg = self.tma_part(tma_k, sK, qk_thr.partition_B(gK), False)
-                tVs, tVg = self.tma_part(tma_v, sV, pv_thr.partition_B(gV), False)
-                tSFQs, tSFQg = self.tma_part(tma_sfq, sSFQ, qk_thr.partition_A(gSFQ), True)
-                tSFKs, tSFKg = self.tma_part(tma_sfk, sSFK, qk_thr.partition_B(gSFK), True)
-                # CuTe's checker reports W0014 (a tcgen05.ld outstanding at a release) at this
-                # acquire. The load warp issues no tcgen05.ld, so none can be outstanding here;
-                # the checker does not know which role's code a warp runs. Triaged 2026-12-01.
-                for j in cutlass.range_constexpr(Q_STAGES):
-                    h = q_prod.acquire_and_advance()
-                    mt = m_block * Q_STAGES + j
-                    cute.copy(tma_q, tQg[None, mt, 0, bh], tQs[None, h.index], tma_bar_ptr=h.barrier)
-                    cute.copy(tma_sfq, tSFQg[None, mt, 0, bh], tSFQs[None, h.index], tma_bar_ptr=h.barrier)
-                for i in cutlass.range(n_kv, unroll=1):
-                    hk = k_prod.acquire_and_advance()
-                    cute.copy(tma_k, tKg[None, i, 0, bh_kv], tKs[None, hk.index], tma_bar_ptr=hk.barrier)
-                    cute.copy(tma_sfk, tSFKg[None, i, 0, bh_kv], tSFKs[None, hk.index], tma_bar_ptr=hk.barrier)
-                    hv = v_prod.acquire_and_advance()
-                    cute.copy(tma_v, tVg[None, 0, i, bh_kv], tVs[None, hv.index], tma_bar_ptr=hv.barrier)
-                    if const_expr(PV_BLOCK_SCALED):
-                        gSFV = cute.local_tile(gSFV_nkl, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
-                        tSFVs, tSFVg = self.tma_part(tma_sfv, sSFV, pv_thr.partition_B(gSFV), True)
-                        cute.copy(tma_sfv, tSFVg[None, 0, i, bh_kv], tSFVs[None, hv.index], tma_bar_ptr=hv.barrier)
-
-            # ============================ MMA warp =============================
-            # Issue order (plan.pipeline.mma_order): QK_0(0), QK_1(0); then per KV tile i >= 1
-            # and stage j: PV_j(i-1), QK_j(i); finally PV_0(n-1), PV_1(n-1). The tensor pipe runs
-            # tcgen05 ops in issue order, so PV_j(i-1) has read P_j before QK_j(i) rewrites S_j.
-            if warp == self.mma_warp:
-                cute.arch.setmaxregister_decrease(REGS_OTHER)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, tOrP, tSFQ, tSFK, tSFV, tSFP = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), E4M3)
-                cpQ = [self.s2t_part(s2t, sSFQ, tSFQ[j]) for j in range(Q_STAGES)]
-                cpK = [self.s2t_part(s2t, sSFK, tSFK[j]) for j in range(Q_STAGES)]
-                cpV, cpP = None, None
-                if const_expr(PV_BLOCK_SCALED):
-                    s2t8 = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), PV_SF)
-                    cpV = [self.s2t_part(s2t8, sSFV, tSFV[j]) for j in range(Q_STAGES)]
-                    cpP = [self.s2t_part(s2t8, sSFP, tSFP[j]) for j in range(Q_STAGES)]
-                hq0 = q_cons.wait_and_advance()
-                hq1 = q_cons.wait_and_advance()
-                hk = k_cons.wait_and_advance()
-                qk_mma, s_prod0, s_prod1 = self.issue_qk(0, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq0.index, hk.index, s_prod0, s_prod1)
-                qk_mma, s_prod1, s_prod0 = self.issue_qk(1, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq1.index, hk.index, s_prod1, s_prod0)
-                hk.release()
-                for i in cutlass.range(1, n_kv, unroll=1):
-                    hv = v_cons.wait_and_advance()
-                    hk = k_cons.wait_and_advance()
-                    pv_mma, p_cons0 = self.issue_pv(0, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, i - 1, p_cons0)
-                    qk_mma, s_prod0, s_prod1 = self.issue_qk(0, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq0.index, hk.index, s_prod0, s_prod1)
-                    pv_mma, p_cons1 = self.issue_pv(1, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, i - 1, p_cons1)
-                    qk_mma, s_prod1, s_prod0 = self.issue_qk(1, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK, hq1.index, hk.index, s_prod1, s_prod0)
-                    hk.release()
-                    hv.release()
-                hv = v_cons.wait_and_advance()
-                pv_mma, p_cons0 = self.issue_pv(0, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, n_kv - 1, p_cons0)
-                ho = o_prod0.acquire_and_advance()
-                ho.commit()  # O_0 final once every tcgen05 op issued so far has completed
-                pv_mma, p_cons1 = self.issue_pv(1, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV, hv.index, n_kv - 1, p_cons1)
-                ho = o_prod1.acquire_and_advance()
-                ho.commit()
-                hv.release()
-                hq0.release()
-                hq1.release()
-
-            # ========================== softmax warps ==========================
-            if warp < 4:
-                cute.arch.setmaxregister_increase(REGS_SOFTMAX)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                self.softmax(0, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
-                             tStS[0], tOtO[0], sSFP, s_cons0, p_prod0, t_prod0,
-                             st.row_sum.data_ptr(), st.row_max.data_ptr(),
-                             mQb, mKb, mSFQb, mSFKb, bh, bh_kv, st.guard_flag.data_ptr())
-            if warp >= 4 and warp < 8:
-                cute.arch.setmaxregister_increase(REGS_SOFTMAX)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                self.softmax(1, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
-                             tStS[1], tOtO[1], sSFP, s_cons1, p_prod1, t_prod1,
-                             st.row_sum.data_ptr(), st.row_max.data_ptr(),
-                             mQb, mKb, mSFQb, mSFKb, bh, bh_kv, st.guard_flag.data_ptr())
-
-            # ======================= correction / epilogue =====================
-            if warp >= self.correction_warps[0] and warp <= self.correction_warps[-1]:
-                cute.arch.setmaxregister_decrease(REGS_CORRECTION)
-                m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-                tmem_base = tmem.retrieve_ptr(Float32)
-                _, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-                tmem.relinquish_alloc_permit()
-                v_scale = mVS[bh_kv]
-                self.epilogue(0, tidx % 128, m_block, bh, seqlen_q, tOtO[0], mO, mLSE, v_scale,
-                              o_cons0, t_cons0, st.row_sum.data_ptr(), st.row_max.data_ptr())
-                self.epilogue(1, tidx % 128, m_block, bh, seqlen_q, tOtO[1], mO, mLSE, v_scale,
-                              o_cons1, t_cons1, st.row_sum.data_ptr(), st.row_max.data_ptr())
-                cute.arch.barrier(barrier_id=2, number_of_threads=128)
-                tmem.free(tmem_base)
-
-        # ---------------------------------------------------------------- helpers
-        @cute.jit
-        def tile_coords(self, seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32):
-            """(query block, batch x head, its KV head, KV tiles to visit) of this CTA, read by each
-            role after its setmaxnreg: kept live from the prologue, ptxas spills them."""
-            m_block, bh, _ = cute.arch.block_idx()
-            n_kv = cute.ceil_div(seqlen_k, TILE_N)
-            if const_expr(CAUSAL):
-                # keys past the CTA's last row's diagonal (bottom-right aligned) are never needed
-                last = (m_block + 1) * TILE_M * Q_STAGES + seqlen_k - seqlen_q
-                n_kv = cutlass.min(n_kv, cute.ceil_div(cutlass.max(last, 1), TILE_N))
-            return m_block, bh, bh // kv_group, n_kv
-
-        @cute.jit
-        def tmem_views(self, tmem_base, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, s_fake: cute.Tensor,
-                       o_fake: cute.Tensor, tP_l: cute.ComposedLayout, sSFQ_l: cute.Layout, sSFK_l: cute.Layout,
-                       sSFV_l: cute.Layout, sSFP_l: cute.Layout):
-            """The plan's TMEM regions (every column offset is the plan's TMEM dict) as tensors.
-            Each role builds them after its setmaxnreg from a freshly read base: kept live from
-            the prologue, the base is one more value ptxas carries through every role's budget,
-            and it spills it."""
-
-            def region(name, layout):
-                return cute.make_tensor(tmem_base + TMEM[name][0], layout)
-
-            def region_as(name, dtype, layout):
-                return cute.make_tensor(cute.recast_ptr(tmem_base + TMEM[name][0], dtype=dtype), layout)
-
-            tStS = [region("S%d" % j, s_fake.layout) for j in range(Q_STAGES)]
-            tOtO = [region("O%d" % j, o_fake.layout) for j in range(Q_STAGES)]
-            tOrP_fake = pv_mma.make_fragment_A(cute.make_tensor(tmem_base, tP_l.outer))[None, None, None, 0]
-            tOrP = [region_as("P%d" % j, PV_DTYPE, tOrP_fake.layout) for j in range(Q_STAGES)]
-            tSFQ_l = bsl.make_tmem_layout_sfa(qk_mma, self.qk_tiler, 16, slice0l(sSFQ_l))
-            tSFK_l = bsl.make_tmem_layout_sfb(qk_mma, self.qk_tiler, 16, slice0l(sSFK_l))
-            tSFQ = [region_as("SFQ%d" % j, E4M3, tSFQ_l) for j in range(Q_STAGES)]
-            tSFK = [region_as("SFK%d" % j, E4M3, tSFK_l) for j in range(Q_STAGES)]
-            tSFV, tSFP = None, None
-            if const_expr(PV_BLOCK_SCALED):
-                tSFV_l = bsl.make_tmem_layout_sfb(pv_mma, self.pv_tiler, PV_SF_VEC, slice0l(sSFV_l))
-                tSFP_l = bsl.make_tmem_layout_sfa(pv_mma, self.pv_tiler, PV_SF_VEC, slice0l(sSFP_l))
-                tSFV = [region_as("SFV%d" % j, PV_SF, tSFV_l) for j in range(Q_STAGES)]
-                tSFP = [region_as("SFP%d" % j, PV_SF, tSFP_l) for j in range(Q_STAGES)]
-            return tStS, tOtO, tOrP, tSFQ, tSFK, tSFV, tSFP
-
-        @cute.jit
-        def tma_part(self, atom, s, g, is_sf: cutlass.Constexpr):
-            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                           cute.group_modes(s, 0, 3), cute.group_modes(g, 0, 3))
-            if const_expr(is_sf):
-                ts = cute.filter_zeros(ts)
-                tg = cute.filter_zeros(tg)
-            return ts, tg
-
-        @cute.jit
-        def issue_qk(self, j: cutlass.Constexpr, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK,
-                     q_idx, k_idx, s_prod_j, s_prod_other):
-            """S_j <- Q_j K^T (block16 NVFP4). Its scales go to the other stage's drained S columns."""
-            s_prod_other.acquire()  # the other stage's S is drained (no advance: its own QK re-waits)
-            hs = s_prod_j.acquire_and_advance()
-            self.s2t(cpQ[j], q_idx)
-            self.s2t(cpK[j], k_idx)
-            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                qk_mma.set(tcgen05.Field.SFA, tSFQ[j][None, None, kb].iterator)
-                qk_mma.set(tcgen05.Field.SFB, tSFK[j][None, None, kb].iterator)
-                cute.gemm(qk_mma, tStS[j], tSrQ[None, None, kb, q_idx], tSrK[None, None, kb, k_idx], tStS[j])
-            hs.commit()
-            # returned so that the caller rebinds them: the tracer threads pipeline state through
-            # staged loops only as plain local variables
-            return qk_mma, s_prod_j, s_prod_other
-
-        @cute.jit
-        def issue_pv(self, j: cutlass.Constexpr, pv_mma, tOtO, tOrP, tOrV, tSFP, tSFV, cpP, cpV,
-                     v_idx, i, p_cons_j):
-            """O_j += P_j V (P_j from TMEM), one K=64/32 step group per published part of P."""
-            n_k = cute.size(tOrP[j], mode=[2])
-            per_part = n_k // self.p_parts
-            for part in cutlass.range_constexpr(self.p_parts):
-                hp = p_cons_j.wait_and_advance()
-                if const_expr(PV_BLOCK_SCALED and part == 0):
-                    # part 1 carries the block scales of the whole tile (plan.publish)
-                    self.s2t(cpV[j], v_idx)
-                    self.s2t(cpP[j], j)
-                for kk in cutlass.range_constexpr(per_part):
-                    kb = part * per_part + kk
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, (i != 0) or (kb != 0))
-                    if const_expr(PV_BLOCK_SCALED):
-                        pv_mma.set(tcgen05.Field.SFA, tSFP[j][None, None, kb].iterator)
-                        pv_mma.set(tcgen05.Field.SFB, tSFV[j][None, None, kb].iterator)
-                    cute.gemm(pv_mma, tOtO[j], tOrP[j][None, None, kb], tOrV[None, None, kb, v_idx], tOtO[j])
-                hp.release()
-            return pv_mma, p_cons_j
-
-        def s2t_part(self, atom, s_sf, t_sf):
-            s_c = cute.filter_zeros(s_sf)
-            t_c = cute.filter_zeros(t_sf)
-            tiled = tcgen05.make_s2t_copy(atom, t_c)
-            thr = tiled.get_slice(0)
-            src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(s_c))
-            return (tiled, src, thr.partition_D(t_c))
-
-        def s2t(self, cp, stage):
-            tiled, src, dst = cp
-            cute.copy(tiled, src[None, None, None, None, stage], dst)
-
-        @cute.jit
-        def softmax(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, n_kv: Int32,
-                    seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tStS, tOtO, sSFP,
-                    s_cons, p_prod, st_prod, row_sum_ptr, row_max_ptr,
-                    mQb, mKb, mSFQb, mSFKb, bh: Int32, bh_kv: Int32, guard_flag_ptr):
-            """Softmax warpgroup of query stage j: one thread per query row (TMEM lane)."""
-            # S_j tile (128 lanes x TILE_N fp32 columns) -> registers, one row per thread
-            # loaded in 32-column chunks (one tcgen05.ld.32x32b.x32 each): a single x128 load
-            # would need 128 destination registers in one instruction
-            chunk_l = cute.composition(tStS.layout, cute.make_layout((TILE_M, 32)))
-            tS_chunks = [cute.make_tensor(tStS.iterator + 32 * c, chunk_l) for c in range(TILE_N // 32)]
-            ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-            thr_ld = tcgen05.make_tmem_copy(ld, tS_chunks[0]).get_slice(t)
-            tS_t = [thr_ld.partition_S(x) for x in tS_chunks]
-            tS_rc = [cute.make_rmem_tensor(thr_ld.partition_D(x).shape, Float32) for x in tS_chunks]
-            # P_j and the O rescale use fp32-typed views of their plan columns
-            p_cols = TILE_N * PV_DTYPE.width // 32
-            part_cols = p_cols // self.p_parts
-            part_l = cute.composition(tStS.layout, cute.make_layout((TILE_M, part_cols)))
-            p_off = TMEM["P%d" % j][0] - TMEM["S%d" % j][0]  # P_j's plan columns, relative to S_j
-            tStP_parts = [cute.make_tensor(tStS.iterator + p_off + h * part_cols, part_l)
-                          for h in range(self.p_parts)]
-            st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(part_cols)), Float32)
-            thr_st = tcgen05.make_tmem_copy(st_atom, tStP_parts[0]).get_slice(t)
-            o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-            o_st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32)
-            tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-                cute.composition(tOtO.layout, cute.make_layout((TILE_M, HEAD_DIM))), (None, 32)))
-            thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
-            thr_ost = tcgen05.make_tmem_copy(o_st, tOtO_c[None, (None, 0)]).get_slice(t)
-
-            row = (m_block * Q_STAGES + j) * TILE_M + t
-            # causal masking is bottom-right aligned: row r sees key c iff c <= r + seqlen_k - seqlen_q
-            diag = row + seqlen_k - seqlen_q
-            m_run = -Float32.inf
-            l_run = Float32(0.0)
-            words_per_part = part_cols
-            n_blocks = TILE_N // 32
-            for i in cutlass.range(n_kv):
-                hs = s_cons.wait_and_advance()
-                for c in cutlass.range_constexpr(TILE_N // 32):
-                    cute.copy(thr_ld, tS_t[c], tS_rc[c])
-                cute.arch.fence_view_async_tmem_load()
-                hs.release()  # "S_j drained": the MMA warp may put the other stage's QK scales here
-                # scores -> log2 units t = s * scale * log2(e); masked keys -> -inf, only on the
-                # tiles that cross the sequence end or (causal) this row's diagonal
-                s_max = -Float32.inf
-                for c in cutlass.range_constexpr(TILE_N):
-                    tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
-                # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
-                # One compare against the column's constant per key, written in place: the old
-                # form (key = i * TILE_N + c, two compares, two selects) kept the masked and the
-                # unmasked scores live at once in ptxas's if-converted code and spilled them.
-                n_valid = seqlen_k - i * TILE_N
-                if const_expr(CAUSAL):
-                    n_valid = cutlass.min(n_valid, diag + 1 - i * TILE_N)
-                if n_valid < TILE_N:
-                    for c in cutlass.range_constexpr(TILE_N):
-                        tS_rc[c // 32][c % 32] = Float32(cutlass.select_(
-                            Int32(c) < n_valid, tS_rc[c // 32][c % 32], -Float32.inf))
-                for c in cutlass.range_constexpr(TILE_N):
-                    s_max = cute.arch.fmax(s_max, tS_rc[c // 32][c % 32])
-                # online max (exp / FP8 paths): O_j and l are rescaled by 2^(m_old - m_new).
-                # PV_j of the previous tile has completed (its commit precedes this S_j) and
-                # PV_j of this tile waits for P below, so O_j is ours to rescale until P_j is
-                # published (the exp path does it there, the two-level path after packing P).
-                m_new = cute.arch.fmax(m_run, s_max)
-                m_new_s = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
-                m_old_s = Float32(cutlass.select_(m_run == -Float32.inf, m_new_s, m_run))
-                alpha = cute.math.exp2(m_old_s - m_new_s, fastmath=True)
-                l_run = l_run * alpha
-                o_alpha = alpha  # O_j *= alpha where P_j is published (below)
-                m_run = m_new
-                m_ref = m_new_s
-                # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
-                p_words = cute.make_rmem_tensor((p_cols,), cutlass.Int32)
-                sfp_bytes = None
-                if const_expr(PV_BLOCK_SCALED):
-                    sfp_bytes = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=cutlass.Uint8), sSFP.layout)
-                for b in cutlass.range_constexpr(n_blocks):
-                    lsum = Float32(0.0)
-                    pf = cute.make_rmem_tensor((32,), Float32)
-                    for c in cutlass.range_constexpr(32):
-                        pf[c] = cute.math.exp2(tS_rc[(b * 32 + c) // 32][(b * 32 + c) % 32] - m_ref, fastmath=True)
-                        lsum = lsum + pf[c]
-                    p8 = cute.recast_tensor(cute.make_tensor(p_words.iterator + b * 8, cute.make_layout(8)), E4M3)
-                    p8.store((pf.load() * Float32(256.0)).to(E4M3))
-                    l_run = l_run + lsum  # the exp path sums unrounded p (as the reference)
-                # ---- publish P (whole or halves) ----
-                for part in cutlass.range_constexpr(self.p_parts):
-                    hp = p_prod.acquire_and_advance()
-                    dst = thr_st.partition_D(tStP_parts[part])
-                    # register side shaped by partition_S of the tile (not by dst, which spans lanes)
-                    src = cute.make_rmem_tensor(
-                        thr_st.partition_S(cute.make_identity_tensor((TILE_M, part_cols))).shape, Float32)
-                    src_i = cute.recast_tensor(src, cutlass.Int32)
-                    for w in cutlass.range_constexpr(words_per_part):
-                        src_i[w] = p_words[part * words_per_part + w]
-                    cute.copy(thr_st, src, dst)
-                    if const_expr(part == 0):
-                        # O_j *= alpha between P's first store and its first arrive (PV_j of this
-                        # tile waits for that arrive). Done before P, O's 32-column chunk sat
-                        # beside the 128 values of p (ptxas hoists P's ex2 above the branch) and
-                        # spilled; here the scores are dead and at most half of P is in registers.
-                        # the whole warp or none of it: tcgen05.ld/st are .sync.aligned (PTX ISA
-                        # 9.7.16.8.3/4); alpha = 1 leaves a row exact. Found by the emulator.
-                        if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
-                            for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
-                                o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                                reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                                cute.copy(thr_old, o_src, reg)
-                                cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
-                                for e in cutlass.range_constexpr(32):
-                                    reg[e] = reg[e] * o_alpha
-                                cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
-                    cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    hp.commit()
-            # final statistics for the epilogue
-            hst = st_prod.acquire_and_advance()
-            rs = cute.make_tensor(row_sum_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            rm = cute.make_tensor(row_max_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            rs[t] = l_run
-            rm[t] = m_run
-            if const_expr(TWO_LEVEL):
-                # O_j is in units of the last tile's r; stored after the row sums of both stages
-                rf = cute.make_tensor(row_sum_ptr + (Q_STAGES + j) * TILE_M, cute.make_layout(TILE_M))
-                rf[t] = r_prev
-            hst.commit()
-
-        @cute.jit
-        def epilogue(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, bh: Int32, seqlen_q: Int32,
-                     tOtO, mO, mLSE, v_scale: Float32, o_cons, st_cons, row_sum_ptr, row_max_ptr):
-            """O_j / l -> bf16 rows in global memory, LSE in natural log."""
-            hst = st_cons.wait_and_advance()
-            rs = cute.make_tensor(row_sum_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            rm = cute.make_tensor(row_max_ptr + j * TILE_M, cute.make_layout(TILE_M))
-            l = rs[t]
-            m = rm[t]
-            o_fac = Float32(O_SCALE) * v_scale
-            if const_expr(TWO_LEVEL):
-                rf = cute.make_tensor(row_sum_ptr + (Q_STAGES + j) * TILE_M, cute.make_layout(TILE_M))
-                o_fac = o_fac * rf[t]  # the last KV tile's row factor r
-            hst.release()
-            ho = o_cons.wait_and_advance()
-            # P's fixed factor (FP8: PV consumed 256 p; two-level: r) and V's tensor scale fold into 1/l
-            inv = Float32(cutlass.select_(l > Float32(0.0), o_fac / l, Float32(0.0)))
-            o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-            tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-                cute.composition(tOtO.layout, cute.make_layout((TILE_M, HEAD_DIM))), (None, 32)))
-            thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
-            row = (m_block * Q_STAGES + j) * TILE_M + t
-            # every lane loads (tcgen05.ld is .sync.aligned: a ragged last tile must not split the
-            # warp) and waits for the registers; only rows inside the sequence are stored
-            for cchunk in cutlass.range_constexpr(HEAD_DIM // 32):
-                src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                cute.copy(thr_old, src, reg)
-                cute.arch.fence_view_async_tmem_load()
-                if row < seqlen_q:
-                    for e in cutlass.range_constexpr(32):
-                        mO[row, cchunk * 32 + e, bh] = (reg[e] * inv).to(mO.element_type)
-            if row < seqlen_q:
-                lse2 = m + cute.math.log2(l, fastmath=True) - Float32(LSE_SHIFT)
-                mLSE[row, bh] = Float32(cutlass.select_(l > Float32(0.0), lse2 * Float32(math.log(2.0)), -Float32.inf))
-            ho.release()
-
-    def slice0l(layout):
-        return cute.slice_(layout, (None, None, None, 0))
-
-    return AttentionFwdSm100, cutlass, cute
+    return functools.partial(AttentionFwdSm100, FWD_CONFIG, _gmem_layouts), cutlass, cute
 
 
 # ==================================================================== host side ====
 # Operand layouts and packing, argument checks, compile and launch are one hand-written
 # module for every sm100a kernel, fp4gen/runtime/sm100_host.py (docs/sm100.md "Host side"):
-# it gets the constants above and _build, nothing by name. The names below are this
-# module's host interface (the kernel's __call__ builds its global tensors from _gmem_layouts).
+# it gets the config above and _build, nothing by name. The names below are this module's
+# host interface (the kernel's __call__ builds its global tensors from _gmem_layouts).
 from fp4gen.runtime import sm100_host as _sm100_host  # noqa: E402
 from fp4gen.runtime.sm100_host import (  # noqa: E402,F401 -- re-exported
     INT32_LIMIT, MAX_GRID_Y, MXFP4_BLOCK, NVFP4_BLOCK, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, V_KEY_PAD,
@@ -1346,9 +708,10 @@ from fp4gen.runtime.sm100_host import (  # noqa: E402,F401 -- re-exported
 )
 
 _HOST = _sm100_host.ForwardHost(_sm100_host.ForwardConfig(
-    kernel_name=KERNEL_NAME, head_dim=HEAD_DIM, softmax_scale=SOFTMAX_SCALE, pv_fp8=PV_FP8,
-    pv_block_scaled=PV_BLOCK_SCALED, pv_sf_vec=PV_SF_VEC, v_k_major=V_K_MAJOR), build=_build)
-V_BLOCK = _HOST.config.v_block  # keys per V block scale (PV_SF_VEC)
+    kernel_name=KERNEL_NAME, head_dim=FWD_CONFIG.head_dim, softmax_scale=SOFTMAX_SCALE,
+    pv_fp8=FWD_CONFIG.pv_fp8, pv_block_scaled=FWD_CONFIG.pv_block_scaled, pv_sf_vec=FWD_CONFIG.pv_sf_vec,
+    v_k_major=FWD_CONFIG.v_k_major), build=_build)
+V_BLOCK = _HOST.config.v_block  # keys per V block scale (pv_sf_vec)
 Operands = _HOST.Operands
 _require_sm100 = _HOST.require_sm100
 _gmem_layouts = _HOST.gmem_layouts
@@ -1386,10 +749,13 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False):
 
 
 # ====================================================================== backward (sm_100a)
-# sm100_bwd_causal_d128 backward: one CTA owns 128 keys of one (batch, head) and walks the
-# query tiles of 128 that see them; every product is a tcgen05.mma accumulating in TMEM.
+# sm100_bwd_causal_d128 backward: one CTA owns 128 keys of one (batch, head) and walks
+# the query tiles of 128 that see them; every product is a tcgen05.mma accumulating
+# in TMEM (fp4gen/device/sm100/backward.py, AttentionBwdSm100, configured by BWD_CONFIG below).
 # examples/sm100_bwd_d128.attn:23: backward {
 # examples/sm100_bwd_d128.attn:24: reuse lse
+# examples/sm100_bwd_d128.attn:10: mask     causal
+# examples/sm100_bwd_d128.attn:25: deterministic false
 #   tiles: 128 queries x 128 keys; warps: compute 4 (216 regs), dq 4 (168 regs), mma 1 (112 regs), load 1 (112 regs), spare 2 (112 regs)
 #   MMAs: S^T = K Q^T (A smem K-major, B K-major, acc TMEM S); dP^T = V dO^T (A smem K-major, B K-major, acc TMEM dP); dV += P^T dO (A tmem K-major, B MN-major, acc TMEM dV); dK += dS^T Q (A smem K-major, B MN-major, acc TMEM dK); dQ = dS K (A smem MN-major, B MN-major, acc TMEM dQ)
 #   TMEM (alloc 512): S 0-127, P 0-63 (over S), dP 128-255, dV 256-383, dK 384-511, dQ 128-255 (over dP)
@@ -1407,471 +773,54 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False):
 #   - dQ is reduced with red.global.add.v4.f32 from registers, not SMEM + TMA reduce-add
 #   - one CTA per key tile (no persistent scheduler, no 2-CTA MMA); serial per query tile (no overlap of the next tile's S^T with this tile's dS^T)
 
-BWD_HEAD_DIM = 128
-BWD_TILE_M = 128  # queries per step (N of S^T/dP^T, TMEM lanes of dQ)
-BWD_TILE_N = 128  # keys per CTA (TMEM lanes of S^T, dP^T, dV, dK)
-BWD_Q_STAGES = 2  # Q/dO ring depth (plan: SMEM budget)
-BWD_CAUSAL = True
-BWD_DETERMINISTIC = False
-# dQ accumulates in dP^T's columns (informational: either way the MMA warp waits for the dQ
-# warps' drain of the previous tile before it issues the next tile's first MMA)
-BWD_DQ_ALIASES_DP = True
-BWD_N_WARPS = 12
-BWD_REGS_COMPUTE, BWD_REGS_DQ, BWD_REGS_OTHER = 216, 168, 112
-BWD_TMEM_ALLOC_COLS = 512
-# region -> (first column, last column), inclusive, from the backward plan's TMEM map
-BWD_TMEM = {
-    'S': (0, 127),
-    'P': (0, 63),
-    'dP': (128, 255),
-    'dV': (256, 383),
-    'dK': (384, 511),
-    'dQ': (128, 255),
-}
+from fp4gen.device.sm100.config import BackwardKernelConfig  # noqa: E402
+
+# rendered from the backward plan: the kernel's config (fp4gen/device/sm100/config.py)
+BWD_CONFIG = BackwardKernelConfig(
+    head_dim=128,
+    tile_m=128,
+    tile_n=128,
+    q_stages=2,
+    causal=True,
+    deterministic=False,
+    dq_aliases_dp=True,
+    compute_warps=(0, 1, 2, 3),
+    dq_warps=(4, 5, 6, 7),
+    mma_warp=8,
+    load_warp=9,
+    n_warps=12,
+    regs_compute=216,
+    regs_dq=168,
+    regs_other=112,
+    regs_compute_increase=True,
+    regs_dq_increase=False,
+    regs_other_increase=False,
+    tmem_alloc_cols=512,
+    tmem=(('S', 0, 127), ('P', 0, 63), ('dP', 128, 255), ('dV', 256, 383), ('dK', 384, 511), ('dQ', 128, 255)),
+)
 
 
 def _bwd_build():
-    """The backward kernel class (CuTe DSL imported lazily: importing the module needs no GPU)."""
+    """The backward kernel class with this module's config bound, ``(Kernel, cutlass, cute)``
+    (fp4gen/device/sm100/backward.py; CuTe DSL imported here: importing the module needs no GPU)."""
+    import functools
+
     import cutlass
     import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
-    import cutlass.utils.blackwell_helpers as sm100_utils
-    from cutlass import Float32, Int32, const_expr
-    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-    from fp4gen.device.sm100 import bwd as bdev
+    from fp4gen.device.sm100.backward import AttentionBwdSm100
 
-    BF16 = cutlass.BFloat16
-    D, BM, BN = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
-    CHUNK = 32  # TMEM columns per tcgen05.ld.32x32b.x32 (one register per column)
-
-    def coop(n):
-        return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-
-    def slice0(layout):
-        return cute.slice_(layout, (None, None, None, 0))
-
-    def view(src, layout):
-        """The same SMEM bytes through another MMA's (transposed) operand layout."""
-        return cute.make_tensor(cute.recast_ptr(src.iterator, layout.inner, dtype=BF16), layout.outer)
-
-    def gemm(mma, acc, tA, tB, accumulate_first):
-        """One product over all K slices (one tcgen05.mma each); ``accumulate_first`` is False
-        (zero-initialise) or a run-time flag. Returns the atom so that loops rebind it."""
-        for kb in range(cute.size(tA, mode=[2])):  # a plain Python helper: unrolled at trace time
-            mma.set(tcgen05.Field.ACCUMULATE, accumulate_first if kb == 0 else True)
-            cute.gemm(mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
-        return mma
-
-    class AttentionBwdSm100:
-        """dK, dV (and the dQ contribution) of 128 keys of one (batch, head) per CTA."""
-
-        def __init__(self):
-            self.compute_warps = (0, 1, 2, 3)
-            self.dq_warps = (4, 5, 6, 7)
-            self.mma_warp = 8
-            self.load_warp = 9
-            self.threads = 32 * BWD_N_WARPS
-            self.s_tiler = (BN, BM, D)  # S^T = K Q^T, dP^T = V dO^T: M keys, N queries, K head dim
-            self.kv_tiler = (BN, D, BM)  # dV += P^T dO, dK += dS^T Q: M keys, N head dim, K queries
-            self.q_tiler = (BM, D, BN)  # dQ = dS K: M queries, N head dim, K keys
-
-        @cute.jit
-        def __call__(
-            self,
-            mQ: cute.Tensor,
-            mK: cute.Tensor,
-            mV: cute.Tensor,
-            mdO: cute.Tensor,
-            mLSE2: cute.Tensor,
-            mDsum: cute.Tensor,
-            mdQacc: cute.Tensor,
-            mdQturn: cute.Tensor,
-            mdK: cute.Tensor,
-            mdV: cute.Tensor,
-            scale_log2: Float32,
-            softmax_scale: Float32,
-            causal_offset: Int32,
-            stream,
-        ):
-            # kernel views (seq, d, head, batch), d contiguous
-            seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
-            kv_group = mQ.shape[2] // mK.shape[2]
-            mQ, mK, mV, mdO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                               for t in (mQ, mK, mV, mdO)]
-            one = tcgen05.CtaGroup.ONE
-            K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
-            # the five products (plan.mmas): bf16 operands, fp32 accumulators in TMEM (kind::f16)
-            mma_s = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, K_, Float32, one, self.s_tiler[:2])
-            mma_dp = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, K_, Float32, one, self.s_tiler[:2])
-            mma_dv = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, MN_, Float32, one, self.kv_tiler[:2],
-                                                        tcgen05.OperandSource.TMEM)  # A = P^T from TMEM
-            mma_dk = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, MN_, Float32, one, self.kv_tiler[:2])
-            mma_dq = sm100_utils.make_trivial_tiled_mma(BF16, BF16, MN_, MN_, Float32, one, self.q_tiler[:2])
-            # SMEM: each buffer is loaded/written through one layout and read transposed by another
-            # MMA through the same bytes (K-major (rows, 64-element swizzle atoms) == the MN-major
-            # view of the transposed operand)
-            sK_l = sm100_utils.make_smem_layout_a(mma_s, self.s_tiler, BF16, 1)
-            sV_l = sm100_utils.make_smem_layout_a(mma_dp, self.s_tiler, BF16, 1)
-            sQ_l = sm100_utils.make_smem_layout_b(mma_s, self.s_tiler, BF16, BWD_Q_STAGES)
-            sdO_l = sm100_utils.make_smem_layout_b(mma_dp, self.s_tiler, BF16, BWD_Q_STAGES)
-            sdSt_l = sm100_utils.make_smem_layout_a(mma_dk, self.kv_tiler, BF16, 1)
-            sQt_l = sm100_utils.make_smem_layout_b(mma_dk, self.kv_tiler, BF16, BWD_Q_STAGES)
-            sdOt_l = sm100_utils.make_smem_layout_b(mma_dv, self.kv_tiler, BF16, BWD_Q_STAGES)
-            sdS_l = sm100_utils.make_smem_layout_a(mma_dq, self.q_tiler, BF16, 1)
-            sKt_l = sm100_utils.make_smem_layout_b(mma_dq, self.q_tiler, BF16, 1)
-            tP_l = sm100_utils.make_smem_layout_a(mma_dv, self.kv_tiler, BF16, 1)  # P^T as a TMEM A operand
-
-            cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,))
-            g2s = cpasync.CopyBulkTensorTileG2SOp(one)
-            tma_k, gK = cute.nvgpu.make_tiled_tma_atom_A(g2s, mK, slice0(sK_l), self.s_tiler, mma_s, cluster_vmnk.shape)
-            tma_v, gV = cute.nvgpu.make_tiled_tma_atom_A(g2s, mV, slice0(sV_l), self.s_tiler, mma_dp, cluster_vmnk.shape)
-            tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_B(g2s, mQ, slice0(sQ_l), self.s_tiler, mma_s, cluster_vmnk.shape)
-            tma_do, gdO = cute.nvgpu.make_tiled_tma_atom_B(g2s, mdO, slice0(sdO_l), self.s_tiler, mma_dp, cluster_vmnk.shape)
-            self.kv_bytes = cute.size_in_bytes(BF16, slice0(sK_l)) + cute.size_in_bytes(BF16, slice0(sV_l))
-            self.qdo_bytes = cute.size_in_bytes(BF16, slice0(sQ_l)) + cute.size_in_bytes(BF16, slice0(sdO_l))
-
-            grid = (cute.ceil_div(seqlen_k, BN), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
-            self.kernel(
-                mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
-                tma_k, gK, tma_v, gV, tma_q, gQ, tma_do, gdO,
-                mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV,
-                sK_l, sV_l, sQ_l, sdO_l, sdSt_l, sQt_l, sdOt_l, sdS_l, sKt_l, tP_l,
-                seqlen_q, seqlen_k, kv_group, scale_log2, softmax_scale, causal_offset,
-            ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
-                     min_blocks_per_mp=1)  # .minnctapersm 1: else ptxas ignores setmaxnreg (C7508)
-
-        @cute.kernel
-        def kernel(
-            self,
-            mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
-            mma_dq: cute.TiledMma,
-            tma_k: cute.CopyAtom, gK_all: cute.Tensor, tma_v: cute.CopyAtom, gV_all: cute.Tensor,
-            tma_q: cute.CopyAtom, gQ_all: cute.Tensor, tma_do: cute.CopyAtom, gdO_all: cute.Tensor,
-            mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor, mdQturn: cute.Tensor,
-            mdK: cute.Tensor, mdV: cute.Tensor,
-            sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
-            sdO_l: cute.ComposedLayout, sdSt_l: cute.ComposedLayout, sQt_l: cute.ComposedLayout,
-            sdOt_l: cute.ComposedLayout, sdS_l: cute.ComposedLayout, sKt_l: cute.ComposedLayout,
-            tP_l: cute.ComposedLayout,
-            seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32,
-            scale_log2: Float32, softmax_scale: Float32, causal_offset: Int32,
-        ):
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            tidx, _, _ = cute.arch.thread_idx()
-            n_block, head, batch = cute.arch.block_idx()
-            head_kv = head // kv_group  # GQA: H % Hkv == 0
-
-            if warp == self.load_warp:
-                for atom in (tma_k, tma_v, tma_q, tma_do):
-                    cpasync.prefetch_descriptor(atom)
-
-            @cute.struct
-            class Storage:
-                kv_bar: cute.struct.MemRange[cutlass.Int64, 2]
-                qdo_bar: cute.struct.MemRange[cutlass.Int64, 2 * BWD_Q_STAGES]
-                s_bar: cute.struct.MemRange[cutlass.Int64, 2]
-                p_bar: cute.struct.MemRange[cutlass.Int64, 2]
-                dq_bar: cute.struct.MemRange[cutlass.Int64, 2]
-                dkv_bar: cute.struct.MemRange[cutlass.Int64, 2]
-                tmem_holding_buf: Int32
-
-            smem = utils.SmemAllocator()
-            st = smem.allocate(Storage)
-            sK = smem.allocate_tensor(BF16, sK_l.outer, 1024, sK_l.inner)
-            sV = smem.allocate_tensor(BF16, sV_l.outer, 1024, sV_l.inner)
-            sQ = smem.allocate_tensor(BF16, sQ_l.outer, 1024, sQ_l.inner)
-            sdO = smem.allocate_tensor(BF16, sdO_l.outer, 1024, sdO_l.inner)
-            sdSt = smem.allocate_tensor(BF16, sdSt_l.outer, 1024, sdSt_l.inner)
-            sQt, sdOt, sKt, sdS = view(sQ, sQt_l), view(sdO, sdOt_l), view(sK, sKt_l), view(sdSt, sdS_l)
-
-            # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
-            # the mbarrier.init count (effective count: 32)" for the four barriers with a `wg`
-            # side (s, p, dq, dkv): it assumes a warp-ID guard selects one warp, but `warp < 4`
-            # and `4 <= warp < 8` each select four, 128 threads = this init count. Triaged
-            # 2026-12-01: not a defect.
-            one, wg = coop(1), coop(128)
-            # load -> MMA: K/V once, Q/dO per query tile (TMA transaction bytes)
-            kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.kv_bar.data_ptr(), num_stages=1, producer_group=one, consumer_group=one,
-                tx_count=self.kv_bytes).make_participants()
-            qdo_prod, qdo_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.qdo_bar.data_ptr(), num_stages=BWD_Q_STAGES, producer_group=one,
-                consumer_group=one, tx_count=self.qdo_bytes).make_participants()
-            # MMA -> compute: S^T and dP^T complete; compute -> MMA (release): both drained
-            s_prod, s_cons = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.s_bar.data_ptr(), num_stages=1, producer_group=one,
-                consumer_group=wg).make_participants()
-            # compute -> MMA: P^T in TMEM and dS^T in SMEM (fenced); MMA -> compute (release):
-            # dV, dK and dQ of that tile have read them
-            p_prod, p_cons = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=st.p_bar.data_ptr(), num_stages=1, producer_group=wg,
-                consumer_group=one).make_participants()
-            # MMA -> dQ warps: dQ complete; dQ warps -> MMA (release): dQ's columns drained
-            dq_prod, dq_cons = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.dq_bar.data_ptr(), num_stages=1, producer_group=one,
-                consumer_group=wg).make_participants()
-            # MMA -> compute: dK, dV final
-            dkv_prod, dkv_cons = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.dkv_bar.data_ptr(), num_stages=1, producer_group=one,
-                consumer_group=wg).make_participants()
-
-            tmem = utils.TmemAllocator(
-                st.tmem_holding_buf.ptr,
-                barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.threads),
-                allocator_warp_id=self.compute_warps[0])
-            tmem.allocate(BWD_TMEM_ALLOC_COLS)
-            tmem.wait_for_alloc()
-            tmem_base = tmem.retrieve_ptr(Float32)
-
-            # ---- TMEM views: every column offset is the plan's (BWD_TMEM) ----------------
-            def acc(name, mma, tiler):
-                frag = mma.make_fragment_C(mma.partition_shape_C(tiler[:2]))
-                return cute.make_tensor(tmem_base + BWD_TMEM[name][0], frag.layout)
-
-            tStS = acc("S", mma_s, self.s_tiler)
-            tdPt = acc("dP", mma_dp, self.s_tiler)
-            tdVt = acc("dV", mma_dv, self.kv_tiler)
-            tdKt = acc("dK", mma_dk, self.kv_tiler)
-            tdQt = acc("dQ", mma_dq, self.q_tiler)
-            tdVrP = mma_dv.make_fragment_A(
-                cute.make_tensor(cute.recast_ptr(tmem_base + BWD_TMEM["P"][0], dtype=BF16), slice0(tP_l).outer))
-
-            # query tiles that see this CTA's keys
-            m_max = cute.ceil_div(seqlen_q, BM)
-            m_min = Int32(0)
-            if const_expr(BWD_CAUSAL):
-                # examples/sm100_bwd_d128.attn:10: mask     causal
-                # key j is seen by queries i >= j - (Sk - Sq): skip the tiles above the diagonal
-                m_min = cutlass.max(n_block * BN - causal_offset, 0) // BM
-            n_tiles = cutlass.max(m_max - m_min, 0)
-
-            # Register budgets (plan roles): each role sets its own (setmaxnreg) as the first
-            # statement of its branch, so that ptxas knows which budget each role's code has.
-            if warp > self.load_warp:  # the idle warps of the last warpgroup
-                cute.arch.setmaxregister_decrease(BWD_REGS_OTHER)
-
-            # ============================ load warp ============================
-            if warp == self.load_warp:
-                cute.arch.setmaxregister_decrease(BWD_REGS_OTHER)
-                thr_s, thr_dp = mma_s.get_slice(0), mma_dp.get_slice(0)
-                gK = cute.local_tile(gK_all[None, None, head_kv, batch], (BN, D), (None, None))
-                gV = cute.local_tile(gV_all[None, None, head_kv, batch], (BN, D), (None, None))
-                gQ = cute.local_tile(gQ_all[None, None, head, batch], (BM, D), (None, None))
-                gdO = cute.local_tile(gdO_all[None, None, head, batch], (BM, D), (None, None))
-                tKs, tKg = self.tma_part(tma_k, sK, thr_s.partition_A(gK))
-                tVs, tVg = self.tma_part(tma_v, sV, thr_dp.partition_A(gV))
-                tQs, tQg = self.tma_part(tma_q, sQ, thr_s.partition_B(gQ))
-                tdOs, tdOg = self.tma_part(tma_do, sdO, thr_dp.partition_B(gdO))
-                hkv = kv_prod.acquire_and_advance()
-                cute.copy(tma_k, tKg[None, n_block, 0], tKs[None, 0], tma_bar_ptr=hkv.barrier)
-                cute.copy(tma_v, tVg[None, n_block, 0], tVs[None, 0], tma_bar_ptr=hkv.barrier)
-                for it in cutlass.range(n_tiles, unroll=1):
-                    hq = qdo_prod.acquire_and_advance()
-                    cute.copy(tma_q, tQg[None, m_min + it, 0], tQs[None, hq.index], tma_bar_ptr=hq.barrier)
-                    cute.copy(tma_do, tdOg[None, m_min + it, 0], tdOs[None, hq.index], tma_bar_ptr=hq.barrier)
-
-            # ============================ MMA warp =============================
-            # Per query tile: S^T, dP^T -> commit "S" -> wait "P" -> dV, dK, dQ -> commit "dQ",
-            # release "P" and the Q/dO slot (both complete when these MMAs have). The tensor pipe
-            # executes tcgen05 ops in issue order, so the next S^T (over P^T's columns) and the
-            # next dP^T (over dQ's columns when they alias) start after this tile's dV / dQ.
-            if warp == self.mma_warp:
-                cute.arch.setmaxregister_decrease(BWD_REGS_OTHER)
-                tSrK = mma_s.make_fragment_A(sK)
-                tSrQ = mma_s.make_fragment_B(sQ)
-                tPrV = mma_dp.make_fragment_A(sV)
-                tPrdO = mma_dp.make_fragment_B(sdO)
-                tVrdOt = mma_dv.make_fragment_B(sdOt)
-                tKrdSt = mma_dk.make_fragment_A(sdSt)
-                tKrQt = mma_dk.make_fragment_B(sQt)
-                tQrdS = mma_dq.make_fragment_A(sdS)
-                tQrKt = mma_dq.make_fragment_B(sKt)
-                hkv = kv_cons.wait_and_advance()
-                for it in cutlass.range(n_tiles, unroll=1):
-                    hq = qdo_cons.wait_and_advance()
-                    hdq = dq_prod.acquire_and_advance()  # the dQ warps drained the previous dQ
-                    hs = s_prod.acquire_and_advance()  # the compute warps drained S^T / dP^T
-                    mma_s = gemm(mma_s, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, hq.index], False)
-                    mma_dp = gemm(mma_dp, tdPt, tPrV[None, None, None, 0], tPrdO[None, None, None, hq.index], False)
-                    hs.commit()
-                    hp = p_cons.wait_and_advance()
-                    # dV, dK accumulate across query tiles: zero-initialised by the first tile only
-                    mma_dv = gemm(mma_dv, tdVt, tdVrP, tVrdOt[None, None, None, hq.index], it != 0)
-                    mma_dk = gemm(mma_dk, tdKt, tKrdSt[None, None, None, 0], tKrQt[None, None, None, hq.index], it != 0)
-                    mma_dq = gemm(mma_dq, tdQt, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], False)
-                    hdq.commit()
-                    hp.release()
-                    hq.release()
-                hd = dkv_prod.acquire_and_advance()
-                hd.commit()  # dK, dV final once every tcgen05.mma issued so far has completed
-                hkv.release()
-
-            # ========================== compute warps ==========================
-            if warp < 4:
-                cute.arch.setmaxregister_increase(BWD_REGS_COMPUTE)
-                tmem.relinquish_alloc_permit()
-                self.compute(tidx % 128, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,
-                             mLSE2, mDsum, mdK, mdV, n_block, head, batch, m_min, n_tiles, seqlen_k,
-                             scale_log2, softmax_scale, causal_offset)
-            # ============================ dQ warps =============================
-            if warp >= 4 and warp < 8:
-                cute.arch.setmaxregister_decrease(BWD_REGS_DQ)
-                self.dq_reduce(tidx % 128, tdQt, dq_cons, mdQacc, mdQturn, n_block, head, batch, m_min, n_tiles)
-            if warp < 8:
-                # the compute and dQ warps have completed every TMEM load (tcgen05.wait::ld) and the
-                # MMAs are done (the compute warps waited for "dK/dV final"): TMEM may be freed.
-                # The fences order those loads across the barrier (PTX ISA 9.7.16.6). CuTe's
-                # checker still reports W0015 ("dealloc not ordered after prior TMEM loads")
-                # at tmem.free: it does not count this named barrier over 256 threads as
-                # synchronisation. Every TMEM reader is in it. Triaged 2026-12-01.
-                bdev.tcgen05_fence_before_thread_sync()
-                cute.arch.barrier(barrier_id=3, number_of_threads=256)
-            if warp < 4:
-                bdev.tcgen05_fence_after_thread_sync()
-                tmem.free(tmem_base)
-
-        # ---------------------------------------------------------------- helpers
-        @cute.jit
-        def tma_part(self, atom, s, g):
-            return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
-                                         cute.group_modes(g, 0, 3))
-
-        @cute.jit
-        def compute(self, t: Int32, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,
-                    mLSE2, mDsum, mdK, mdV, n_block: Int32, head: Int32, batch: Int32, m_min: Int32,
-                    n_tiles: Int32, seqlen_k: Int32, scale_log2: Float32, softmax_scale: Float32,
-                    causal_offset: Int32):
-            """One thread per key (TMEM lane t): P^T and dS^T of its row, then its dK/dV rows."""
-            ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(CHUNK)), Float32)
-            chunk_l = cute.composition(tStS.layout, cute.make_layout((BN, CHUNK)))
-            s_chunks = [cute.make_tensor(tStS.iterator + CHUNK * c, chunk_l) for c in range(BM // CHUNK)]
-            dp_chunks = [cute.make_tensor(tdPt.iterator + CHUNK * c, chunk_l) for c in range(BM // CHUNK)]
-            thr_ld = tcgen05.make_tmem_copy(ld, s_chunks[0]).get_slice(t)
-            tS_src = [thr_ld.partition_S(x) for x in s_chunks]
-            tdP_src = [thr_ld.partition_S(x) for x in dp_chunks]
-            reg_shape = thr_ld.partition_D(s_chunks[0]).shape
-            # P^T goes to TMEM through the dV MMA's own A-operand fragment (tdVrP at the plan's P
-            # columns): the tcgen05.st partition of that fragment decides which column holds which
-            # query, as in CUTLASS's Blackwell fmha backward. Its source side is
-            # (((16, 2), 1), 1, 1, BM / 32): one 16-column store per chunk of 32 queries, registers
-            # in query order (the order tcgen05.ld.32x32b gave the scores). Chunk c lands in P + 16c,
-            # inside S^T chunk c // 2 (P starts at S, the lowering checks it), already loaded.
-            st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(CHUNK * BF16.width // 32)), BF16)
-            thr_r2t = tcgen05.make_tmem_copy(st, tdVrP).get_slice(t)
-            tRT_tP = thr_r2t.partition_D(tdVrP)
-            p_shape = thr_r2t.partition_S(mma_dv.get_slice(0).partition_A(cute.make_identity_tensor((BN, BM)))).shape
-            assert cute.rank(p_shape) == 4 and cute.size(p_shape, mode=[3]) == BM // CHUNK, p_shape
-
-            key = n_block * BN + t
-            key_out = key >= seqlen_k  # TMA filled this key's K/V rows with zeros: P must be 0
-            for it in cutlass.range(n_tiles, unroll=1):
-                q0 = (m_min + it) * BM
-                hs = s_cons.wait_and_advance()
-                hp = p_prod.acquire_and_advance()  # the previous tile's dV/dK/dQ read P^T and dS^T
-                rP = cute.make_rmem_tensor(p_shape, BF16)
-                for c in cutlass.range_constexpr(BM // CHUNK):
-                    rS = cute.make_rmem_tensor(reg_shape, Float32)
-                    rdP = cute.make_rmem_tensor(reg_shape, Float32)
-                    cute.copy(thr_ld, tS_src[c], rS)
-                    cute.copy(thr_ld, tdP_src[c], rdP)
-                    cute.arch.fence_view_async_tmem_load()
-                    # P^T and dS^T replace S^T and dP^T in place (registers are the limit here)
-                    p32 = cute.make_tensor(rS.iterator, cute.make_layout(CHUNK))
-                    ds32 = cute.make_tensor(rdP.iterator, cute.make_layout(CHUNK))
-                    # LSE2 and D of these 32 queries as 16-byte loads: the offset divides by 32 because
-                    # the host pads each (batch, head) row to whole query tiles (sqp = 128 k)
-                    row0 = cute.assume(cute.crd2idx((batch, head, q0 + c * CHUNK), mLSE2.layout), 32)
-                    lse_c = cute.make_rmem_tensor((CHUNK,), Float32)
-                    dsum_c = cute.make_rmem_tensor((CHUNK,), Float32)
-                    cute.autovec_copy(cute.make_tensor(mLSE2.iterator + row0, cute.make_layout(CHUNK)), lse_c)
-                    cute.autovec_copy(cute.make_tensor(mDsum.iterator + row0, cute.make_layout(CHUNK)), dsum_c)
-                    for e in cutlass.range_constexpr(CHUNK):
-                        qi = q0 + c * CHUNK + e
-                        # P^T = exp2(S^T c - LSE2): the forward's softmax row, recomputed; LSE2 is
-                        # +inf past Sq and for rows that saw no key, so P = 0 there
-                        x = p32[e] * scale_log2 - lse_c[e]
-                        bad = key_out
-                        if const_expr(BWD_CAUSAL):
-                            bad = bad | (key > qi + causal_offset)  # bottom-right aligned diagonal
-                        p = cute.math.exp2(Float32(cutlass.select_(bad, -Float32.inf, x)), fastmath=True)
-                        p32[e] = p
-                        ds32[e] = p * (ds32[e] - dsum_c[e])  # dS^T = P^T (dP^T - D)
-                    rPc = rP[None, None, None, c]
-                    cute.make_tensor(rPc.iterator, cute.make_layout(CHUNK)).store(p32.load().to(BF16))
-                    cute.copy(thr_r2t, rPc, tRT_tP[None, None, None, c])
-                    dsb = cute.make_rmem_tensor((CHUNK,), BF16)
-                    dsb.store(ds32.load().to(BF16))
-                    # dS^T row -> SMEM in the dK MMA's A layout ((key, query % 16), 0, query // 16):
-                    # 16 queries are contiguous there (the 128-byte swizzle moves 16-byte units),
-                    # so each half-chunk is two 16-byte stores
-                    for kb in cutlass.range_constexpr(CHUNK // 16):
-                        dst = sdSt[((t, None), 0, c * (CHUNK // 16) + kb, 0)]
-                        cute.autovec_copy(cute.make_tensor(dsb.iterator + 16 * kb, cute.make_layout(16)), dst)
-                # P^T stores complete (tcgen05.wait::st) and dS^T visible to the tensor pipe
-                cute.arch.fence_view_async_tmem_store()
-                cute.arch.fence_proxy("async.shared", space="cta")
-                hp.commit()
-                hs.release()
-
-            # ---- epilogue: dV and dK (scaled) rows of this thread's key -> global ----
-            hd = dkv_cons.wait_and_advance()
-            visited = n_tiles > 0  # a key tile no query sees has zero gradients (TMEM never written)
-            for acc_t, out, scaled in ((tdVt, mdV, False), (tdKt, mdK, True)):
-                cl = cute.composition(acc_t.layout, cute.make_layout((BN, CHUNK)))
-                for c in cutlass.range_constexpr(D // CHUNK):
-                    src_t = cute.make_tensor(acc_t.iterator + CHUNK * c, cl)
-                    thr = tcgen05.make_tmem_copy(ld, src_t).get_slice(t)
-                    r = cute.make_rmem_tensor(thr.partition_D(src_t).shape, Float32)
-                    cute.copy(thr, thr.partition_S(src_t), r)
-                    cute.arch.fence_view_async_tmem_load()
-                    if key < seqlen_k:
-                        for e in cutlass.range_constexpr(CHUNK):
-                            v = r[e]
-                            if const_expr(scaled):
-                                v = v * softmax_scale
-                            v = Float32(cutlass.select_(visited, v, Float32(0.0)))
-                            out[batch, key, head, c * CHUNK + e] = v.to(out.element_type)
-            hd.release()
-
-        @cute.jit
-        def dq_reduce(self, t: Int32, tdQt, dq_cons, mdQacc, mdQturn, n_block: Int32, head: Int32,
-                      batch: Int32, m_min: Int32, n_tiles: Int32):
-            """One thread per query (TMEM lane t): its dQ row -> fp32 atomics into dq_acc."""
-            ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(CHUNK)), Float32)
-            chunk_l = cute.composition(tdQt.layout, cute.make_layout((BM, CHUNK)))
-            chunks = [cute.make_tensor(tdQt.iterator + CHUNK * c, chunk_l) for c in range(D // CHUNK)]
-            thr_ld = tcgen05.make_tmem_copy(ld, chunks[0]).get_slice(t)
-            src = [thr_ld.partition_S(x) for x in chunks]
-            reg_shape = thr_ld.partition_D(chunks[0]).shape
-            for it in cutlass.range(n_tiles, unroll=1):
-                m = m_min + it
-                hq = dq_cons.wait_and_advance()
-                # rows past Sq land in dq_acc's padding (the host allocates whole query tiles)
-                row = cute.make_tensor(mdQacc.iterator + cute.crd2idx((batch, head, m * BM + t, 0), mdQacc.layout),
-                                       cute.make_layout(D))
-                # 32 columns at a time (registers): load, wait, then fire-and-forget adds
-                for c in cutlass.range_constexpr(D // CHUNK):
-                    r = cute.make_rmem_tensor(reg_shape, Float32)
-                    cute.copy(thr_ld, src[c], r)
-                    cute.arch.fence_view_async_tmem_load()
-                    for v in cutlass.range_constexpr(CHUNK // 4):
-                        bdev.red_add_f32x4(row.iterator + c * CHUNK + 4 * v,
-                                           r[4 * v], r[4 * v + 1], r[4 * v + 2], r[4 * v + 3])
-                hq.release()  # dQ's columns are free for the next tile's MMAs
-
-    return AttentionBwdSm100, cutlass, cute
+    return functools.partial(AttentionBwdSm100, BWD_CONFIG), cutlass, cute
 
 
 # ---------------------------------------------------------------- backward host side
 # Compile memo, preprocessing, launch and GQA sums are one hand-written module for every
 # sm100a backward, fp4gen/runtime/sm100_bwd_host.py (docs/design/host-code.md): it gets the
-# constants above and _bwd_build, nothing by name.
+# config above and _bwd_build, nothing by name.
 from fp4gen.runtime import sm100_bwd_host as _sm100_bwd_host  # noqa: E402
 
 _BWD_HOST = _sm100_bwd_host.BackwardHost(_sm100_bwd_host.BackwardConfig(
-    kernel_name=KERNEL_NAME, head_dim=BWD_HEAD_DIM, tile_m=BWD_TILE_M, softmax_scale=SOFTMAX_SCALE),
+    kernel_name=KERNEL_NAME, head_dim=BWD_CONFIG.head_dim, tile_m=BWD_CONFIG.tile_m, softmax_scale=SOFTMAX_SCALE),
     build=_bwd_build)
 _bwd_compile = _BWD_HOST.compiled
 _bwd_launch = _BWD_HOST.launch  # looked up at call time: tests replace it with a CPU model

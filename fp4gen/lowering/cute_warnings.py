@@ -2,8 +2,9 @@
 
 ``cute.compile(..., options="warnings")`` runs CuTe DSL's synchronisation and TMEM checks
 (mbarrier arrive counts, TMEM loads outstanding at a release or a dealloc, ...) and prints each
-finding with the generated module's file:line. Issue 16 asks that every one be fixed, or be
-suppressed with a reason in the template next to the code it names. A warning counts as triaged
+finding with a file:line: the kernel classes' files (fp4gen/device/sm100/forward.py,
+backward.py), where the kernel code lives, or the generated module. Issue 16 asks that every
+one be fixed, or be suppressed with a reason next to the code it names. A warning counts as triaged
 when a comment above the line it names, in the same function and within ``WINDOW`` lines (one
 comment may cover a block of similar statements, e.g. eight barrier creations), mentions its
 code (``C3``, ``W0014``, ...) and the word "Triaged"; anything else fails ``fp4gen verify``, so
@@ -15,6 +16,7 @@ compile per kernel (~15 s), paid by ``fp4gen verify`` only.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -23,6 +25,7 @@ import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 WINDOW = 80  # lines above a warning's line searched for its triage comment
 
@@ -51,11 +54,13 @@ _AT = re.compile(r"^\s*-->\s*(?P<file>.+?):(?P<line>\d+):(?P<col>\d+)\s*$")
 class CuteWarning:
     code: str  # e.g. "C3", "W0014"
     message: str
-    line: int  # in the generated module
+    line: int  # in ``file``
     col: int
+    file: Optional[str] = None  # the source file it names; None: the generated module
 
     def __str__(self) -> str:
-        return f"{self.line}:{self.col}: {self.code} {self.message}"
+        where = f"{self.file}:" if self.file else ""
+        return f"{where}{self.line}:{self.col}: {self.code} {self.message}"
 
 
 def parse(log: str) -> list:
@@ -69,7 +74,7 @@ def parse(log: str) -> list:
             continue
         at = _AT.match(s)
         if at and head is not None:
-            out.append(CuteWarning(head["code"], head["msg"].strip(), int(at["line"]), int(at["col"])))
+            out.append(CuteWarning(head["code"], head["msg"].strip(), int(at["line"]), int(at["col"]), at["file"]))
             head = None
     return out
 
@@ -86,7 +91,9 @@ def collect(source: str, *, backward: bool = False, timeout: int = 900) -> list:
     if r.returncode != 0:
         raise RuntimeError(f"sm_100a compilation with CuTe warnings failed (exit {r.returncode}):\n"
                            f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return parse(r.stdout + "\n" + r.stderr)
+    # the compiled copy of the module is gone with tmp: a warning there names the module itself
+    return [dataclasses.replace(w, file=None) if w.file in (str(mod), "module.py") else w
+            for w in parse(r.stdout + "\n" + r.stderr)]
 
 
 def triaged(warning: CuteWarning, source_lines: list) -> bool:
@@ -102,6 +109,19 @@ def triaged(warning: CuteWarning, source_lines: list) -> bool:
     return "Triaged" in comments and re.search(rf"\b{re.escape(warning.code)}\b", comments) is not None
 
 
-def untriaged(warnings: list, source: str) -> list:
-    lines = source.splitlines()
-    return [w for w in warnings if not triaged(w, lines)]
+def untriaged(warnings: list, source: str, texts: Optional[dict] = None) -> list:
+    """The warnings without their triage comment. A warning that names the module is read
+    against ``source``; one that names another file (the kernel library) against that file's
+    text, from ``texts`` (path -> text; tests plant faults there) or read from disk."""
+    texts = dict(texts or {})
+    out = []
+    for w in warnings:
+        if w.file is None:
+            text = source
+        else:
+            if w.file not in texts:
+                texts[w.file] = Path(w.file).read_text(encoding="utf-8")
+            text = texts[w.file]
+        if not triaged(w, text.splitlines()):
+            out.append(w)
+    return out

@@ -10,9 +10,11 @@ module's docstring under "Known gaps".
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from fp4gen.numerics.directp import DIRECT_P_GAIN
+from fp4gen.device.sm100.config import ForwardKernelConfig
+from fp4gen.numerics.directp import DIRECT_P_GAIN, P_FP8_SCALE
 
 from . import Comment, LoweringError, plan_json, template_env
 
@@ -37,6 +39,40 @@ def mma(plan, name: str):
         if m.name == name:
             return m
     raise LoweringError(f"the plan has no MMA choice for {name}")
+
+
+def role_warps(roles: dict) -> dict:
+    """{role: its warp indices}: the plan's roles numbered in ROLE_ORDER (warps 0-3 softmax
+    stage 0, 4-7 stage 1, 8-11 correction, 12 MMA, 13 load, then the idle roles)."""
+    unknown = sorted(set(roles) - set(ROLE_ORDER))
+    if unknown:
+        raise LoweringError(f"the sm100a template has no warp role {', '.join(unknown)} (it numbers {ROLE_ORDER})")
+    out, first = {}, 0
+    for name in ROLE_ORDER:
+        out[name] = tuple(range(first, first + roles.get(name, 0)))
+        first += roles.get(name, 0)
+    return out
+
+
+def publish_part_cols(plan, p_bits: int) -> int:
+    """32-bit words of one row of P per publication part (plan.publish): the kernel writes
+    part h at words [h * n, (h + 1) * n) of P's columns, so the parts must be that."""
+    parts = plan.publish.parts
+    widths = {(p.keys[1] - p.keys[0] + 1) * p_bits // 32 for p in parts}
+    if len(widths) != 1:
+        raise LoweringError(f"the sm100a template publishes P in parts of equal width; plan.publish has {parts}")
+    n = widths.pop()
+    for h, p in enumerate(parts):
+        if p.keys[0] * p_bits // 32 != h * n or (p.p_columns is not None and tuple(p.p_columns) != (h * n, h * n + n - 1)):
+            raise LoweringError(f"P part {p.index} covers keys {p.keys} / columns {p.p_columns}; the sm100a "
+                                f"template writes part {h} at columns {h * n}..{h * n + n - 1} of P")
+    return n
+
+
+def kernel_config(plan) -> ForwardKernelConfig:
+    """The ``ForwardKernelConfig`` the generated module renders for ``plan``
+    (``context(plan)["config"]``)."""
+    return context(plan)["config"]
 
 
 def context(plan) -> dict:
@@ -115,6 +151,7 @@ def context(plan) -> dict:
     n_warps = sum(roles.values()) if roles else 14
     if n_warps != 16:
         raise LoweringError(f"the sm100a template runs 4 warpgroups (16 warps); the plan has {n_warps} warps")
+    warps = role_warps(roles)
     regs = {r.name: r.registers for r in pipe.roles}
     other = {regs.get(n) for n in ("mma", "load", "epilogue", "spare") if n in regs}
     if regs.get("softmax0") != regs.get("softmax1") or len(other) != 1:
@@ -155,18 +192,8 @@ def context(plan) -> dict:
                     "st.shared (four 32-bit stores per 16-byte chunk, not vectorized)")
     summary = (f"Plan: QK {qk.kind}; PV {pv.kind} (P from {'SMEM' if p_smem else 'TMEM'}); P publish {pub.mode}; "
                f"{kv_stages} KV stages; TMEM {plan.tmem.alloc_columns} columns.")
-    p_text = {"directp_fp4": f"Direct-P ({policy} policy, A={spec.p_production.a}, B={spec.p_production.b}): "
-                             "E2M1 codes + E8M0 block exponents straight from the scores",
-              "exp_fp8": "exp2 on the MUFU, then E4M3 (256 p), online max",
-              "two_level_fp4": "exp2 on the MUFU (online max), then two-level NVFP4 (per-row factor "
-                               "r = rowmax(p)/2688, E2M1 codes of p/r, E4M3 scales per 16 keys)"}[p_mode]
-    return dict(
-        kernel_name=Comment(spec.name),
-        spec_file=Comment(spec.source_file),
-        summary=summary,
-        plan_json=plan_json(plan),
+    config = ForwardKernelConfig(
         head_dim=spec.head_dim,
-        softmax_scale=float(spec.scale),
         tile_m=sch.tile_m,
         tile_n=sch.tile_n,
         q_stages=sch.q_stages,
@@ -179,24 +206,46 @@ def context(plan) -> dict:
         v_k_major=pv.b_major == "K-major",
         p_mode=p_mode,
         p_policy=policy,
-        running_max=p_mode != "directp_fp4",
-        o_scale=1.0 / 256.0 if pv_fp8 else 1.0,
+        p_fp8_scale=P_FP8_SCALE,
+        o_scale=1.0 / P_FP8_SCALE if pv_fp8 else 1.0,
         # P approximates G 2^u: the LSE drops log2 G, the calibrated gain of the reference
         # numerics (docs/numerics.md, Direct-P; one definition, fp4gen.numerics.directp)
         lse_shift=math.log2(DIRECT_P_GAIN[policy]) if p_mode == "directp_fp4" else 0.0,
         direct_p_a=float(spec.p_production.a),
         direct_p_b=float(spec.p_production.b),
-        publish_halves=halves,
+        p_parts=len(pub.parts),
+        p_part_cols=publish_part_cols(plan, spec.p.format.bits),
         p_smem=p_smem,
         # bytes of one row of P's SMEM tile (K-major: one query row's tile_n codes)
         p_row_bytes=sch.tile_n * spec.p.format.bits // 8,
-        guard=guard,
-        tmem_alloc_cols=int(plan.tmem.alloc_columns),
-        tmem_regions=[(r.name, r.first_col, r.last_col) for r in plan.tmem.regions],
+        guard_m=guard[0] if guard else 0,
+        guard_l=guard[1] if guard else 0,
+        softmax_warps=(warps["softmax0"], warps["softmax1"]),
+        correction_warps=warps["correction"],
+        mma_warp=warps["mma"][0],
+        load_warp=warps["load"][0],
+        idle_warps=warps["epilogue"] + warps["spare"],
         n_warps=n_warps,
         regs_softmax=regs["softmax0"],
         regs_correction=regs.get("correction", regs["softmax0"]),
         regs_other=other.pop(),
+        tmem_alloc_cols=int(plan.tmem.alloc_columns),
+        tmem=tuple((r.name, r.first_col, r.last_col) for r in plan.tmem.regions),
+    )
+    p_text = {"directp_fp4": f"Direct-P ({policy} policy, A={spec.p_production.a}, B={spec.p_production.b}): "
+                             "E2M1 codes + E8M0 block exponents straight from the scores",
+              "exp_fp8": "exp2 on the MUFU, then E4M3 (256 p), online max",
+              "two_level_fp4": "exp2 on the MUFU (online max), then two-level NVFP4 (per-row factor "
+                               "r = rowmax(p)/2688, E2M1 codes of p/r, E4M3 scales per 16 keys)"}[p_mode]
+    return dict(
+        kernel_name=Comment(spec.name),
+        spec_file=Comment(spec.source_file),
+        summary=summary,
+        plan_json=plan_json(plan),
+        softmax_scale=float(spec.scale),
+        config=config,
+        # the config literal's keywords: the template renders each value through | pyrepr
+        config_fields=[(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)],
         pv_format_text=("FP8 E4M3" if pv_fp8 else "NVFP4 (E2M1, 1x16 blocks, E4M3 scales)"
                         if p_mode == "two_level_fp4" else "MXFP4 (E2M1, 1x32 blocks, E8M0 scales)"),
         pv_kind_text=pv.kind,

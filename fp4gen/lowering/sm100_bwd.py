@@ -14,6 +14,10 @@ jinja2 context and refuses plans the template cannot express.
 """
 from __future__ import annotations
 
+import dataclasses
+
+from fp4gen.device.sm100.config import BackwardKernelConfig
+
 from . import Comment, LoweringError, template_env
 
 TEMPLATE = "bwd.py.j2"
@@ -91,30 +95,52 @@ def context(plan, bp=None) -> dict:
         "one CTA per key tile (no persistent scheduler, no 2-CTA MMA); serial per query tile (no overlap of "
         "the next tile's S^T with this tile's dS^T)",
     ]
-    return dict(
-        kernel_name=Comment(spec.name),
-        origins={k: Comment(spec.origin(path)) for k, path in (
-            ("backward", "backward"), ("reuse", "backward.reuse"), ("mask", "mask"),
-            ("deterministic", "backward.deterministic"))},
-        plan_summary=[Comment(line) for line in summary],
-        gaps=[Comment(gap) for gap in gaps],
+    warps, first = {}, 0
+    for name, n in roles:
+        warps[name] = tuple(range(first, first + n))
+        first += n
+    config = BackwardKernelConfig(
         head_dim=bp.head_dim,
-        causal=bp.causal,
         tile_m=bp.tile_m,
         tile_n=bp.tile_n,
         q_stages=bp.q_stages,
+        causal=bp.causal,
         deterministic=bp.deterministic,
         dq_aliases_dp=bp.dq_aliases_dp,
+        compute_warps=warps["compute"],
+        dq_warps=warps["dq"],
+        mma_warp=warps["mma"][0],
+        load_warp=warps["load"][0],
         n_warps=sum(w for _, w in roles),
         regs_compute=regs["compute"],
         regs_dq=regs["dq"],
         regs_other=regs["mma"],
         # setmaxnreg.inc for budgets above the launch share, .dec otherwise (per warpgroup)
-        reg_ops={n: "increase" if regs[n] > bp.registers_at_launch else "decrease"
-                 for n in ("compute", "dq", "mma")},
+        regs_compute_increase=regs["compute"] > bp.registers_at_launch,
+        regs_dq_increase=regs["dq"] > bp.registers_at_launch,
+        regs_other_increase=regs["mma"] > bp.registers_at_launch,
         tmem_alloc_cols=bp.tmem.alloc_columns,
-        tmem_regions=[(r.name, r.first_col, r.last_col) for r in bp.tmem.regions],
+        tmem=tuple((r.name, r.first_col, r.last_col) for r in bp.tmem.regions),
     )
+    return dict(
+        kernel_name=Comment(spec.name),
+        origins={k: Comment(spec.origin(path)) for k, path in (
+            ("backward", "backward"), ("reuse", "backward.reuse"), ("mask", "mask"),
+            ("deterministic", "backward.deterministic"))},
+        # the section's header comment: the plan in words, then the status and its known gaps
+        header=[Comment("  " + line) for line in summary] + [
+            Comment("STATUS: compiled for sm_100a and checked statically (fp4gen.lowering.conformance."),
+            Comment("check_backward_conformance); never run on Blackwell hardware. Known gaps:")] + [
+            Comment("  - " + gap) for gap in gaps],
+        config=config,
+        # the config literal's keywords: the template renders each value through | pyrepr
+        config_fields=[(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)],
+    )
+
+
+def kernel_config(plan, bp=None) -> BackwardKernelConfig:
+    """The ``BackwardKernelConfig`` the generated module renders (``context(plan)["config"]``)."""
+    return context(plan, bp)["config"]
 
 
 def render_backward(plan, bp=None) -> str:

@@ -172,15 +172,15 @@ def _render(spec):
     return sm100.render(plan_kernel(spec))
 
 
-def test_the_tmem_rendering_has_no_smem_p_code():
+def test_the_tmem_rendering_configures_p_in_tmem():
     src = _render(parse_file(PAPER)[0])
-    assert "OperandSource.TMEM" in src and "OperandSource.SMEM" not in src and "P_ROW_BYTES" not in src
+    assert "    p_smem=False,\n" in src and "('P0', " in src  # the kernel reads P's plan region
 
 
-def test_the_smem_rendering_uses_the_ss_form_and_no_p_region():
+def test_the_smem_rendering_configures_p_in_smem_and_no_p_region():
     src = _render(parse_file(PSMEM)[0])
-    assert "OperandSource.SMEM" in src and "OperandSource.TMEM" not in src
-    assert '"P0"' not in src and "St32x32bOp(tcgen05.Repetition(part_cols))" not in src
+    assert "    p_smem=True,\n" in src and "    p_row_bytes=64,\n" in src
+    assert "('P0', " not in src and "('P1', " not in src
 
 
 def test_the_lowering_refuses_smem_p_it_does_not_implement():
@@ -205,7 +205,10 @@ def compiled():
     (spec,) = parse_file(PSMEM)
     plan = plan_kernel(spec)
     src = _render(spec)
-    key = CACHE / hashlib.sha256(src.encode()).hexdigest()
+    from fp4gen.runtime.cache import kernel_deps_version
+
+    # the module's source and the fp4gen code its kernel traces (the kernel library)
+    key = CACHE / hashlib.sha256((src + kernel_deps_version()).encode()).hexdigest()
     if not (key / "kernel.ptx").exists() or not (key / "kernel.mlir").exists():
         art = C.compile_artifacts(src, str(key / "build"))
         key.mkdir(parents=True, exist_ok=True)
@@ -261,7 +264,19 @@ def test_the_tmem_plan_does_not_accept_the_smem_kernel(compiled, plans):
 
 # ------------------------------------------------------------------ the emulator (slow: ~25 s each)
 
-SWIZZLE_LINE = "p_sw = ((t * P_ROW_BYTES) >> Int32(7)) & Int32(P_ROW_BYTES // 16 - 1)"
+SWIZZLE_LINE = "p_sw = ((t * cfg.p_row_bytes) >> Int32(7)) & Int32(cfg.p_row_bytes // 16 - 1)"
+LIBRARY = ROOT / "fp4gen" / "device" / "sm100" / "forward.py"
+LIBRARY_IMPORT = "from fp4gen.device.sm100.forward import AttentionFwdSm100"
+
+
+def _with_planted_library(src, tmp_path, old, new):
+    """``src`` bound to a copy of the kernel library with ``old`` replaced by ``new`` (the
+    kernel code lives in fp4gen/device/sm100/forward.py, not in the module)."""
+    lib = LIBRARY.read_text()
+    assert old in lib and LIBRARY_IMPORT in src
+    (tmp_path / "fp4gen_planted_forward.py").write_text(lib.replace(old, new))
+    return src.replace(LIBRARY_IMPORT, f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+                                       "from fp4gen_planted_forward import AttentionFwdSm100")
 
 
 def _emulate(src):
@@ -277,11 +292,10 @@ def test_the_emulated_kernel_matches_the_reference():
     assert res.max_abs_err <= tol and res.max_lse_err <= lse_tol
 
 
-def test_planted_unswizzled_p_stores_are_caught_by_the_emulator():
+def test_planted_unswizzled_p_stores_are_caught_by_the_emulator(tmp_path):
     """The SS MMA reads P through its descriptor's 64-byte swizzle: stores that ignore it put
     the chunks of odd row pairs in the wrong K positions, and O is wrong (LSE is not: it comes
     from the scores)."""
     src = _render(parse_file(PSMEM)[0])
-    assert SWIZZLE_LINE in src
-    res, tol, _ = _emulate(src.replace(SWIZZLE_LINE, "p_sw = t & Int32(0)  # planted: no swizzle"))
+    res, tol, _ = _emulate(_with_planted_library(src, tmp_path, SWIZZLE_LINE, "p_sw = t & Int32(0)  # planted: no swizzle"))
     assert res.max_abs_err > tol

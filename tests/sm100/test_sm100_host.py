@@ -176,7 +176,7 @@ def test_prepared_operands_dequantize_to_the_reference(modules, name, shape):
     # V, grid (D, Sk, batch*kv_heads) as the kernel indexes it
     ref_v = quantize_operand(v, spec.v, 1, True)
     want = ref_v.vals.permute(3, 1, 0, 2).reshape(D, Sk, Lkv)
-    if mod.PV_FP8:
+    if mod.FWD_CONFIG.pv_fp8:
         d, s, l = _grid(D, Sk, Lkv)
         off = _offsets(lay["v"], d, s, l)
         _addressed_rest_is_zero(t["v"].reshape(-1), off, "V payload")
@@ -185,7 +185,7 @@ def test_prepared_operands_dequantize_to_the_reference(modules, name, shape):
         assert torch.equal(_bits(t["vs"]), _bits(ref_v.post_scale.reshape(Lkv)))
         assert lay["sfv"] is None
     else:
-        assert mod.V_K_MAJOR  # FP4 B operands must be K-major
+        assert mod.FWD_CONFIG.v_k_major  # FP4 B operands must be K-major
         _, _, vals = _read_fp4_operand(t["v"], t["sfv"], lay["v"], lay["sfv"], (D, Sk, Lkv), "e4m3" if mod.V_BLOCK == 16 else "e8m0")
         assert torch.equal(_bits(vals), _bits(want)), "V dequantizes differently from the reference"
         assert torch.equal(t["vs"], torch.ones(Lkv))

@@ -56,10 +56,11 @@ def test_module_contract_and_tmem_from_plan(name, tmp_path):
     mod = load_module(sm100.render(plan), tmp_path, name)
     assert mod.KERNEL_NAME == plan.spec.name and mod.TARGET == "sm100a"
     assert json.loads(mod.PLAN_JSON)["tmem"]["alloc_columns"] == plan.tmem.alloc_columns
-    assert mod.TMEM == {r.name: (r.first_col, r.last_col) for r in plan.tmem.regions}
-    assert mod.TMEM_ALLOC_COLS == plan.tmem.alloc_columns
-    assert mod.KV_STAGES == plan.pipeline.kv_stages
-    assert mod.P_PUBLISH_HALVES == (plan.publish.mode == "halves")
+    cfg = mod.FWD_CONFIG
+    assert cfg.tmem == tuple((r.name, r.first_col, r.last_col) for r in plan.tmem.regions)
+    assert cfg.tmem_alloc_cols == plan.tmem.alloc_columns
+    assert cfg.kv_stages == plan.pipeline.kv_stages
+    assert cfg.p_parts == len(plan.publish.parts) == (2 if plan.publish.mode == "halves" else 1)
     assert callable(mod.forward) and callable(mod.compile_only)
     assert not hasattr(mod, "backward")  # the sm100a backward is not generated (documented gap)
     # a partial kernel must say so in its docstring
@@ -69,7 +70,7 @@ def test_module_contract_and_tmem_from_plan(name, tmp_path):
 def test_offsets_follow_the_plan_not_the_template(tmp_path):
     plan = moved(plan_of("fa4_fp4_d128"), "P0", 96)
     mod = load_module(sm100.render(plan), tmp_path, "moved")
-    assert mod.TMEM["P0"] == (96, 111)
+    assert ("P0", 96, 111) in mod.FWD_CONFIG.tmem and mod.FWD_CONFIG.first_col("P0") == 96
 
 
 def with_spec(plan, **changes):
@@ -92,8 +93,9 @@ def test_two_level_needs_nvfp4_v():
 
 def test_two_level_renders_block16_pv(tmp_path):
     mod = load_module(sm100.render(plan_of("sage3_fp4_d128")), tmp_path, "sage3")
-    assert mod.P_MODE == "two_level_fp4" and mod.TWO_LEVEL and mod.PV_SF_VEC == 16
-    assert mod.PV_BLOCK_SCALED and not mod.PV_FP8 and mod.LSE_SHIFT == 0.0
+    cfg = mod.FWD_CONFIG
+    assert cfg.p_mode == "two_level_fp4" and cfg.two_level and cfg.pv_sf_vec == 16
+    assert cfg.pv_block_scaled and not cfg.pv_fp8 and cfg.lse_shift == 0.0
     assert "two-level P" in mod.__doc__  # its numerics deviations are listed as known gaps
     # V's block scales are E4M3 per 16 keys in the tcgen05 atom layout
     lay = mod.operand_layouts(1, 256, 256, 2, 2)

@@ -34,7 +34,7 @@ def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
     bf = torch.bfloat16
     q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h = args
     assert dk_h.dtype == (torch.float32 if gqa else bf)
-    BM, BN = mod.BWD_TILE_M, mod.BWD_TILE_N
+    BM, BN = mod.BWD_CONFIG.tile_m, mod.BWD_CONFIG.tile_n
     B, Sq, Hh, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = Hh // Hkv
@@ -58,7 +58,7 @@ def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
         Kt, Vt = K[:, :, k0:k0 + BN], V[:, :, k0:k0 + BN]
         dK = torch.zeros(B, Hh, BN, D)
         dV = torch.zeros(B, Hh, BN, D)
-        m_min = max(k0 - causal_offset, 0) // BM if mod.BWD_CAUSAL else 0
+        m_min = max(k0 - causal_offset, 0) // BM if mod.BWD_CONFIG.causal else 0
         for m in range(m_min, m_max):
             q0 = m * BM
             Qt, dOt = Q[:, :, q0:q0 + BM], dO[:, :, q0:q0 + BM]
@@ -66,7 +66,7 @@ def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
             key = torch.arange(k0, k0 + BN)[:, None]
             qry = torch.arange(q0, q0 + BM)[None, :]
             bad = key >= Sk
-            if mod.BWD_CAUSAL:
+            if mod.BWD_CONFIG.causal:
                 bad = bad | (key > qry + causal_offset)
             P = torch.exp2((S * c - lse2[:, :, None, q0:q0 + BM]).masked_fill(bad, float("-inf")))
             dP = Vt @ dOt.transpose(-1, -2)
@@ -140,7 +140,7 @@ def on_cpu(cpu_backward_checks):
 def run_case(mod, name, causal, seed=0):
     B, Sq, Sk, Hh, Hkv = CASES[name]
     gen = torch.Generator().manual_seed(seed)
-    D = mod.BWD_HEAD_DIM
+    D = mod.BWD_CONFIG.head_dim
     q = torch.randn(B, Sq, Hh, D, generator=gen).to(torch.bfloat16)
     k = torch.randn(B, Sk, Hkv, D, generator=gen).to(torch.bfloat16)
     v = torch.randn(B, Sk, Hkv, D, generator=gen).to(torch.bfloat16)

@@ -135,7 +135,7 @@ def test_example_module_has_the_backward_contract():
                  "def compile_only(", "def forward("):
         assert name in src
     # the plan's TMEM map is the only source of column numbers
-    assert "    'dV': (256, 383),\n" in src and "    'dQ': (128, 255),\n" in src  # BWD_TMEM, keys in repr
+    assert "('dV', 256, 383)" in src and "('dQ', 128, 255)" in src  # BWD_CONFIG.tmem
     assert "reuse lse" in src  # the spec line the backward's reuse decision came from
     compile(src, "module.py", "exec")
 
@@ -155,5 +155,5 @@ def test_lowering_refuses_p_away_from_the_start_of_s():
     bad = H.with_regions(plan.backward, P=(64, 127))
     with pytest.raises(LoweringError, match="P\\^T over the first columns of S\\^T"):
         render_backward(plan, bad)
-    ctx = context(plan)
-    assert ctx["reg_ops"] == {"compute": "increase", "dq": "decrease", "mma": "decrease"}
+    cfg = context(plan)["config"]
+    assert (cfg.regs_compute_increase, cfg.regs_dq_increase, cfg.regs_other_increase) == (True, False, False)

@@ -88,7 +88,20 @@ def _cache_dir(source: str, cache: Path) -> Path:
 
 
 def _cache_key(source: str, backward: bool) -> str:
-    return source + "\0backward" if backward else source  # the backward kernel: its own entry
+    """The module's source and the fingerprint of the fp4gen code its kernel traces (the
+    kernel classes live in fp4gen/device/sm100/, not in the module); the backward kernel has
+    its own entry."""
+    from fp4gen.runtime.cache import kernel_deps_version
+
+    key = source + "\0" + kernel_deps_version()
+    return key + "\0backward" if backward else key
+
+
+def library_source(backward: bool = False) -> str:
+    """The source of the kernel class the generated modules bind (fp4gen/device/sm100/forward.py
+    or backward.py): where its ``kernel(self, ...)`` arguments are named."""
+    name = "backward" if backward else "forward"
+    return (REPO / "fp4gen" / "device" / "sm100" / f"{name}.py").read_text(encoding="utf-8")
 
 
 def prime(source: str, ptx: str, mlir: str, cache: Path = CACHE, backward: bool = False) -> None:
@@ -275,8 +288,9 @@ def static_gmem_layouts(mod, seqlen_q, seqlen_k, num_bh, num_bh_kv) -> dict:
 
 
 def kernel_arg_names(source: str, pv_block_scaled: bool) -> list:
-    """Names of the template's ``kernel(self, ...)`` arguments in order; the V-scale arguments
-    are None (and absent from the compiled signature) without PV block scales."""
+    """Names of the ``kernel(self, ...)`` arguments in ``source`` (the kernel class's file,
+    ``library_source``) in order; the V-scale arguments are None (and absent from the compiled
+    signature) without PV block scales."""
     m = re.search(r"def kernel\(\s*self,(.*?)\):", source, re.S)
     if not m:
         raise ValueError("no kernel(self, ...) in the module")
@@ -320,7 +334,7 @@ def build_launch(mod, source, mlir, ptx_text, module: P.Module, ops, gmem: M.Glo
     gl["qb"] = ((Sq, D // 2, B * H), (D // 2, 1, Sq * (D // 2)))
     gl["kb"] = ((Sk, D // 2, B * Hkv), (D // 2, 1, Sk * (D // 2)))
     sig = kernel_signature(mlir)
-    names = kernel_arg_names(source, cfg.pv_block_scaled)
+    names = kernel_arg_names(library_source(), cfg.pv_block_scaled)
     if len(names) != len(sig):
         raise ValueError(f"{len(names)} kernel(...) arguments but {len(sig)} in the compiled signature")
     poff = M.param_offsets(module)
@@ -508,11 +522,11 @@ _TORCH_ELEM = {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}
 
 
 def backward_kernel_arg_names(source: str) -> list:
-    """Names of the backward ``kernel(self, ...)`` arguments (the one after ``_bwd_build``)."""
-    i = source.find("def _bwd_build(")
-    if i < 0:
+    """Names of the backward ``kernel(self, ...)`` arguments of a module with an sm100a
+    backward (they are named in fp4gen/device/sm100/backward.py)."""
+    if "def _bwd_build(" not in source:
         raise ValueError("the module has no sm100a backward (_bwd_build)")
-    return kernel_arg_names(source[i:], pv_block_scaled=True)
+    return kernel_arg_names(library_source(backward=True), pv_block_scaled=True)
 
 
 @dataclass
@@ -658,7 +672,7 @@ class BackwardLauncher:
         params, tmaps = self.params(args, addresses, softmax_scale, causal_offset)
         B, Sq, H, D = args[0].shape
         Sk = args[1].shape[1]
-        tile_n = 128  # BWD_TILE_N: the grid's x is ceil(Sk / tile_n) (``__call__``)
+        tile_n = 128  # BWD_CONFIG.tile_n: the grid's x is ceil(Sk / tile_n) (``__call__``)
         grid = (math.ceil(Sk / tile_n), H, B)
         for z in range(grid[2]):
             for y in range(grid[1]):
@@ -725,10 +739,10 @@ def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int =
         ptx_text = new
     module = P.parse(ptx_text)
     if inputs is None:
-        inputs = make_backward_inputs(seqlen_q, seqlen_k, seed, heads, batch, mod.BWD_HEAD_DIM)
+        inputs = make_backward_inputs(seqlen_q, seqlen_k, seed, heads, batch, mod.BWD_CONFIG.head_dim)
     q, k, v, do = inputs
     scale = mod.SOFTMAX_SCALE if softmax_scale is None else softmax_scale
-    o, lse, ref = exact_backward(q, k, v, do, mod.BWD_CAUSAL, scale)
+    o, lse, ref = exact_backward(q, k, v, do, mod.BWD_CONFIG.causal, scale)
     roles = {}
     try:
         import json

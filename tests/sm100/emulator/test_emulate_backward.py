@@ -85,7 +85,7 @@ def _dp_column_off_by_one(ptx: str) -> str:
     from column 129."""
     from fp4gen.lowering.emulator.run import _load_module
 
-    dp0 = _load_module(_source()).BWD_TMEM["dP"][0]
+    dp0 = _load_module(_source()).BWD_CONFIG.first_col("dP")
     lines, defs = _ld_address_defs(ptx)
     hits = [d for d in defs if d[3] == dp0]
     assert len(hits) == 1, hits
@@ -186,7 +186,7 @@ def test_noncausal_variant_matches():
     from fp4gen.lowering.emulator.run import emulate_backward
 
     src = _variant("mask     causal", "mask     none")
-    assert "BWD_CAUSAL = False" in src
+    assert "    causal=False,\n" in src.split("BWD_CONFIG = ")[1]
     res = emulate_backward(src, seqlen_q=256, seqlen_k=256, seed=0)
     assert max(res.errors.values()) < _tol(), res.errors
     # and the causal kernel's gradients are not these (the masks differ)

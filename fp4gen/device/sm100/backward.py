@@ -1,0 +1,481 @@
+"""The sm100a (Blackwell) attention backward kernel: ``AttentionBwdSm100``, one class for every
+generated sm100a backward (docs/sm100.md, "The backward"; docs/design/kernel-library.md).
+
+A generated module renders its backward plan's values as a ``BackwardKernelConfig``
+(fp4gen/device/sm100/config.py) and builds this class with it; the causal mask and the
+deterministic dQ order are chosen with ``cutlass.const_expr``. The global-memory reductions and
+tcgen05 fences it calls are fp4gen/device/sm100/bwd.py.
+
+Comments that say "Triaged" answer a CuTe DSL checker warning at the line below them
+(fp4gen/lowering/cute_warnings.py reads them here).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+
+from fp4gen.device.sm100 import bwd as bdev
+from fp4gen.device.sm100.config import BackwardKernelConfig
+
+BF16 = cutlass.BFloat16
+CHUNK = 32  # TMEM columns per tcgen05.ld.32x32b.x32 (one register per column)
+
+
+def coop(n):
+    return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+
+def slice0(layout):
+    return cute.slice_(layout, (None, None, None, 0))
+
+
+def view(src, layout):
+    """The same SMEM bytes through another MMA's (transposed) operand layout."""
+    return cute.make_tensor(cute.recast_ptr(src.iterator, layout.inner, dtype=BF16), layout.outer)
+
+
+def gemm(mma, acc, tA, tB, accumulate_first):
+    """One product over all K slices (one tcgen05.mma each); ``accumulate_first`` is False
+    (zero-initialise) or a run-time flag. Returns the atom so that loops rebind it."""
+    for kb in range(cute.size(tA, mode=[2])):  # a plain Python helper: unrolled at trace time
+        mma.set(tcgen05.Field.ACCUMULATE, accumulate_first if kb == 0 else True)
+        cute.gemm(mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
+    return mma
+
+
+class AttentionBwdSm100:
+    """dK, dV (and the dQ contribution) of tile_n keys of one (batch, head) per CTA.
+
+    ``config``: the backward plan's values (a ``BackwardKernelConfig``, rendered in the
+    generated module)."""
+
+    def __init__(self, config: BackwardKernelConfig):
+        cfg = self.config = config
+        D, BM, BN = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        self.compute_warps = cfg.compute_warps
+        self.dq_warps = cfg.dq_warps
+        self.mma_warp = cfg.mma_warp
+        self.load_warp = cfg.load_warp
+        self.threads = 32 * cfg.n_warps
+        self.s_tiler = (BN, BM, D)  # S^T = K Q^T, dP^T = V dO^T: M keys, N queries, K head dim
+        self.kv_tiler = (BN, D, BM)  # dV += P^T dO, dK += dS^T Q: M keys, N head dim, K queries
+        self.q_tiler = (BM, D, BN)  # dQ = dS K: M queries, N head dim, K keys
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdQturn: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        causal_offset: Int32,
+        stream,
+    ):
+        cfg = self.config
+        D, BM, BN = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        # kernel views (seq, d, head, batch), d contiguous
+        seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
+        kv_group = mQ.shape[2] // mK.shape[2]
+        mQ, mK, mV, mdO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                           for t in (mQ, mK, mV, mdO)]
+        one = tcgen05.CtaGroup.ONE
+        K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
+        # the five products (plan.mmas): bf16 operands, fp32 accumulators in TMEM (kind::f16)
+        mma_s = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, K_, Float32, one, self.s_tiler[:2])
+        mma_dp = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, K_, Float32, one, self.s_tiler[:2])
+        mma_dv = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, MN_, Float32, one, self.kv_tiler[:2],
+                                                    tcgen05.OperandSource.TMEM)  # A = P^T from TMEM
+        mma_dk = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, MN_, Float32, one, self.kv_tiler[:2])
+        mma_dq = sm100_utils.make_trivial_tiled_mma(BF16, BF16, MN_, MN_, Float32, one, self.q_tiler[:2])
+        # SMEM: each buffer is loaded/written through one layout and read transposed by another
+        # MMA through the same bytes (K-major (rows, 64-element swizzle atoms) == the MN-major
+        # view of the transposed operand)
+        sK_l = sm100_utils.make_smem_layout_a(mma_s, self.s_tiler, BF16, 1)
+        sV_l = sm100_utils.make_smem_layout_a(mma_dp, self.s_tiler, BF16, 1)
+        sQ_l = sm100_utils.make_smem_layout_b(mma_s, self.s_tiler, BF16, cfg.q_stages)
+        sdO_l = sm100_utils.make_smem_layout_b(mma_dp, self.s_tiler, BF16, cfg.q_stages)
+        sdSt_l = sm100_utils.make_smem_layout_a(mma_dk, self.kv_tiler, BF16, 1)
+        sQt_l = sm100_utils.make_smem_layout_b(mma_dk, self.kv_tiler, BF16, cfg.q_stages)
+        sdOt_l = sm100_utils.make_smem_layout_b(mma_dv, self.kv_tiler, BF16, cfg.q_stages)
+        sdS_l = sm100_utils.make_smem_layout_a(mma_dq, self.q_tiler, BF16, 1)
+        sKt_l = sm100_utils.make_smem_layout_b(mma_dq, self.q_tiler, BF16, 1)
+        tP_l = sm100_utils.make_smem_layout_a(mma_dv, self.kv_tiler, BF16, 1)  # P^T as a TMEM A operand
+
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,))
+        g2s = cpasync.CopyBulkTensorTileG2SOp(one)
+        tma_k, gK = cute.nvgpu.make_tiled_tma_atom_A(g2s, mK, slice0(sK_l), self.s_tiler, mma_s, cluster_vmnk.shape)
+        tma_v, gV = cute.nvgpu.make_tiled_tma_atom_A(g2s, mV, slice0(sV_l), self.s_tiler, mma_dp, cluster_vmnk.shape)
+        tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_B(g2s, mQ, slice0(sQ_l), self.s_tiler, mma_s, cluster_vmnk.shape)
+        tma_do, gdO = cute.nvgpu.make_tiled_tma_atom_B(g2s, mdO, slice0(sdO_l), self.s_tiler, mma_dp, cluster_vmnk.shape)
+        self.kv_bytes = cute.size_in_bytes(BF16, slice0(sK_l)) + cute.size_in_bytes(BF16, slice0(sV_l))
+        self.qdo_bytes = cute.size_in_bytes(BF16, slice0(sQ_l)) + cute.size_in_bytes(BF16, slice0(sdO_l))
+
+        grid = (cute.ceil_div(seqlen_k, BN), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+            tma_k, gK, tma_v, gV, tma_q, gQ, tma_do, gdO,
+            mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV,
+            sK_l, sV_l, sQ_l, sdO_l, sdSt_l, sQt_l, sdOt_l, sdS_l, sKt_l, tP_l,
+            seqlen_q, seqlen_k, kv_group, scale_log2, softmax_scale, causal_offset,
+        ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
+                 min_blocks_per_mp=1)  # .minnctapersm 1: else ptxas ignores setmaxnreg (C7508)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        tma_k: cute.CopyAtom, gK_all: cute.Tensor, tma_v: cute.CopyAtom, gV_all: cute.Tensor,
+        tma_q: cute.CopyAtom, gQ_all: cute.Tensor, tma_do: cute.CopyAtom, gdO_all: cute.Tensor,
+        mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor, mdQturn: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor,
+        sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
+        sdO_l: cute.ComposedLayout, sdSt_l: cute.ComposedLayout, sQt_l: cute.ComposedLayout,
+        sdOt_l: cute.ComposedLayout, sdS_l: cute.ComposedLayout, sKt_l: cute.ComposedLayout,
+        tP_l: cute.ComposedLayout,
+        seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32,
+        scale_log2: Float32, softmax_scale: Float32, causal_offset: Int32,
+    ):
+        cfg = self.config
+        D, BM, BN = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        head_kv = head // kv_group  # GQA: H % Hkv == 0
+
+        if warp == self.load_warp:
+            for atom in (tma_k, tma_v, tma_q, tma_do):
+                cpasync.prefetch_descriptor(atom)
+
+        @cute.struct
+        class Storage:
+            kv_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            qdo_bar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages]
+            s_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            p_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            dq_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            dkv_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            tmem_holding_buf: Int32
+
+        smem = utils.SmemAllocator()
+        st = smem.allocate(Storage)
+        sK = smem.allocate_tensor(BF16, sK_l.outer, 1024, sK_l.inner)
+        sV = smem.allocate_tensor(BF16, sV_l.outer, 1024, sV_l.inner)
+        sQ = smem.allocate_tensor(BF16, sQ_l.outer, 1024, sQ_l.inner)
+        sdO = smem.allocate_tensor(BF16, sdO_l.outer, 1024, sdO_l.inner)
+        sdSt = smem.allocate_tensor(BF16, sdSt_l.outer, 1024, sdSt_l.inner)
+        sQt, sdOt, sKt, sdS = view(sQ, sQt_l), view(sdO, sdOt_l), view(sK, sKt_l), view(sdSt, sdS_l)
+
+        # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
+        # the mbarrier.init count (effective count: 32)" for the four barriers with a `wg`
+        # side (s, p, dq, dkv): it assumes a warp-ID guard selects one warp, but `warp < 4`
+        # and `4 <= warp < 8` each select four, 128 threads = this init count. Triaged
+        # 2026-12-01: not a defect.
+        one, wg = coop(1), coop(128)
+        # load -> MMA: K/V once, Q/dO per query tile (TMA transaction bytes)
+        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=st.kv_bar.data_ptr(), num_stages=1, producer_group=one, consumer_group=one,
+            tx_count=self.kv_bytes).make_participants()
+        qdo_prod, qdo_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=st.qdo_bar.data_ptr(), num_stages=cfg.q_stages, producer_group=one,
+            consumer_group=one, tx_count=self.qdo_bytes).make_participants()
+        # MMA -> compute: S^T and dP^T complete; compute -> MMA (release): both drained
+        s_prod, s_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=st.s_bar.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=wg).make_participants()
+        # compute -> MMA: P^T in TMEM and dS^T in SMEM (fenced); MMA -> compute (release):
+        # dV, dK and dQ of that tile have read them
+        p_prod, p_cons = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=st.p_bar.data_ptr(), num_stages=1, producer_group=wg,
+            consumer_group=one).make_participants()
+        # MMA -> dQ warps: dQ complete; dQ warps -> MMA (release): dQ's columns drained
+        dq_prod, dq_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=st.dq_bar.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=wg).make_participants()
+        # MMA -> compute: dK, dV final
+        dkv_prod, dkv_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=st.dkv_bar.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=wg).make_participants()
+
+        tmem = utils.TmemAllocator(
+            st.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.threads),
+            allocator_warp_id=self.compute_warps[0])
+        tmem.allocate(cfg.tmem_alloc_cols)
+        tmem.wait_for_alloc()
+        tmem_base = tmem.retrieve_ptr(Float32)
+
+        # ---- TMEM views: every column offset is the plan's (cfg.tmem) -----------------
+        def acc(name, mma, tiler):
+            frag = mma.make_fragment_C(mma.partition_shape_C(tiler[:2]))
+            return cute.make_tensor(tmem_base + cfg.first_col(name), frag.layout)
+
+        tStS = acc("S", mma_s, self.s_tiler)
+        tdPt = acc("dP", mma_dp, self.s_tiler)
+        tdVt = acc("dV", mma_dv, self.kv_tiler)
+        tdKt = acc("dK", mma_dk, self.kv_tiler)
+        tdQt = acc("dQ", mma_dq, self.q_tiler)
+        tdVrP = mma_dv.make_fragment_A(
+            cute.make_tensor(cute.recast_ptr(tmem_base + cfg.first_col("P"), dtype=BF16), slice0(tP_l).outer))
+
+        # query tiles that see this CTA's keys
+        m_max = cute.ceil_div(seqlen_q, BM)
+        m_min = Int32(0)
+        if const_expr(cfg.causal):
+            # key j is seen by queries i >= j - (Sk - Sq): skip the tiles above the diagonal
+            m_min = cutlass.max(n_block * BN - causal_offset, 0) // BM
+        n_tiles = cutlass.max(m_max - m_min, 0)
+
+        # Register budgets (plan roles): each role sets its own (setmaxnreg) as the first
+        # statement of its branch, so that ptxas knows which budget each role's code has.
+        if warp > self.load_warp:  # the idle warps of the last warpgroup
+            self.set_registers(cfg.regs_other, cfg.regs_other_increase)
+
+        # ============================ load warp ============================
+        if warp == self.load_warp:
+            self.set_registers(cfg.regs_other, cfg.regs_other_increase)
+            thr_s, thr_dp = mma_s.get_slice(0), mma_dp.get_slice(0)
+            gK = cute.local_tile(gK_all[None, None, head_kv, batch], (BN, D), (None, None))
+            gV = cute.local_tile(gV_all[None, None, head_kv, batch], (BN, D), (None, None))
+            gQ = cute.local_tile(gQ_all[None, None, head, batch], (BM, D), (None, None))
+            gdO = cute.local_tile(gdO_all[None, None, head, batch], (BM, D), (None, None))
+            tKs, tKg = self.tma_part(tma_k, sK, thr_s.partition_A(gK))
+            tVs, tVg = self.tma_part(tma_v, sV, thr_dp.partition_A(gV))
+            tQs, tQg = self.tma_part(tma_q, sQ, thr_s.partition_B(gQ))
+            tdOs, tdOg = self.tma_part(tma_do, sdO, thr_dp.partition_B(gdO))
+            hkv = kv_prod.acquire_and_advance()
+            cute.copy(tma_k, tKg[None, n_block, 0], tKs[None, 0], tma_bar_ptr=hkv.barrier)
+            cute.copy(tma_v, tVg[None, n_block, 0], tVs[None, 0], tma_bar_ptr=hkv.barrier)
+            for it in cutlass.range(n_tiles, unroll=1):
+                hq = qdo_prod.acquire_and_advance()
+                cute.copy(tma_q, tQg[None, m_min + it, 0], tQs[None, hq.index], tma_bar_ptr=hq.barrier)
+                cute.copy(tma_do, tdOg[None, m_min + it, 0], tdOs[None, hq.index], tma_bar_ptr=hq.barrier)
+
+        # ============================ MMA warp =============================
+        # Per query tile: S^T, dP^T -> commit "S" -> wait "P" -> dV, dK, dQ -> commit "dQ",
+        # release "P" and the Q/dO slot (both complete when these MMAs have). The tensor pipe
+        # executes tcgen05 ops in issue order, so the next S^T (over P^T's columns) and the
+        # next dP^T (over dQ's columns when they alias) start after this tile's dV / dQ.
+        if warp == self.mma_warp:
+            self.set_registers(cfg.regs_other, cfg.regs_other_increase)
+            tSrK = mma_s.make_fragment_A(sK)
+            tSrQ = mma_s.make_fragment_B(sQ)
+            tPrV = mma_dp.make_fragment_A(sV)
+            tPrdO = mma_dp.make_fragment_B(sdO)
+            tVrdOt = mma_dv.make_fragment_B(sdOt)
+            tKrdSt = mma_dk.make_fragment_A(sdSt)
+            tKrQt = mma_dk.make_fragment_B(sQt)
+            tQrdS = mma_dq.make_fragment_A(sdS)
+            tQrKt = mma_dq.make_fragment_B(sKt)
+            hkv = kv_cons.wait_and_advance()
+            for it in cutlass.range(n_tiles, unroll=1):
+                hq = qdo_cons.wait_and_advance()
+                hdq = dq_prod.acquire_and_advance()  # the dQ warps drained the previous dQ
+                hs = s_prod.acquire_and_advance()  # the compute warps drained S^T / dP^T
+                mma_s = gemm(mma_s, tStS, tSrK[None, None, None, 0], tSrQ[None, None, None, hq.index], False)
+                mma_dp = gemm(mma_dp, tdPt, tPrV[None, None, None, 0], tPrdO[None, None, None, hq.index], False)
+                hs.commit()
+                hp = p_cons.wait_and_advance()
+                # dV, dK accumulate across query tiles: zero-initialised by the first tile only
+                mma_dv = gemm(mma_dv, tdVt, tdVrP, tVrdOt[None, None, None, hq.index], it != 0)
+                mma_dk = gemm(mma_dk, tdKt, tKrdSt[None, None, None, 0], tKrQt[None, None, None, hq.index], it != 0)
+                mma_dq = gemm(mma_dq, tdQt, tQrdS[None, None, None, 0], tQrKt[None, None, None, 0], False)
+                hdq.commit()
+                hp.release()
+                hq.release()
+            hd = dkv_prod.acquire_and_advance()
+            hd.commit()  # dK, dV final once every tcgen05.mma issued so far has completed
+            hkv.release()
+
+        # ========================== compute warps ==========================
+        if warp < 4:
+            self.set_registers(cfg.regs_compute, cfg.regs_compute_increase)
+            tmem.relinquish_alloc_permit()
+            self.compute(tidx % 128, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,
+                         mLSE2, mDsum, mdK, mdV, n_block, head, batch, m_min, n_tiles, seqlen_k,
+                         scale_log2, softmax_scale, causal_offset)
+        # ============================ dQ warps =============================
+        if warp >= 4 and warp < 8:
+            self.set_registers(cfg.regs_dq, cfg.regs_dq_increase)
+            self.dq_reduce(tidx % 128, tdQt, dq_cons, mdQacc, mdQturn, n_block, head, batch, m_min, n_tiles)
+        if warp < 8:
+            # the compute and dQ warps have completed every TMEM load (tcgen05.wait::ld) and the
+            # MMAs are done (the compute warps waited for "dK/dV final"): TMEM may be freed.
+            # The fences order those loads across the barrier (PTX ISA 9.7.16.6). CuTe's
+            # checker still reports W0015 ("dealloc not ordered after prior TMEM loads")
+            # at tmem.free: it does not count this named barrier over 256 threads as
+            # synchronisation. Every TMEM reader is in it. Triaged 2026-12-01.
+            bdev.tcgen05_fence_before_thread_sync()
+            cute.arch.barrier(barrier_id=3, number_of_threads=256)
+        if warp < 4:
+            bdev.tcgen05_fence_after_thread_sync()
+            tmem.free(tmem_base)
+
+    # ---------------------------------------------------------------- helpers
+    def set_registers(self, count, increase):
+        """setmaxnreg for this warpgroup's plan budget: .inc above the launch share, else .dec
+        (a Python helper: resolved while tracing)."""
+        if increase:
+            cute.arch.setmaxregister_increase(count)
+        else:
+            cute.arch.setmaxregister_decrease(count)
+
+    @cute.jit
+    def tma_part(self, atom, s, g):
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
+                                     cute.group_modes(g, 0, 3))
+
+    @cute.jit
+    def compute(self, t: Int32, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,
+                mLSE2, mDsum, mdK, mdV, n_block: Int32, head: Int32, batch: Int32, m_min: Int32,
+                n_tiles: Int32, seqlen_k: Int32, scale_log2: Float32, softmax_scale: Float32,
+                causal_offset: Int32):
+        """One thread per key (TMEM lane t): P^T and dS^T of its row, then its dK/dV rows."""
+        cfg = self.config
+        D, BM, BN = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(CHUNK)), Float32)
+        chunk_l = cute.composition(tStS.layout, cute.make_layout((BN, CHUNK)))
+        s_chunks = [cute.make_tensor(tStS.iterator + CHUNK * c, chunk_l) for c in range(BM // CHUNK)]
+        dp_chunks = [cute.make_tensor(tdPt.iterator + CHUNK * c, chunk_l) for c in range(BM // CHUNK)]
+        thr_ld = tcgen05.make_tmem_copy(ld, s_chunks[0]).get_slice(t)
+        tS_src = [thr_ld.partition_S(x) for x in s_chunks]
+        tdP_src = [thr_ld.partition_S(x) for x in dp_chunks]
+        reg_shape = thr_ld.partition_D(s_chunks[0]).shape
+        # P^T goes to TMEM through the dV MMA's own A-operand fragment (tdVrP at the plan's P
+        # columns): the tcgen05.st partition of that fragment decides which column holds which
+        # query, as in CUTLASS's Blackwell fmha backward. Its source side is
+        # (((16, 2), 1), 1, 1, BM / 32): one 16-column store per chunk of 32 queries, registers
+        # in query order (the order tcgen05.ld.32x32b gave the scores). Chunk c lands in P + 16c,
+        # inside S^T chunk c // 2 (P starts at S, the lowering checks it), already loaded.
+        st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(CHUNK * BF16.width // 32)), BF16)
+        thr_r2t = tcgen05.make_tmem_copy(st, tdVrP).get_slice(t)
+        tRT_tP = thr_r2t.partition_D(tdVrP)
+        p_shape = thr_r2t.partition_S(mma_dv.get_slice(0).partition_A(cute.make_identity_tensor((BN, BM)))).shape
+        assert cute.rank(p_shape) == 4 and cute.size(p_shape, mode=[3]) == BM // CHUNK, p_shape
+
+        key = n_block * BN + t
+        key_out = key >= seqlen_k  # TMA filled this key's K/V rows with zeros: P must be 0
+        for it in cutlass.range(n_tiles, unroll=1):
+            q0 = (m_min + it) * BM
+            hs = s_cons.wait_and_advance()
+            hp = p_prod.acquire_and_advance()  # the previous tile's dV/dK/dQ read P^T and dS^T
+            rP = cute.make_rmem_tensor(p_shape, BF16)
+            for c in cutlass.range_constexpr(BM // CHUNK):
+                rS = cute.make_rmem_tensor(reg_shape, Float32)
+                rdP = cute.make_rmem_tensor(reg_shape, Float32)
+                cute.copy(thr_ld, tS_src[c], rS)
+                cute.copy(thr_ld, tdP_src[c], rdP)
+                cute.arch.fence_view_async_tmem_load()
+                # P^T and dS^T replace S^T and dP^T in place (registers are the limit here)
+                p32 = cute.make_tensor(rS.iterator, cute.make_layout(CHUNK))
+                ds32 = cute.make_tensor(rdP.iterator, cute.make_layout(CHUNK))
+                # LSE2 and D of these 32 queries as 16-byte loads: the offset divides by 32 because
+                # the host pads each (batch, head) row to whole query tiles (sqp = 128 k)
+                row0 = cute.assume(cute.crd2idx((batch, head, q0 + c * CHUNK), mLSE2.layout), 32)
+                lse_c = cute.make_rmem_tensor((CHUNK,), Float32)
+                dsum_c = cute.make_rmem_tensor((CHUNK,), Float32)
+                cute.autovec_copy(cute.make_tensor(mLSE2.iterator + row0, cute.make_layout(CHUNK)), lse_c)
+                cute.autovec_copy(cute.make_tensor(mDsum.iterator + row0, cute.make_layout(CHUNK)), dsum_c)
+                for e in cutlass.range_constexpr(CHUNK):
+                    qi = q0 + c * CHUNK + e
+                    # P^T = exp2(S^T c - LSE2): the forward's softmax row, recomputed; LSE2 is
+                    # +inf past Sq and for rows that saw no key, so P = 0 there
+                    x = p32[e] * scale_log2 - lse_c[e]
+                    bad = key_out
+                    if const_expr(cfg.causal):
+                        bad = bad | (key > qi + causal_offset)  # bottom-right aligned diagonal
+                    p = cute.math.exp2(Float32(cutlass.select_(bad, -Float32.inf, x)), fastmath=True)
+                    p32[e] = p
+                    ds32[e] = p * (ds32[e] - dsum_c[e])  # dS^T = P^T (dP^T - D)
+                rPc = rP[None, None, None, c]
+                cute.make_tensor(rPc.iterator, cute.make_layout(CHUNK)).store(p32.load().to(BF16))
+                cute.copy(thr_r2t, rPc, tRT_tP[None, None, None, c])
+                dsb = cute.make_rmem_tensor((CHUNK,), BF16)
+                dsb.store(ds32.load().to(BF16))
+                # dS^T row -> SMEM in the dK MMA's A layout ((key, query % 16), 0, query // 16):
+                # 16 queries are contiguous there (the 128-byte swizzle moves 16-byte units),
+                # so each half-chunk is two 16-byte stores
+                for kb in cutlass.range_constexpr(CHUNK // 16):
+                    dst = sdSt[((t, None), 0, c * (CHUNK // 16) + kb, 0)]
+                    cute.autovec_copy(cute.make_tensor(dsb.iterator + 16 * kb, cute.make_layout(16)), dst)
+            # P^T stores complete (tcgen05.wait::st) and dS^T visible to the tensor pipe
+            cute.arch.fence_view_async_tmem_store()
+            cute.arch.fence_proxy("async.shared", space="cta")
+            hp.commit()
+            hs.release()
+
+        # ---- epilogue: dV and dK (scaled) rows of this thread's key -> global ----
+        hd = dkv_cons.wait_and_advance()
+        visited = n_tiles > 0  # a key tile no query sees has zero gradients (TMEM never written)
+        for acc_t, out, scaled in ((tdVt, mdV, False), (tdKt, mdK, True)):
+            cl = cute.composition(acc_t.layout, cute.make_layout((BN, CHUNK)))
+            for c in cutlass.range_constexpr(D // CHUNK):
+                src_t = cute.make_tensor(acc_t.iterator + CHUNK * c, cl)
+                thr = tcgen05.make_tmem_copy(ld, src_t).get_slice(t)
+                r = cute.make_rmem_tensor(thr.partition_D(src_t).shape, Float32)
+                cute.copy(thr, thr.partition_S(src_t), r)
+                cute.arch.fence_view_async_tmem_load()
+                if key < seqlen_k:
+                    for e in cutlass.range_constexpr(CHUNK):
+                        v = r[e]
+                        if const_expr(scaled):
+                            v = v * softmax_scale
+                        v = Float32(cutlass.select_(visited, v, Float32(0.0)))
+                        out[batch, key, head, c * CHUNK + e] = v.to(out.element_type)
+        hd.release()
+
+    @cute.jit
+    def dq_reduce(self, t: Int32, tdQt, dq_cons, mdQacc, mdQturn, n_block: Int32, head: Int32,
+                  batch: Int32, m_min: Int32, n_tiles: Int32):
+        """One thread per query (TMEM lane t): its dQ row -> fp32 atomics into dq_acc."""
+        cfg = self.config
+        D, BM, BN = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(CHUNK)), Float32)
+        chunk_l = cute.composition(tdQt.layout, cute.make_layout((BM, CHUNK)))
+        chunks = [cute.make_tensor(tdQt.iterator + CHUNK * c, chunk_l) for c in range(D // CHUNK)]
+        thr_ld = tcgen05.make_tmem_copy(ld, chunks[0]).get_slice(t)
+        src = [thr_ld.partition_S(x) for x in chunks]
+        reg_shape = thr_ld.partition_D(chunks[0]).shape
+        for it in cutlass.range(n_tiles, unroll=1):
+            m = m_min + it
+            hq = dq_cons.wait_and_advance()
+            # rows past Sq land in dq_acc's padding (the host allocates whole query tiles)
+            row = cute.make_tensor(mdQacc.iterator + cute.crd2idx((batch, head, m * BM + t, 0), mdQacc.layout),
+                                   cute.make_layout(D))
+            if const_expr(cfg.deterministic):
+                # deterministic: key tiles add into each query tile in ascending order.
+                # Every key tile before this one visits query tile m (the causal start tile grows
+                # with the key tile) and CTAs launch in key-tile order, so the wait ends.
+                turn = mdQturn.iterator + cute.crd2idx((batch, head, m), mdQturn.layout)
+                if t == 0:
+                    seen = bdev.ld_acquire_s32(turn)
+                    while seen != n_block:
+                        seen = bdev.ld_acquire_s32(turn)
+                cute.arch.barrier(barrier_id=2, number_of_threads=128)
+            # 32 columns at a time (registers): load, wait, then fire-and-forget adds
+            for c in cutlass.range_constexpr(D // CHUNK):
+                r = cute.make_rmem_tensor(reg_shape, Float32)
+                cute.copy(thr_ld, src[c], r)
+                cute.arch.fence_view_async_tmem_load()
+                for v in cutlass.range_constexpr(CHUNK // 4):
+                    bdev.red_add_f32x4(row.iterator + c * CHUNK + 4 * v,
+                                       r[4 * v], r[4 * v + 1], r[4 * v + 2], r[4 * v + 3])
+            hq.release()  # dQ's columns are free for the next tile's MMAs
+            if const_expr(cfg.deterministic):
+                cute.arch.fence_acq_rel_gpu()  # this thread's adds are performed before the turn passes
+                cute.arch.barrier(barrier_id=2, number_of_threads=128)
+                if t == 0:
+                    bdev.red_release_add_s32(turn, 1)

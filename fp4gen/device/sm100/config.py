@@ -1,0 +1,129 @@
+"""The frozen configs of the sm100a kernel classes (``forward.AttentionFwdSm100``,
+``backward.AttentionBwdSm100``): every value a kernel reads of its plan.
+
+The lowering (fp4gen/lowering/sm100.py, sm100_bwd.py) builds one from the plan and the
+generated module renders it as a literal (``FWD_CONFIG = ForwardKernelConfig(...)``); the kernel
+class chooses its variants from it with ``cutlass.const_expr``. This module imports nothing
+but the standard library, so that the lowering can build a config and a generated module can
+be imported without CuTe DSL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+P_MODES = ("directp_fp4", "exp_fp8", "two_level_fp4")
+
+
+def _first_cols(regions) -> dict:
+    return {name: first for name, first, _ in regions}
+
+
+@dataclass(frozen=True)
+class ForwardKernelConfig:
+    """One sm100a forward: tile shape, formats, the P path, warp roles, TMEM map."""
+
+    head_dim: int
+    tile_m: int  # query rows per stage (TMEM lanes)
+    tile_n: int  # keys per KV tile
+    q_stages: int  # query tiles per CTA, one softmax warpgroup each
+    kv_stages: int  # K/V SMEM ring depth
+    causal: bool  # bottom-right aligned causal mask
+    pv_fp8: bool  # P/V in FP8 E4M3 (PV kind::f8f6f4)
+    pv_block_scaled: bool  # the PV kind carries P/V block scales
+    pv_sf_vec: int  # keys per P/V block scale: 32 (MXFP4, E8M0) or 16 (NVFP4, E4M3)
+    v_k_major: bool  # V stored transposed (D x keys) for a K-major PV B operand
+    p_mode: str  # directp_fp4 | exp_fp8 | two_level_fp4
+    p_policy: Optional[str]  # Direct-P policy: fast | accurate (None otherwise)
+    p_fp8_scale: float  # exp_fp8: P is stored as e4m3(p_fp8_scale * p) (numerics.directp.P_FP8_SCALE)
+    o_scale: float  # 1 / p_fp8_scale for FP8 P, else 1: O is divided by P's fixed factor
+    lse_shift: float  # Direct-P: log2 G, P ~ G 2^(t - m) (numerics.directp.DIRECT_P_GAIN)
+    direct_p_a: float
+    direct_p_b: float
+    p_parts: int  # P publications per KV tile (plan.publish parts)
+    p_part_cols: int  # 32-bit words (TMEM columns) of one row of P per publish part
+    p_smem: bool  # p_source smem: PV reads P from an SMEM tile, not from TMEM
+    p_row_bytes: int  # bytes of one row of P's SMEM tile (K-major: tile_n codes)
+    guard_m: int  # sampling guard (Algorithm 3): 0, 0 when the spec has none
+    guard_l: int
+    # warp roles (plan.pipeline.roles, in the order the kernel numbers warps)
+    softmax_warps: tuple  # one tuple of warp indices per query stage
+    correction_warps: tuple
+    mma_warp: int
+    load_warp: int
+    idle_warps: tuple  # warps of the roles the kernel does not implement (epilogue, spare)
+    n_warps: int
+    regs_softmax: int  # setmaxnreg budgets per warpgroup
+    regs_correction: int
+    regs_other: int
+    tmem_alloc_cols: int
+    tmem: tuple  # (name, first column, last column) per plan.tmem region, inclusive
+
+    def __post_init__(self):
+        if self.p_mode not in P_MODES:
+            raise ValueError(f"p_mode must be one of {P_MODES}, got {self.p_mode!r}")
+
+    @property
+    def guard(self) -> bool:
+        return self.guard_l > 0
+
+    @property
+    def direct_p(self) -> bool:
+        return self.p_mode == "directp_fp4"
+
+    @property
+    def exp_fp8(self) -> bool:
+        return self.p_mode == "exp_fp8"
+
+    @property
+    def two_level(self) -> bool:
+        """O is kept in units of the tile's row factor r (docs/sm100.md)."""
+        return self.p_mode == "two_level_fp4"
+
+    @property
+    def running_max(self) -> bool:
+        """The exp and two-level paths keep an online row max; Direct-P has a fixed reference."""
+        return self.p_mode != "directp_fp4"
+
+    @property
+    def p_swizzle(self) -> str:
+        """CuTe's name of the UMMA swizzle of P's SMEM rows (p_source smem): it XORs a row's
+        16-byte chunk index with bits 7.. of its byte offset (PTX ISA 5.5.7; 9.7.16.4.1)."""
+        return "S<%d,4,3>" % {1: 0, 2: 1, 4: 2, 8: 3}[self.p_row_bytes // 16]
+
+    def first_col(self, region: str) -> int:
+        """First TMEM column of a plan region."""
+        return _first_cols(self.tmem)[region]
+
+
+@dataclass(frozen=True)
+class BackwardKernelConfig:
+    """One sm100a backward (fp4gen.ir.passes.backward_sm100.BackwardPlanSm100)."""
+
+    head_dim: int
+    tile_m: int  # queries per step (N of S^T/dP^T, TMEM lanes of dQ)
+    tile_n: int  # keys per CTA (TMEM lanes of S^T, dP^T, dV, dK)
+    q_stages: int  # Q/dO ring depth (plan: SMEM budget)
+    causal: bool
+    deterministic: bool  # dQ: key tiles add into each query tile in ascending order
+    # dQ accumulates in dP^T's columns (informational: either way the MMA warp waits for the
+    # dQ warps' drain of the previous tile before it issues the next tile's first MMA)
+    dq_aliases_dp: bool
+    # warp roles (plan roles, in the order the kernel numbers warps)
+    compute_warps: tuple
+    dq_warps: tuple
+    mma_warp: int
+    load_warp: int
+    n_warps: int
+    regs_compute: int  # setmaxnreg budgets per warpgroup
+    regs_dq: int
+    regs_other: int
+    # setmaxnreg.inc (True) for budgets above the launch share, .dec otherwise
+    regs_compute_increase: bool
+    regs_dq_increase: bool
+    regs_other_increase: bool
+    tmem_alloc_cols: int
+    tmem: tuple  # (name, first column, last column) per backward TMEM region, inclusive
+
+    def first_col(self, region: str) -> int:
+        return _first_cols(self.tmem)[region]
