@@ -40,11 +40,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from fp4gen.runtime.cache import tvm_ffi_available
+from fp4gen.runtime import cache
 
 from . import quantize as _quantize
 from .layout import FP8_P_KEY_PERM
-from .quantize import (BLOCK, _asm, _block_max, _struct, _words, compile_once, keep_if, launch,
+from .quantize import (BLOCK, _asm, _block_max, _struct, _words, keep_if, launch,
                        ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, store_transposed_tile,
                        transpose_tile_setup, umax)
 
@@ -52,7 +52,8 @@ THREADS = 256
 DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
 LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_COMPILED: dict = {}
+ARCH = "sm_90a"
+_COMPILED: dict = {}  # (kind, head dim, tvm_ffi, persist) -> compiled kernel
 
 
 @dsl_user_op
@@ -404,22 +405,38 @@ def _fake_args(kind: str, d: int):
     return (x, sc, y8)  # "quant"
 
 
-def _compile(kind: str, d: int, tvm_ffi=None):
+_OPS = {"pre": lambda d: _Pre(d, False), "pre_fp8": lambda d: _Pre(d, True), "pre_fp8t": _PreFp8,
+        "post": _Post, "quant": _ScaleQuant}
+
+
+def _compile(kind: str, d: int, tvm_ffi=None, persist: bool = True):
+    """One kernel, compiled for sm_90a (no GPU needed) through the compile cache every target
+    uses (``fp4gen.runtime.cache.compiled_kernel``: in memory, a verified disk entry, else a
+    compile); ``persist=False`` (compile_only) keeps it in memory. This module's source is in
+    the cache key through ``cache.KERNEL_DEPENDENCIES``."""
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"backward pre/post-processing: head dim must be one of {SUPPORTED_HEAD_DIMS}; got {d}")
-    tvm_ffi = tvm_ffi_available() if tvm_ffi is None else tvm_ffi
-    ops = {"pre": lambda: _Pre(d, False), "pre_fp8": lambda: _Pre(d, True), "pre_fp8t": lambda: _PreFp8(d),
-           "post": lambda: _Post(d), "quant": lambda: _ScaleQuant(d)}
-    return compile_once(_COMPILED, (kind, d, tvm_ffi), ops[kind], lambda: _fake_args(kind, d), tvm_ffi)
+    tvm_ffi = cache.tvm_ffi_available() if tvm_ffi is None else tvm_ffi
+    key = (kind, d, tvm_ffi, persist)
+    if key not in _COMPILED:
+        def build():
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+            opts = f"--gpu-arch {ARCH}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+            return cute.compile(_OPS[kind](d), *_fake_args(kind, d), stream, options=opts)
+
+        _COMPILED[key] = cache.compiled_kernel(
+            f"bwd_{kind}_d{d}", f"arch={ARCH},tvm_ffi={tvm_ffi}", build, module_source=__name__, persist=persist,
+            enable_tvm_ffi=tvm_ffi)
+    return _COMPILED[key]
 
 
-def compile_only(arch: str = "sm_90a", head_dim: int = 128) -> list:
+def compile_only(arch: str = ARCH, head_dim: int = 128) -> list:
     """Compile the five kernels for ``head_dim`` without a GPU; return their names."""
-    if arch != "sm_90a":
-        raise ValueError(f"the backward pre/post-processing kernels are Hopper kernels: arch must be 'sm_90a', got {arch!r}")
+    if arch != ARCH:
+        raise ValueError(f"the backward pre/post-processing kernels are Hopper kernels: arch must be {ARCH!r}, got {arch!r}")
     names = []
     for kind in ("pre", "pre_fp8", "pre_fp8t", "post", "quant"):
-        _compile(kind, head_dim, tvm_ffi=False)
+        _compile(kind, head_dim, tvm_ffi=False, persist=False)
         names.append(f"bwd_{kind}_d{head_dim}")
     return names
 
