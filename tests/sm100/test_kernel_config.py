@@ -1,0 +1,83 @@
+"""Each sm100a module's kernel config is its plan's (issue 17: templates render what the plan
+decides, the kernel library reads nothing else).
+
+The module's ``FWD_CONFIG`` (and ``BWD_CONFIG``) must equal the config the lowering derives from
+the plan re-planned from the module's own ``PLAN_JSON``, and the values the plan records in that
+JSON (TMEM columns, warp roles, P publication parts) must be the ones the config carries.
+Importing a module needs no CuTe DSL (the config module is plain Python).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from fp4gen.ir.passes import plan_kernel
+from fp4gen.ir.serialize import spec_from_plan_json
+from fp4gen.lowering import sm100, sm100_bwd
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = sorted((ROOT / "generated").glob("*_sm100a.py"))
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"fp4gen_config_test_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_there_are_sm100a_modules():
+    assert len(MODULES) >= 6, MODULES
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.stem)
+def test_rendered_config_is_the_one_derived_from_plan_json(path):
+    mod = load(path)
+    plan = plan_kernel(spec_from_plan_json(mod.PLAN_JSON))
+    assert mod.FWD_CONFIG == sm100.kernel_config(plan)
+    if hasattr(mod, "BWD_CONFIG"):
+        assert mod.BWD_CONFIG == sm100_bwd.kernel_config(plan)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.stem)
+def test_config_carries_what_plan_json_records(path):
+    mod = load(path)
+    d = json.loads(mod.PLAN_JSON)
+    cfg = mod.FWD_CONFIG
+    assert cfg.tmem == tuple((r["name"], r["first_col"], r["last_col"]) for r in d["tmem"]["regions"])
+    assert cfg.tmem_alloc_cols == d["tmem"]["alloc_columns"]
+    roles = {r["name"]: r for r in d["pipeline"]["roles"]}
+    assert cfg.n_warps == sum(r["warps"] for r in roles.values())
+    assert [len(w) for w in cfg.softmax_warps] == [roles["softmax0"]["warps"], roles["softmax1"]["warps"]]
+    assert len(cfg.correction_warps) == roles["correction"]["warps"]
+    assert cfg.mma_warp == cfg.correction_warps[-1] + 1 and cfg.load_warp == cfg.mma_warp + 1
+    assert cfg.regs_softmax == roles["softmax0"]["registers"] and cfg.regs_correction == roles["correction"]["registers"]
+    parts = d["publish"]["parts"]
+    assert cfg.p_parts == len(parts)
+    for h, part in enumerate(parts):
+        if part["p_columns"] is not None:  # P in TMEM: part h is at these columns of P's region
+            assert part["p_columns"] == [h * cfg.p_part_cols, (h + 1) * cfg.p_part_cols - 1]
+    if hasattr(mod, "BWD_CONFIG"):
+        b, bd = mod.BWD_CONFIG, d["backward"]
+        assert b.tmem == tuple((r["name"], r["first_col"], r["last_col"]) for r in bd["tmem"]["regions"])
+        assert b.n_warps == sum(r["warps"] for r in bd["roles"])
+        assert (b.tile_m, b.tile_n, b.q_stages, b.causal) == (bd["tile_m"], bd["tile_n"], bd["q_stages"], bd["causal"])
+
+
+def test_a_plan_with_other_publish_columns_is_refused():
+    """The kernel writes publish part h at columns h * n .. of P: a plan that says otherwise is
+    refused, not silently compiled to the kernel's own layout."""
+    import dataclasses
+
+    from fp4gen.frontend import parse_file
+    from fp4gen.lowering import LoweringError
+
+    plan = plan_kernel(parse_file(ROOT / "examples" / "fa4_fp4_d128.attn")[0])
+    p0, p1 = plan.publish.parts
+    swapped = (dataclasses.replace(p0, p_columns=p1.p_columns), dataclasses.replace(p1, p_columns=p0.p_columns))
+    bad = dataclasses.replace(plan, publish=dataclasses.replace(plan.publish, parts=swapped))
+    with pytest.raises(LoweringError, match="P part 1"):
+        sm100.kernel_config(bad)
