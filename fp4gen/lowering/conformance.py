@@ -512,7 +512,7 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
 
 # ----------------------------------------------------------------------------- the backward
 #
-# The sm100a backward (templates/sm100/bwd.py.j2) issues five tcgen05.mma products per query
+# The sm100a backward (fp4gen/device/sm100/backward.py) issues five tcgen05.mma products per query
 # tile. In the kept IR each ``cute.gemm`` names its tiled-MMA type, whose printed form carries
 # the operand majors and where A comes from: ``ab_major = (k, k)`` S^T and dP^T (the first and
 # second half of those in the loop, in issue order), ``frag_kind = ts`` (A from TMEM) dV,
@@ -608,7 +608,7 @@ def backward_mlir_facts(mlir_text: str) -> _BwdFacts:
 
 
 # The transposed operands are views of the same SMEM bytes through another MMA's layout
-# (templates/sm100/bwd.py.j2: ``view``). The kernel's signature prints every SMEM layout as
+# (fp4gen/device/sm100/backward.py: ``view``). The kernel's signature prints every SMEM layout as
 # ``!cute.composed_layout<"S<b,m,s> o 0 o SHAPE:STRIDE">`` in argument order; for each pair the
 # element (row, col) of one must sit at the same offset, under the same swizzle, as element
 # (col, row) of the other. Layouts are in the tcgen05 operand form ((MN, K), MMA_MN, MMA_K, stage).

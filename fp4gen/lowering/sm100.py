@@ -4,9 +4,11 @@
 ``templates/sm100/fwd.py.j2``; it decides nothing the plan did not record:
 TMEM columns come from ``plan.tmem``, the publication parts from
 ``plan.publish``, MMA kinds from ``plan.mma``, KV stages and warp roles from
-``plan.pipeline``. What the template cannot implement yet is refused here with
-a ``LoweringError`` (never silently approximated) or listed in the generated
-module's docstring under "Known gaps".
+``plan.pipeline``. Those values become the module's ``ForwardKernelConfig``
+(``kernel_config``), which configures the one kernel class,
+``fp4gen.device.sm100.forward.AttentionFwdSm100``. What the kernel cannot implement yet is
+refused here with a ``LoweringError`` (never silently approximated) or listed in the
+generated module's docstring under "Known gaps".
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ by ``sm100.py``. It is self-contained (its own lazy CuTe DSL imports, names pref
 It reads ``KERNEL_NAME``, ``SOFTMAX_SCALE`` and ``_require_sm100`` from the forward part.
 Every decision comes from the ``BackwardPlanSm100``
 (``fp4gen.ir.passes.backward_sm100.plan_backward_sm100``); this file turns it into a
-jinja2 context and refuses plans the template cannot express.
+jinja2 context (its ``BackwardKernelConfig`` configures the kernel class,
+``fp4gen.device.sm100.backward.AttentionBwdSm100``) and refuses plans the kernel cannot express.
 """
 from __future__ import annotations
 

@@ -504,7 +504,7 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
 
 # ----------------------------------------------------------------------------- the backward
 #
-# ``emulate_backward`` runs the generated sm100a backward (templates/sm100/bwd.py.j2) through the
+# ``emulate_backward`` runs the generated sm100a backward (fp4gen/device/sm100/backward.py) through the
 # module's own host code (``_BWD_HOST.backward``: LSE2 / D preprocessing, padding, dQ scaling,
 # dtypes) with the kernel launch replaced by ``BackwardLauncher``: every CTA of the grid
 # (ceil(Sk / 128) key tiles x H x B), one after another, into one emulated global memory, so
