@@ -37,16 +37,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import T
 from cutlass.memory import SmemAllocator
 
 from fp4gen.runtime import cache
 
 from . import quantize as _quantize
 from .layout import FP8_P_KEY_PERM
-from .quantize import (BLOCK, _asm, _block_max, _struct, _words, keep_if, launch,
-                       ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred, store_transposed_tile,
-                       transpose_tile_setup, umax)
+from .ptx import bf16x2_to_f32, e4m3x4_to_f32, f32x2_to_bf16x2, ld_v4_f32, st_v4_pred
+from .quantize import (BLOCK, _block_max, keep_if, launch, ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred,
+                       store_transposed_tile, transpose_tile_setup, umax)
 
 THREADS = 256
 DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
@@ -54,50 +54,6 @@ LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ARCH = "sm_90a"
 _COMPILED: dict = {}  # (kind, head dim, tvm_ffi, persist) -> compiled kernel
-
-
-@dsl_user_op
-def bf16x2_to_f32(w, *, loc=None, ip=None):
-    """One word of two bf16 (element 0 low) -> two fp32 (exact)."""
-    res = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
-               "{\n.reg .b32 a, b;\nshl.b32 a, $2, 16;\nand.b32 b, $2, 0xffff0000;\n"
-               "mov.b32 $0, a;\nmov.b32 $1, b;\n}",
-               "=f,=f,r", [Uint32(w)], loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
-@dsl_user_op
-def e4m3x4_to_f32(w, *, loc=None, ip=None):
-    """One word of four e4m3 (element 0 in the low byte) -> four fp32 (exact, via f16)."""
-    res = _asm(llvm.StructType.get_literal([T.f32()] * 4),
-               "{\n.reg .b16 lo, hi;\n.reg .b32 h0, h1;\n.reg .f16 a, b, c, d;\n"
-               "mov.b32 {lo, hi}, $4;\ncvt.rn.f16x2.e4m3x2 h0, lo;\ncvt.rn.f16x2.e4m3x2 h1, hi;\n"
-               "mov.b32 {a, b}, h0;\nmov.b32 {c, d}, h1;\n"
-               "cvt.f32.f16 $0, a;\ncvt.f32.f16 $1, b;\ncvt.f32.f16 $2, c;\ncvt.f32.f16 $3, d;\n}",
-               "=f,=f,=f,=f,r", [Uint32(w)], loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def f32x2_to_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
-    """Two fp32 -> one word of two bf16 (round to nearest even; ``a`` in the low half)."""
-    return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [Float32(a), Float32(b)],
-                       loc=loc, ip=ip))
-
-
-@dsl_user_op
-def ld_v4_f32(addr, *, loc=None, ip=None):
-    res = _asm(_struct(4), "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-               "=r,=r,=r,=r,l", [Int64(addr)], side_effects=True, loc=loc, ip=ip)
-    return _words(res, 4, loc, ip)
-
-
-@dsl_user_op
-def st_v4_pred(addr, a, b, c, d, pred, *, loc=None, ip=None):
-    """16 bytes to global memory if ``pred`` != 0."""
-    _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}",
-         "l,r,r,r,r,r", [Int64(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d), Int32(pred)],
-         side_effects=True, loc=loc, ip=ip)
 
 
 def _as_f32(w) -> Float32:

@@ -9,7 +9,7 @@ LLVM/ptxas may schedule them freely. Memory operations, barriers and warp-collec
 from __future__ import annotations
 
 import cutlass
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
@@ -24,6 +24,16 @@ def _asm(ret_type, ptx: str, constraints: str, args, *, side_effects: bool = Fal
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+def _i32_struct(n: int):
+    """The LLVM struct of ``n`` i32: the result type of a multi-output asm."""
+    return llvm.StructType.get_literal([T.i32()] * n)
+
+
+def _words(res, n: int, loc=None, ip=None):
+    """The ``n`` i32 outputs of a multi-output asm as Uint32."""
+    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
 @dsl_user_op
@@ -131,6 +141,37 @@ def fp8_scale_cover(x, *, loc=None, ip=None) -> Float32:
         "=f,f", [Float32(x)], loc=loc, ip=ip))
 
 
+@dsl_user_op
+def bf16x2_to_f32(w, *, loc=None, ip=None):
+    """One word of two bf16 (element 0 low) -> two fp32 (exact: a shift and a mask)."""
+    res = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]),
+               "{\n.reg .b32 a, b;\nshl.b32 a, $2, 16;\nand.b32 b, $2, 0xffff0000;\n"
+               "mov.b32 $0, a;\nmov.b32 $1, b;\n}",
+               "=f,=f,r", [Uint32(w)], loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def e4m3x4_to_f32(w, *, loc=None, ip=None):
+    """One word of four e4m3 (element 0 in the low byte) -> four fp32 (exact, via f16).
+    PTX ISA: Data Movement and Conversion Instructions, ``cvt`` (``.f16x2.e4m3x2``)."""
+    res = _asm(llvm.StructType.get_literal([T.f32()] * 4),
+               "{\n.reg .b16 lo, hi;\n.reg .b32 h0, h1;\n.reg .f16 a, b, c, d;\n"
+               "mov.b32 {lo, hi}, $4;\ncvt.rn.f16x2.e4m3x2 h0, lo;\ncvt.rn.f16x2.e4m3x2 h1, hi;\n"
+               "mov.b32 {a, b}, h0;\nmov.b32 {c, d}, h1;\n"
+               "cvt.f32.f16 $0, a;\ncvt.f32.f16 $1, b;\ncvt.f32.f16 $2, c;\ncvt.f32.f16 $3, d;\n}",
+               "=f,=f,=f,=f,r", [Uint32(w)], loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> one word of two bf16 (round to nearest even; ``a`` in the low half).
+    PTX ISA: Data Movement and Conversion Instructions, ``cvt`` (``.bf16x2.f32``)."""
+    return Uint32(_asm(T.i32(), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [Float32(a), Float32(b)],
+                       loc=loc, ip=ip))
+
+
 # ---------------------------------------------------------------------------- ordered
 # (memory, barriers, warp collectives: emitted with side effects, kept in program order)
 
@@ -200,4 +241,22 @@ def red_release_add_s32(ptr, val, *, loc=None, ip=None):
     """Add with release semantics at GPU scope (hands a dQ turn on). PTX ISA:
     Parallel Synchronization and Communication Instructions, ``red`` (``.release``)."""
     _asm(None, "red.release.gpu.global.add.s32 [$0], $1;", "l,r", [ptr.toint(loc=loc, ip=ip), Int32(val)],
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_v4_f32(addr, *, loc=None, ip=None):
+    """16 bytes from global memory through the read-only path, not kept in L1, as four words.
+    PTX ISA: Data Movement and Conversion Instructions, ``ld`` (``.global.nc``)."""
+    res = _asm(_i32_struct(4), "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,l", [Int64(addr)], side_effects=True, loc=loc, ip=ip)
+    return _words(res, 4, loc, ip)
+
+
+@dsl_user_op
+def st_v4_pred(addr, a, b, c, d, pred, *, loc=None, ip=None):
+    """16 bytes to global memory if ``pred`` != 0. PTX ISA: Data Movement and Conversion
+    Instructions, ``st``."""
+    _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}",
+         "l,r,r,r,r,r", [Int64(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d), Int32(pred)],
          side_effects=True, loc=loc, ip=ip)
