@@ -280,7 +280,7 @@ class AttentionFwdSm100:
             allocator_warp_id=self.correction_warps[0])
         tmem.allocate(cfg.tmem_alloc_cols)
 
-        # ---- TMEM views: every column offset is the plan's (TMEM dict) ---------------
+        # ---- TMEM views: every column offset is the plan's (cfg.tmem) -----------------
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
         tSrQ = qk_mma.make_fragment_A(sQ)
@@ -429,7 +429,7 @@ class AttentionFwdSm100:
     def tmem_views(self, tmem_base, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, s_fake: cute.Tensor,
                    o_fake: cute.Tensor, tP_l: cute.ComposedLayout, sSFQ_l: cute.Layout, sSFK_l: cute.Layout,
                    sSFV_l: cute.Layout, sSFP_l: cute.Layout):
-        """The plan's TMEM regions (every column offset is the plan's TMEM dict) as tensors.
+        """The plan's TMEM regions (every column offset is the plan's, cfg.tmem) as tensors.
         Each role builds them after its setmaxnreg from a freshly read base: kept live from
         the prologue, the base is one more value ptxas carries through every role's budget,
         and it spills it."""
@@ -620,7 +620,7 @@ class AttentionFwdSm100:
                 tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
             # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
             # One compare against the column's constant per key, written in place: the old
-            # form (key = i * cfg.tile_n + c, two compares, two selects) kept the masked and the
+            # form (key = i * tile_n + c, two compares, two selects) kept the masked and the
             # unmasked scores live at once in ptxas's if-converted code and spilled them.
             n_valid = seqlen_k - i * cfg.tile_n
             if const_expr(cfg.causal):
