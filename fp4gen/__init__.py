@@ -14,16 +14,26 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["parse_file", "parse_text", "SpecError", "plan", "compile_spec", "load", "attention", "__version__"]
+__all__ = ["parse_file", "parse_text", "SpecError", "plan", "compile_spec", "load", "attention",
+           "attention_varlen", "NoKernelError", "__version__"]
 
 
 def attention(q, k, v, **kw):
-    """fp4gen attention for torch tensors (B, S, H, D), differentiable, ``torch.compile``-able:
-    ``fp4gen.attention(q, k, v, spec="examples/x.attn::name", causal=True)``. See
-    ``fp4gen.torch_ops.attention``."""
+    """fp4gen attention for torch tensors (B, S, H, D), differentiable, ``torch.compile``-able,
+    with flash_attn's arguments: ``fp4gen.attention(q, k, v, spec="examples/x.attn::name",
+    causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None, sinks=None,
+    return_lse=False, backend="auto")``. See ``fp4gen.torch_ops.attention``."""
     from fp4gen.torch_ops import attention as _attention
 
     return _attention(q, k, v, **kw)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+    """``attention`` on packed sequences, (total_tokens, H, D) tensors with int32 ``cu_seqlens``
+    (flash_attn_varlen_func). See ``fp4gen.torch_ops.attention_varlen``."""
+    from fp4gen.torch_ops import attention_varlen as _attention_varlen
+
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
 
 
 def parse_file(path):
@@ -75,4 +85,8 @@ def __getattr__(name):
         from fp4gen.frontend.diagnostics import SpecError
 
         return SpecError
+    if name == "NoKernelError":  # what backend="auto" raises on a GPU without a kernel for the spec
+        from fp4gen.torch_ops import NoKernelError
+
+        return NoKernelError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,16 @@
 """fp4gen attention as a PyTorch operator: custom ops, autograd, torch.compile.
 
-Public entry point::
+Public entry points (flash_attn's names and conventions)::
 
-    from fp4gen.torch_ops import attention
+    from fp4gen.torch_ops import attention, attention_varlen
     o = attention(q, k, v, spec=spec)        # q: (B, S, H, D), k/v: (B, S, Hkv, D)
     o.sum().backward()                        # gradients flow to q, k, v
+    o, lse = attention(q, k, v, spec=spec, window_size=(128, 0), softcap=30.0, return_lse=True)
+    o = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, spec=spec)  # (total, H, D)
+
+Keyword arguments override the spec (``causal``, ``window_size``, ``softcap``, ``sinks``; the
+varlen entry point sets ``layout varlen``): the call runs the *effective* spec, and a generated
+kernel only when that is exactly the spec it was generated from (``effective_spec``).
 
 ``spec`` is a ``KernelSpec``, the path of an ``.attn`` file holding one
 attention block (``"file.attn::NAME"`` picks one of several), or a generated
@@ -15,8 +21,13 @@ Two operators are registered with ``torch.library`` so that ``torch.compile``
 and ``torch.export`` see one opaque node per call instead of tracing into the
 kernels:
 
-- ``fp4gen::attention_fwd(q, k, v, spec_key, softmax_scale, backend) -> (o, lse, state)``
-- ``fp4gen::attention_bwd(q, k, v, o, lse, do, state, spec_key, softmax_scale, backend) -> (dq, dk, dv)``
+- ``fp4gen::attention_fwd(q, k, v, spec_key, softmax_scale, backend, sinks=None, cu_seqlens_q=None,
+  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0) -> (o, lse, state)``
+- ``fp4gen::attention_bwd(q, k, v, o, lse, do, state, spec_key, softmax_scale, backend, sinks=None,
+  ...the same varlen arguments) -> (dq, dk, dv)``
+
+The learned sinks' gradient is ``fp4gen.numerics.reference.sinks_grad`` of o, lse and dO (plain
+torch ops in the autograd formula), so the backward op returns the three input gradients only.
 
 ``state`` is empty, except for a generated module whose backward recomputes S from the
 forward's FP8 Q/K (``BWD_S_FP8``): then it holds the forward's Q/K payloads (as bytes) and
@@ -57,12 +68,14 @@ from typing import Optional, Union
 
 import torch
 
-from fp4gen.ir.spec import KernelSpec, Mask, Target
+from fp4gen.ir.spec import KernelSpec, Layout, Mask, Sinks, Target, mask_for_window
 from fp4gen.runtime import checks
 from fp4gen.runtime.checks import AttentionInputError
 
 __all__ = [
     "attention",
+    "attention_varlen",
+    "effective_spec",
     "AttentionInputError",
     "spec_key",
     "spec_for_key",
@@ -217,33 +230,73 @@ def _is_generated_module(obj) -> bool:
 _KEY_CACHE: dict = {}
 
 
-def spec_key(spec, causal: Optional[bool] = None) -> str:
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """What a call's keyword arguments change in its spec; the defaults change nothing.
+
+    ``causal`` None and ``window_size`` (-1, -1) keep the spec's mask; otherwise the mask is what
+    ``flash_attn_func(causal=bool(causal), window_size=window_size)`` means (causal sets the
+    window's right side to 0). ``softcap`` 0.0 keeps the spec's, another value replaces it.
+    ``sinks`` True: the call passes sink logits (the spec becomes ``sinks learned``).
+    ``layout`` None keeps the spec's (``attention``: dense; ``attention_varlen``: varlen)."""
+
+    causal: Optional[bool] = None
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    layout: Optional[str] = None
+
+    def apply(self, spec: KernelSpec) -> KernelSpec:
+        kw: dict = {}
+        if self.causal is not None or tuple(self.window_size) != (-1, -1):
+            left, right = self.window_size
+            mask, window = mask_for_window(left, 0 if self.causal else right)
+            kw.update(mask=mask, window=window)
+        if self.softcap:
+            kw["softcap"] = float(self.softcap)
+        if self.sinks:
+            kw["sinks"] = Sinks.LEARNED
+        if self.layout is not None:
+            kw["layout"] = Layout(self.layout)
+        changed = {k: v for k, v in kw.items() if getattr(spec, k) != v}
+        return dataclasses.replace(spec, **changed) if changed else spec
+
+
+def effective_spec(spec: KernelSpec, **overrides) -> KernelSpec:
+    """``spec`` with a call's keyword arguments applied (``Overrides``): what the call runs."""
+    return Overrides(**overrides).apply(spec)
+
+
+def spec_key(spec, causal: Optional[bool] = None, **overrides) -> str:
     """Register ``spec`` (KernelSpec, .attn path, generated module or its .py path) and
-    return the string key the custom ops take. ``causal`` overrides the spec's mask."""
+    return the string key the custom ops take. ``causal`` and ``overrides`` (``Overrides``:
+    window_size, softcap, sinks, layout) change the spec as a call's keyword arguments do."""
+    ov = Overrides(causal=causal, **overrides)
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
         try:
             st = os.stat(text.rsplit("::", 1)[0])
             stamp = (st.st_mtime_ns, st.st_size)
         except OSError:
-            return _spec_key(spec, causal)  # raises the clear error
-        ck = ("path", os.path.abspath(text), causal)
+            return _spec_key(spec, ov)  # raises the clear error
+        ck = ("path", os.path.abspath(text), ov)
         hit = _KEY_CACHE.get(ck)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        key = _spec_key(spec, causal)
+        key = _spec_key(spec, ov)
         _KEY_CACHE[ck] = (stamp, key)
         return key
-    ck = ("obj", id(spec), causal)
+    ck = ("obj", id(spec), ov)
     hit = _KEY_CACHE.get(ck)
     if hit is not None and hit[0] is spec:
         return hit[1]
-    key = _spec_key(spec, causal)
+    key = _spec_key(spec, ov)
     _KEY_CACHE[ck] = (spec, key)
     return key
 
 
-def _spec_key(spec, causal: Optional[bool]) -> str:
+def _spec_key(spec, ov: Overrides) -> str:
+    causal = ov.causal
     if isinstance(spec, (str, os.PathLike)):
         text, kernel = os.fspath(spec), None
         if "::" in text:  # "file.attn::kernel_name" picks one block of a file
@@ -255,8 +308,7 @@ def _spec_key(spec, causal: Optional[bool]) -> str:
             spec = _parse_attn_file(path, kernel)
 
     if isinstance(spec, KernelSpec):
-        if causal is not None:
-            spec = dataclasses.replace(spec, mask=Mask.CAUSAL if causal else Mask.NONE)
+        spec = ov.apply(spec)
         return _register(f"{spec.name}@{_fingerprint(spec)}", _Entry(spec=spec))
 
     if _is_generated_module(spec):
@@ -272,6 +324,18 @@ def _spec_key(spec, causal: Optional[bool]) -> str:
             raise AttentionInputError(
                 f"the mask of generated module {mod.__name__} is unknown (no spec recoverable); "
                 "pass causal=None"
+            )
+        if mspec is not None and ov.apply(mspec) != mspec:
+            changed = _differing_fields(mspec, ov.apply(mspec))
+            raise AttentionInputError(
+                f"generated kernel {getattr(mod, 'KERNEL_NAME', mod.__name__)} was compiled for another "
+                f"{', '.join(changed)}; it cannot run this call's. Drop those arguments, or pass the KernelSpec "
+                "to run the effective spec on the reference backend (backend='reference')"
+            )
+        if mspec is None and ov != Overrides(causal=causal):
+            raise AttentionInputError(
+                f"the spec of generated module {mod.__name__} is unknown (no spec recoverable); "
+                "pass no window_size, softcap, sinks or varlen arguments"
             )
         ident = mspec and _fingerprint(mspec)
         ident = ident or hashlib.sha256(str(getattr(mod, "PLAN_JSON", mod.__name__)).encode()).hexdigest()[:16]
@@ -289,11 +353,19 @@ def _spec_key(spec, causal: Optional[bool]) -> str:
 # traceable, but its result is a constant for a given spec, so Dynamo runs it
 # once at trace time and guards on the spec object instead of breaking the graph.
 @torch.compiler.assume_constant_result
-def _resolve_for_trace(spec, causal):
-    key = spec_key(spec, causal)
+def _resolve_for_trace(spec, causal, window_size, softcap, sinks, layout):
+    key = spec_key(spec, causal, window_size=window_size, softcap=softcap, sinks=sinks, layout=layout)
     s = _REGISTRY[key].spec
     head_dim = s.head_dim if s is not None else -1
     return key, head_dim
+
+
+def _differing_fields(a: KernelSpec, b: KernelSpec) -> list[str]:
+    """The spec_to_dict fields in which two specs differ ("mask", "window", "softcap", ...)."""
+    from fp4gen.ir.serialize import computed_fields, spec_to_dict
+
+    da, db = computed_fields(spec_to_dict(a)), computed_fields(spec_to_dict(b))
+    return sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))
 
 
 # ---------------------------------------------------------------------------
@@ -340,6 +412,14 @@ def _lookup_generated(spec: KernelSpec, arch: str):
     identical spec is used."""
     if spec.target.value != arch:
         return None, f"spec target is {spec.target.value}, this GPU is {arch}"
+    if spec.uses_extensions:  # no kernel implements them yet: say where the planner refuses them
+        from fp4gen.ir.passes import PlanError, legalize
+
+        try:
+            legalize(spec)
+        except PlanError as e:
+            where = f" (spec line {e.loc})" if e.loc else ""
+            return None, f"no {arch} kernel implements it: {e.message}{where}"
     from fp4gen.lowering import module_name
     from fp4gen.api import LoadError, load
     stem = module_name(spec.name, arch)
@@ -364,7 +444,9 @@ def _lookup_generated(spec: KernelSpec, arch: str):
         if mspec is None:
             tried.append(f"{mod.__name__} does not say which spec it was generated from")
         elif _fingerprint(mspec.with_target(Target(arch))) != _fingerprint(spec):
-            tried.append(f"{mod.__name__} was generated from a different spec (stale, or mask/scale differ)")
+            diff = ", ".join(_differing_fields(mspec.with_target(Target(arch)), spec))
+            tried.append(f"{mod.__name__} was generated from a different spec (it differs in {diff}: stale, "
+                         "or this call's arguments change the spec)")
         else:
             return mod, None
     return None, "; ".join(tried) or "no generated module"
@@ -376,6 +458,9 @@ def _no_kernel_message(entry: _Entry, device, need_backward: bool, reason: str) 
     where = f" ({spec.source_file})" if spec is not None and spec.source_file else ""
     if need_backward and "no backward" in (reason or ""):
         fix = f"add a `backward {{ ... }}` block to {name}{where} (docs/backward.md)"
+    elif reason and "kernel implements it" in reason:
+        fix = ("for a generated kernel use mask none or causal, no softcap or sinks and the dense layout "
+               f"(in {name}{where} and in the call's arguments)")
     elif reason and reason.startswith("spec target is"):
         fix = f"set `target` in {name}{where} to this GPU's architecture"
     elif "unsupported GPU architecture" in (reason or ""):
@@ -477,14 +562,28 @@ def _prepared_from_state(state):
     return (q8.view(fp8), k8.view(fp8), None, scale_q, scale_k, scale_v) + tuple(t.view(fp8) for t in state[5:])
 
 
+def _no_extras_for_generated(mod, sinks, cu_seqlens_q) -> None:
+    """A generated module never matches a spec with sinks or the varlen layout (no target
+    implements them, legalize refuses them): reaching one with them is a bug."""
+    if mod is not None and (sinks is not None or cu_seqlens_q is not None):
+        raise RuntimeError(f"fp4gen: generated module {mod.__name__} cannot take sinks or cu_seqlens")
+
+
 @torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
-                  softmax_scale: Optional[float], backend: str
+                  softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
+                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend, strict=True)
+    _no_extras_for_generated(mod, sinks, cu_seqlens_q)
     state = []
-    if mod is not None:
+    if cu_seqlens_q is not None:  # varlen: (total, H, D); lse (H, total_q)
+        o, lse = _reference().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _ref_spec(entry, softmax_scale),
+                                             sinks=sinks, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        _COUNTS[("fwd", "reference")] += 1
+    elif mod is not None:
         # kernels load through TMA and want dense rows; views of a fused QKV are not
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         prepared = None
@@ -496,15 +595,19 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
             state = _forward_state(prepared)
         _COUNTS[("fwd", "generated")] += 1
     else:
-        o, lse = _reference().forward(q, k, v, _ref_spec(entry, softmax_scale))
+        extra = {"sinks": sinks} if sinks is not None else {}  # (the tests' stand-in backend takes none)
+        o, lse = _reference().forward(q, k, v, _ref_spec(entry, softmax_scale), **extra)
         _COUNTS[("fwd", "reference")] += 1
-    # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq); the
-    # forward state (empty unless the backward reuses the forward's FP8 Q/K).
+    # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq), varlen
+    # (H, total_q); the forward state (empty unless the backward reuses the forward's FP8 Q/K).
     return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous(), state
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
+def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend, sinks=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    if cu_seqlens_q is not None:
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), []
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     state = []
@@ -528,42 +631,60 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend):
 @torch.library.custom_op("fp4gen::attention_bwd", mutates_args=())
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, do: torch.Tensor, state: list[torch.Tensor], spec_key: str,
-                  softmax_scale: Optional[float], backend: str
+                  softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
+                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend, need_backward=True, strict=True)
-    if mod is not None:
+    _no_extras_for_generated(mod, sinks, cu_seqlens_q)
+    if cu_seqlens_q is not None:
+        dq, dk, dv = _reference().backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k,
+                                                  _ref_spec(entry, softmax_scale), sinks=sinks,
+                                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        _COUNTS[("bwd", "reference")] += 1
+    elif mod is not None:
         kw = {"prepared": _prepared_from_state(state)} if (state and _keeps_forward_state(mod)) else {}
         dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
                                   softmax_scale=softmax_scale, **kw)
         _COUNTS[("bwd", "generated")] += 1
     else:
-        dq, dk, dv = _reference().backward(q, k, v, o, lse, do, _ref_spec(entry, softmax_scale))
+        extra = {"sinks": sinks} if sinks is not None else {}
+        dq, dk, dv = _reference().backward(q, k, v, o, lse, do, _ref_spec(entry, softmax_scale), **extra)
         _COUNTS[("bwd", "reference")] += 1
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
             dv.to(v.dtype).contiguous())
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, o, lse, do, state, spec_key, softmax_scale, backend):
+def _attention_bwd_fake(q, k, v, o, lse, do, state, spec_key, softmax_scale, backend, sinks=None,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key, softmax_scale, backend = inputs
+    q, k, v, key, softmax_scale, backend = inputs[:6]
+    sinks, cu_q, cu_k, max_q, max_k = (list(inputs[6:]) + [None, None, None, 0, 0][len(inputs) - 6:])
     o, lse, state = output
-    ctx.save_for_backward(q, k, v, o, lse, *state)
+    ctx.save_for_backward(q, k, v, o, lse, sinks, cu_q, cu_k, *state)
     ctx.spec_key, ctx.softmax_scale, ctx.backend = key, softmax_scale, backend
+    ctx.max_seqlen = (max_q, max_k)
     # lse and the forward state are by-products for the backward pass; no gradient flows
     # through them.
     ctx.mark_non_differentiable(lse, *state)
 
 
 def _backward(ctx, do, dlse, dstate):
-    q, k, v, o, lse, *state = ctx.saved_tensors
+    q, k, v, o, lse, sinks, cu_q, cu_k, *state = ctx.saved_tensors
+    do = do.contiguous()
     dq, dk, dv = torch.ops.fp4gen.attention_bwd(
-        q, k, v, o, lse, do.contiguous(), list(state), ctx.spec_key, ctx.softmax_scale, ctx.backend)
-    return dq, dk, dv, None, None, None
+        q, k, v, o, lse, do, list(state), ctx.spec_key, ctx.softmax_scale, ctx.backend,
+        sinks, cu_q, cu_k, *ctx.max_seqlen)
+    dsinks = None
+    if sinks is not None and len(ctx.needs_input_grad) > 6 and ctx.needs_input_grad[6]:
+        dsinks = _reference().sinks_grad(o, lse, do, sinks).to(sinks.dtype)
+    # one gradient (or None) per argument as the caller passed them (the trailing defaults are not inputs)
+    return (dq, dk, dv, None, None, None, dsinks, None, None, None, None)[:len(ctx.needs_input_grad)]
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -585,29 +706,165 @@ def _check_inputs(q, k, v, head_dim: int) -> None:
                      device_type=None, tma=False)
 
 
+def _check_layout(q, k) -> None:
+    """Refuse the obvious (B, H, S, D) mix-up: k's heads do not divide q's in fp4gen's (B, S, H, D)
+    reading, but would as GQA in SDPA's (B, H, S, D). (Without GQA, equal shapes as in
+    self-attention cannot be told apart: the layout is documented, docs/training.md.)"""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4):
+        return
+    h, hkv = q.shape[2], k.shape[2]
+    h_other, hkv_other = q.shape[1], k.shape[1]
+    # only a GQA-looking fit in the other reading is "obvious": with q.shape[1] == k.shape[1] it
+    # would fit whenever Sq == Sk, which says nothing
+    if hkv and h % hkv and hkv_other and h_other != hkv_other and h_other % hkv_other == 0:
+        raise AttentionInputError(
+            f"{_WHO}: q {tuple(q.shape)} and k {tuple(k.shape)} read as fp4gen's (B, S, H, D) layout have "
+            f"H={h} query heads and Hkv={hkv} key/value heads, which does not divide; read as SDPA's (B, H, S, D) "
+            f"they would fit (H={h_other}, Hkv={hkv_other}). fp4gen (like flash_attn) takes (B, S, H, D): pass "
+            "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
+
+
+def _check_overrides(window_size, softcap, sinks, return_lse) -> tuple:
+    from fp4gen.numerics.masking import check_window
+
+    try:
+        window_size = check_window(_WHO, window_size)
+    except ValueError as e:
+        raise AttentionInputError(str(e)) from None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (softcap == 0 or softcap > 0):
+        raise AttentionInputError(f"{_WHO}: softcap must be 0.0 (the spec's) or a positive number, got {softcap!r}")
+    if softcap:
+        from fp4gen.ir.spec import SOFTCAP_RANGE, bound_text
+
+        lo, hi = SOFTCAP_RANGE
+        if not lo <= softcap <= hi:
+            raise AttentionInputError(f"{_WHO}: softcap must be from {bound_text(lo)} to {bound_text(hi)}, "
+                                      f"got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
+                              or not torch.is_floating_point(sinks)):
+        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise AttentionInputError(f"{_WHO}: sinks must be a 1-D float tensor (H,) of sink logits, got {got}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{_WHO}: return_lse must be True or False, got {return_lse!r}")
+    return window_size, float(softcap)
+
+
+def _check_sinks_shape(sinks, q, heads_dim: int, spec_has_sinks: bool) -> None:
+    if sinks is None:
+        if spec_has_sinks:
+            raise AttentionInputError(f"{_WHO}: the spec has learned sinks ('sinks learned'): pass sinks=, "
+                                      f"a float tensor ({q.shape[heads_dim]},) of sink logits per query head")
+        return
+    if sinks.shape != (q.shape[heads_dim],):
+        raise AttentionInputError(f"{_WHO}: sinks must have one logit per query head, shape "
+                                  f"({q.shape[heads_dim]},); got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise AttentionInputError(f"{_WHO}: sinks are on {sinks.device}, q on {q.device}")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               spec: Union[KernelSpec, str, os.PathLike, ModuleType],
-              causal: Optional[bool] = None, softmax_scale: Optional[float] = None,
-              backend: str = "auto") -> torch.Tensor:
-    """Attention with the numerics of ``spec``; differentiable in q, k, v.
+              causal: Optional[bool] = None, window_size: tuple = (-1, -1), softcap: float = 0.0,
+              softmax_scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+              return_lse: bool = False, backend: str = "auto"):
+    """Attention with the numerics of ``spec``; differentiable in q, k, v (and ``sinks``).
 
-    q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D) with H a multiple of Hkv (GQA/MQA).
-    Returns o: (B, Sq, H, D) in q's dtype.
+    q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D) with H a multiple of Hkv (GQA/MQA): flash_attn's
+    layout, not SDPA's (B, H, S, D). Returns o: (B, Sq, H, D) in q's dtype, and with
+    ``return_lse=True`` (o, lse), lse (B, H, Sq) float32, natural log, as flash_attn returns it.
 
-    causal: None = the spec's mask; True/False override it (a generated kernel
-    is only used when the effective spec is the one it was compiled from).
+    causal, window_size: None and (-1, -1) keep the spec's mask; otherwise the mask is what
+    flash_attn_func(causal=..., window_size=...) means (bottom-right aligned; causal is (-1, 0)).
+    softcap: 0.0 keeps the spec's; c > 0 caps the scaled scores to c * tanh(s / c).
+    sinks: (H,) learned sink logits (GPT-OSS; the spec becomes ``sinks learned``; required when
+    the spec has them). A generated kernel is only used when the effective spec is the one it
+    was compiled from; otherwise CUDA with backend="auto" raises NoKernelError saying why.
     softmax_scale: None = the spec's (1/sqrt(D) unless the spec sets one).
-    backend: "auto" (generated kernel where one applies, else reference),
-    "reference", or "generated" (error if no generated kernel applies).
+    backend: "auto" (generated kernel where one applies; on the CPU the reference), "reference",
+    or "generated" (error if no generated kernel applies).
     """
     if backend not in BACKENDS:
         raise AttentionInputError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     checks.check_causal(_WHO, causal)  # before they select a spec: causal="yes" is not True
     checks.check_softmax_scale(_WHO, softmax_scale)
-    key, head_dim = _resolve_for_trace(spec, causal)
+    window_size, softcap = _check_overrides(window_size, softcap, sinks, return_lse)
+    key, head_dim = _resolve_for_trace(spec, causal, window_size, softcap, sinks is not None, "dense")
+    _check_layout(q, k)
     _check_inputs(q, k, v, head_dim)
-    o, _, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend)
-    return o
+    _check_sinks_shape(sinks, q, 2, _spec_has_sinks(key))
+    o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks)
+    return (o, lse) if return_lse else o
+
+
+def _spec_has_sinks(key: str) -> bool:
+    s = _REGISTRY[key].spec
+    return s is not None and s.sinks is not Sinks.NONE
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim: int) -> None:
+    """The packed layout: q (total_q, H, D), k and v (total_k, Hkv, D), one float dtype and device,
+    int32 cu_seqlens of one length on that device, int max_seqlen; the offsets themselves are read
+    (and checked) by the backend that runs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_WHO}_varlen: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            hint = " (a (B, S, H, D) batch goes to fp4gen.attention)" if t.dim() == 4 else ""
+            raise AttentionInputError(f"{_WHO}_varlen: {name} must be packed (total_tokens, H, D), got shape "
+                                      f"{tuple(t.shape)}{hint}")
+        if t.dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(f"{_WHO}_varlen: {name} must be a floating-point tensor, got {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{_WHO}_varlen: q, k and v must have one dtype; got {q.dtype}, {k.dtype} and {v.dtype}")
+    checks.check_same_device(f"{_WHO}_varlen", q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise AttentionInputError(f"{_WHO}_varlen: k and v must have one shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if head_dim > 0 and q.shape[2] != head_dim:
+        raise AttentionInputError(f"{_WHO}_varlen: the spec has head_dim {head_dim}, q has D={q.shape[2]}")
+    if k.shape[2] != q.shape[2]:
+        raise AttentionInputError(f"{_WHO}_varlen: k must have the head dim of q ({q.shape[2]}); got {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise AttentionInputError(f"{_WHO}_varlen: the number of query heads ({q.shape[1]}) must be a multiple of "
+                                  f"the number of key/value heads ({k.shape[1]})")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise AttentionInputError(f"{_WHO}_varlen: {name} must be a 1-D int32 tensor of B + 1 offsets, got {got}")
+        if cu.device != q.device:
+            raise AttentionInputError(f"{_WHO}_varlen: {name} is on {cu.device}, q on {q.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise AttentionInputError(f"{_WHO}_varlen: cu_seqlens_q has {cu_seqlens_q.numel()} offsets and cu_seqlens_k "
+                                  f"{cu_seqlens_k.numel()}: B + 1 each")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise AttentionInputError(f"{_WHO}_varlen: {name} must be an int >= 0 (the longest sequence), got {m!r}")
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     spec: Union[KernelSpec, str, os.PathLike, ModuleType],
+                     causal: Optional[bool] = None, window_size: tuple = (-1, -1), softcap: float = 0.0,
+                     softmax_scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                     return_lse: bool = False, backend: str = "auto"):
+    """``attention`` on sequences of different lengths packed together (flash_attn_varlen_func).
+
+    q: (total_q, H, D), k, v: (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v (int32 (B + 1,), from 0 to total);
+    max_seqlen_q/k bound the lengths (checked). Masks align per sequence (bottom-right). Returns o
+    (total_q, H, D), with ``return_lse`` (o, lse), lse (H, total_q) float32 as flash_attn's varlen.
+    The spec runs with ``layout varlen``; the other arguments are ``attention``'s.
+    """
+    if backend not in BACKENDS:
+        raise AttentionInputError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    checks.check_causal(_WHO, causal)
+    checks.check_softmax_scale(_WHO, softmax_scale)
+    window_size, softcap = _check_overrides(window_size, softcap, sinks, return_lse)
+    key, head_dim = _resolve_for_trace(spec, causal, window_size, softcap, sinks is not None, "varlen")
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim)
+    _check_sinks_shape(sinks, q, 1, _spec_has_sinks(key))
+    o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks, cu_seqlens_q,
+                                                cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return (o, lse) if return_lse else o
 
 
 # ---------------------------------------------------------------------------
@@ -616,12 +873,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def explain(spec, device: Union[str, torch.device] = "cuda", *, causal: Optional[bool] = None,
-            backend: str = "auto") -> dict:
-    """Which implementation ``attention`` would run for ``spec`` on ``device``, and why.
+            backend: str = "auto", **overrides) -> dict:
+    """Which implementation ``attention`` would run for ``spec`` on ``device``, and why
+    (``overrides``: window_size, softcap, sinks, layout, as a call's arguments).
 
     Returns {"spec_key", "forward", "backward", "reason"} where forward/backward
     are "generated:<module>" or "reference"."""
-    key = spec_key(spec, causal)
+    key = spec_key(spec, causal, **overrides)
     entry = _entry(key)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
