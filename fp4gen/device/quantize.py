@@ -274,8 +274,8 @@ class _BlockQuant:
         # min_blocks_per_mp=1 (.minnctapersm 1): without a launch bound ptxas 13.5 fits this
         # kernel (D 128) into 64 registers, 4 CTAs per SM, and spills 8 B (the register gate of
         # fp4gen verify allows none); with it, 80 registers and no spill: 3 CTAs per SM, whose
-        # 3 x 32 KB of tile loads in flight, above the ~40 KB per SM that HBM bandwidth x
-        # latency asks. Same arithmetic.
+        # 3 x 32 KB of tile loads in flight still exceed the ~40 KB per SM that HBM's bandwidth
+        # x latency asks. Same arithmetic.
         self.kernel(mX, mY, mS, mYt).launch(grid=self._grid(mX, mS), block=[THREADS, 1, 1], stream=stream,
                                             min_blocks_per_mp=1)
 

@@ -20,14 +20,22 @@ writes, and its report matched the embedded ptxas's (``cute.compile(..., options
 "remarks{ptx}")``) on the paper's kernel. An older ptxas given through ``$FP4GEN_PTXAS``
 gets the version line lowered to what it reads (the only rewrite made; ptxas refuses any
 instruction the lower version lacks).
+
+Where the PTX comes from: the sm100a gates read what ``conformance.compile_artifacts`` keeps;
+``compile_kept`` compiles every kernel a generated module's ``compile_only`` builds (sm90a: the
+attention kernels and the quantizer / backward pre- and post-processing kernels they launch)
+and returns each one's PTX under the name ``compile_only`` gives it. ``check_helper`` gates a
+kernel that has no warp roles (the helpers: no ``setmaxnreg``, no spills, no C7508).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -213,4 +221,84 @@ def check_registers(ptx: str, reports: list, *, budgets: dict, spill_budget_byte
             out.append(Mismatch("ptxas.spills", f"<= {spill_budget_bytes} bytes",
                                 f"{r.spill_store_bytes} B stores + {r.spill_load_bytes} B loads", "ptxas",
                                 f"stack frame {r.stack_frame_bytes} B"))
+    return out
+
+
+def check_helper(ptx: str, reports: list, *, spill_budget_bytes: int = 0) -> list:
+    """Mismatches for a kernel without warp roles (a quantizer, the backward's pre/post
+    processing): it has no plan budget to set, so any ``setmaxnreg`` is one the plan lacks;
+    ptxas must not ignore one (C7508) and the spills stay within ``spill_budget_bytes``."""
+    out = []
+    named = sorted(setmaxnreg_budgets(ptx)["inc"] | setmaxnreg_budgets(ptx)["dec"])
+    if named:
+        out.append(Mismatch("ptx.setmaxnreg", "none (no warp roles)", named, "ptx",
+                            "a helper kernel has no register budget in the plan"))
+    for r in reports:
+        if "C7508" in r.codes():
+            out.append(Mismatch("ptxas.C7508", "no setmaxnreg ignored", "ignored", "ptxas",
+                                next(x for x in r.remarks if x.startswith("C7508"))))
+        if r.spills > spill_budget_bytes:
+            out.append(Mismatch("ptxas.spills", f"<= {spill_budget_bytes} bytes",
+                                f"{r.spill_store_bytes} B stores + {r.spill_load_bytes} B loads", "ptxas",
+                                f"stack frame {r.stack_frame_bytes} B"))
+    return out
+
+
+# ----------------------------------------------------------------------------- every kernel's PTX
+
+
+@dataclass(frozen=True)
+class KeptKernel:
+    """One kernel ``compile_only`` built: the name it returned for it, the PTX entry function
+    (its mangled name says which class compiled it) and the PTX."""
+
+    name: str
+    entry: str
+    ptx: str
+
+
+# CuTe DSL names a kept PTX file after the function compiled, cut short, so that variants of one
+# kernel (the quantizer's) overwrite each other: the child numbers the files in compile order
+# instead (as scripts/ptx_fingerprint.py does).
+_KEEP_RUNNER = textwrap.dedent("""
+    import importlib.util, itertools, json, sys
+    from cutlass.base_dsl import compiler as C
+    _n = itertools.count()
+    _orig = C.CompileOptions._set_artifact_dump_paths
+    def _numbered(opt, dump_dir, function_name, arch, ext, attr):  # a staticmethod in CuTe DSL 4.8
+        return _orig(opt, dump_dir, f"k{next(_n):03d}", arch, ext, attr)
+    C.CompileOptions._set_artifact_dump_paths = staticmethod(_numbered)
+    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    print(json.dumps(m.compile_only(sys.argv[2])))
+""")
+_ENTRY = re.compile(r"^\.visible \.entry (\S+?)\(", re.M)
+
+
+def compile_kept(source: str, arch: str, timeout: int = 1800) -> list:
+    """Every kernel a generated module's ``compile_only(arch)`` compiles, in compile order, as
+    ``KeptKernel``s. ``compile_only`` returns one name per compile, in that order; a count that
+    differs (a compile skipped or split) is an error, not a guess."""
+    with tempfile.TemporaryDirectory(prefix="fp4gen_kept_") as d:
+        mod, dump = Path(d) / "module.py", Path(d) / "dump"
+        mod.write_text(source)
+        dump.mkdir()
+        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
+                   FP4GEN_CACHE_DIR=str(Path(d) / "cache"))
+        r = subprocess.run([sys.executable, "-c", _KEEP_RUNNER, str(mod), arch], env=env, cwd=d,
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"{arch} compilation failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+        names = json.loads(r.stdout.strip().splitlines()[-1])
+        ptxs = [p.read_text() for p in sorted(dump.glob(f"k*.{arch}.ptx"))]
+    if len(ptxs) != len(names):
+        raise RuntimeError(f"compile_only named {len(names)} kernels ({', '.join(names)}) but CuTe DSL kept "
+                           f"{len(ptxs)} PTX files")
+    out = []
+    for name, ptx in zip(names, ptxs):
+        m = _ENTRY.search(ptx)
+        if m is None:
+            raise RuntimeError(f"the kept PTX of {name} has no entry function")
+        out.append(KeptKernel(name, m[1], ptx))
     return out

@@ -23,37 +23,48 @@ backward), each compiled for sm_100a on the CPU:
   (``cute_warnings.py``; one extra compile per kernel).
 
 Only hardware can prove the rest (the block-scaled MMA with A from TMEM, P's nibble order
-in TMEM, timing): docs/sm100.md lists what is proven and what is not. sm90a kernels run on
-the H200 and are checked there (tests/sm90*); reference kernels have nothing to compile.
+in TMEM, timing): docs/sm100.md lists what is proven and what is not.
+
+sm90a specs get the ``registers`` gate (``verify_sm90``) for every kernel their module
+launches, compiled for sm_90a on the CPU: the forward and the backward against the plan's
+producer / consumer setmaxnreg budgets, the helper kernels of ``fp4gen/device`` (input
+quantizers, the backward's pre/post-processing) for no setmaxnreg, no spill, no C7508. The
+other checks read tcgen05 code and are sm100a-only (one ``skipped`` row says so); sm90a
+kernels run on the H200 and are checked there (tests/sm90*). Reference kernels have nothing
+to compile.
 """
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
 class Check:
     kernel: str
-    part: str  # forward | backward
+    part: str  # forward | backward (sm90a also: quantizers | bwd-prep; all: a skipped row)
     check: str  # conformance | descriptors | registers | emulator | protocol | cute-warnings | skipped
     ok: bool
     detail: str  # one line: what was found, or every mismatch
     seconds: float = 0.0
 
 
-def _registers(ptx: str, roles, spill_budget: int) -> tuple[bool, str]:
+def _registers(ptx: str, budgets: dict, spill_budget: int) -> tuple[bool, str]:
+    """ptxas -v of one kernel with warp roles against the plan's role -> registers budgets."""
     from . import ptxas
 
     reports = ptxas.assemble(ptx)
-    bad = ptxas.check_registers(ptx, reports, budgets={r.name: r.registers for r in roles},
-                                spill_budget_bytes=spill_budget)
+    bad = ptxas.check_registers(ptx, reports, budgets=budgets, spill_budget_bytes=spill_budget)
     r, counts = reports[0], ptxas.setmaxnreg_budgets(ptx)
     found = (f"{r.registers} regs at entry, setmaxnreg {sorted(counts['inc'])} up / "
              f"{sorted(counts['dec'])} down, spills {r.spill_store_bytes} B st + "
              f"{r.spill_load_bytes} B ld (budget {spill_budget})")
     return not bad, found if not bad else "; ".join(map(str, bad))
+
+
+def _roles(roles) -> dict:
+    return {r.name: r.registers for r in roles}
 
 
 def _descriptors(kernel: str, part: str, bad: list, ptx: str) -> Check:
@@ -153,10 +164,10 @@ def verify_spec(spec, plan=None) -> list[Check]:
     from . import descriptors as D
     from . import render
 
+    if spec.target is Target.SM90A:
+        return verify_sm90(plan if plan is not None else plan_kernel(spec))
     if spec.target is not Target.SM100A:
-        why = ("sm90a kernels are checked by running them on the H200 (tests/sm90*)"
-               if spec.target is Target.SM90A else "the reference backend compiles nothing")
-        return [Check(spec.name, "forward", "skipped", True, why)]
+        return [Check(spec.name, "forward", "skipped", True, "the reference backend compiles nothing")]
     plan = plan if plan is not None else plan_kernel(spec)
     source = render(plan)
     out = []
@@ -167,7 +178,7 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(Check(spec.name, "forward", "conformance", not bad,
                      "TMEM map, MMA kinds, barriers and P stores as planned" if not bad else C.report(bad), dt))
     out.append(_descriptors(spec.name, "forward", D.check_descriptors(plan, art.ptx), art.ptx))
-    ok, detail = _registers(art.ptx, plan.pipeline.roles, plan.pipeline.spill_budget_bytes)
+    ok, detail = _registers(art.ptx, _roles(plan.pipeline.roles), plan.pipeline.spill_budget_bytes)
     out.append(Check(spec.name, "forward", "registers", ok, detail))
     emulated, trace = _emulator(spec.name, source, art)
     out.append(emulated)
@@ -189,10 +200,105 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(Check(spec.name, "backward", "conformance", not bad,
                      "TMEM map, MMA kinds, barriers and stores as planned" if not bad else C.report(bad), dt))
     out.append(_descriptors(spec.name, "backward", D.check_backward_descriptors(bp, art.ptx), art.ptx))
-    ok, detail = _registers(art.ptx, bp.roles, bp.spill_budget_bytes)
+    ok, detail = _registers(art.ptx, _roles(bp.roles), bp.spill_budget_bytes)
     out.append(Check(spec.name, "backward", "registers", ok, detail))
     out.append(_emulator_backward(spec.name, source, art))
     out.append(_cute_warnings(spec.name, "backward", source, backward=True))
+    return out
+
+
+# ----------------------------------------------------------------------------- sm90a
+
+# The sm90a plans state no spill allowance (neither Sm90Plan nor the backward's BackwardPlan has
+# one): every kernel of an sm90a module, attention or helper, must spill nothing.
+SM90_SPILL_BUDGET_BYTES = 0
+# compile_only's names of the helper kernels, by the device module that defines them
+SM90_HELPER_PARTS = (("fp8_quantize_", "quantizers", "quantize"), ("bwd_", "bwd-prep", "bwd_prep"))
+
+
+def sm90_part(kernel: str, name: str, entry: str) -> str:
+    """Which row a kernel of ``kernel``'s module belongs to: forward, backward, or the helper
+    family (quantizers, bwd-prep) of ``fp4gen/device``. The name (``compile_only``'s) and the
+    entry (the class that compiled it) must agree, else the kept PTX is not the kernel named."""
+    if name == kernel or name.startswith(kernel + ".backward"):
+        part = "forward" if name == kernel else "backward"
+        family = None
+    else:
+        found = [(part, fam) for prefix, part, fam in SM90_HELPER_PARTS if name.startswith(prefix)]
+        if not found:
+            raise RuntimeError(f"{kernel}: compile_only compiled {name!r}, a kernel verify does not know")
+        part, family = found[0]
+    helper_entry = [fam for _, _, fam in SM90_HELPER_PARTS if f"device{fam}_" in entry]
+    if helper_entry != ([family] if family else []):
+        raise RuntimeError(f"{kernel}: the PTX kept for {name} is {entry[:80]}..., another kernel")
+    return part
+
+
+def _sm90_role_budgets(plan, part: str) -> dict:
+    """The setmaxnreg budgets the plan gives the forward's (``plan.sm90``) or the backward's
+    (``plan.backward``) producer and consumer warpgroups."""
+    p = plan.sm90 if part == "forward" else plan.backward
+    return {"producer": p.producer_registers, "consumer": p.consumer_registers}
+
+
+def _sm90_attention(kernel: str, part: str, kept: list, budgets: dict) -> Check:
+    t = time.perf_counter()
+    found = [(k.name.removeprefix(kernel + "."), *_registers(k.ptx, budgets, SM90_SPILL_BUDGET_BYTES))
+             for k in kept]
+    ok = all(good for _, good, _ in found)
+    details = {d for _, _, d in found}
+    if ok and len(details) == 1:  # one kernel, or variants (the backward's GQA one) that agree
+        detail = details.pop() if len(found) == 1 else f"{', '.join(n for n, _, _ in found)}: {details.pop()}"
+    else:  # each kernel's report, or only the failing ones' mismatches
+        detail = "; ".join(f"{n}: {d}" for n, good, d in found if ok or not good)
+    return Check(kernel, part, "registers", ok, detail, time.perf_counter() - t)
+
+
+def _sm90_helpers(kernel: str, part: str, kept: list) -> Check:
+    from . import ptxas
+
+    t = time.perf_counter()
+    regs, spilled, bad = [], 0, []
+    for k in kept:
+        reports = ptxas.assemble(k.ptx)
+        regs += [r.registers for r in reports]
+        spilled += sum(r.spills for r in reports)
+        bad += [f"{k.name}: {m}" for m in ptxas.check_helper(k.ptx, reports,
+                                                              spill_budget_bytes=SM90_SPILL_BUDGET_BYTES)]
+    detail = (f"{len(kept)} kernels, {min(regs)}-{max(regs)} regs, no setmaxnreg, no C7508, spills {spilled} B "
+              f"(budget {SM90_SPILL_BUDGET_BYTES} per kernel)" if not bad else "; ".join(bad))
+    return Check(kernel, part, "registers", not bad, detail, time.perf_counter() - t)
+
+
+def verify_sm90(plan) -> list[Check]:
+    """The register and spill gate for every kernel an sm90a module launches, compiled for
+    sm_90a on the CPU: the forward and backward against the plan's producer / consumer
+    setmaxnreg budgets, the helper kernels (input quantizers, backward pre/post-processing) for
+    no setmaxnreg, no spill and no C7508; one row per part."""
+    from . import ptxas, render
+
+    name = plan.spec.name
+    t = time.perf_counter()
+    kept = ptxas.compile_kept(render(plan), "sm_90a")
+    compile_s = time.perf_counter() - t
+    parts: dict = {}
+    for k in kept:
+        parts.setdefault(sm90_part(name, k.name, k.entry), []).append(k)
+    if "forward" not in parts or (plan.backward is not None) != ("backward" in parts):
+        raise RuntimeError(f"{name}: compile_only compiled {', '.join(k.name for k in kept)}; expected the forward"
+                           + (" and the backward" if plan.backward is not None else ""))
+    out = []
+    for part in ("forward", "backward", "quantizers", "bwd-prep"):
+        if part not in parts:
+            continue
+        if part in ("forward", "backward"):
+            out.append(_sm90_attention(name, part, parts[part], _sm90_role_budgets(plan, part)))
+        else:
+            out.append(_sm90_helpers(name, part, parts[part]))
+    out[0] = replace(out[0], seconds=out[0].seconds + compile_s)  # the one compile of every kernel
+    out.append(Check(name, "all", "skipped", True,
+                     "conformance, descriptors, emulator, protocol and cute-warnings are sm100a-only; "
+                     "sm90a kernels run on the H200 (tests/sm90*)"))
     return out
 
 

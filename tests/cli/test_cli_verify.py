@@ -10,12 +10,42 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
-def test_kernels_without_sm100a_code_are_reported_as_skipped(cli):
-    r = cli("verify", EXAMPLES / "sm90_bf16_d128.attn", "--json")
+def test_a_reference_kernel_is_reported_as_skipped(cli, tmp_path):
+    p = tmp_path / "ref.attn"
+    p.write_text("attention k {\n  target reference\n  head_dim 128\n}\n")
+    r = cli("verify", p, "--json")
     assert r.rc == 0, r.err
-    rows = json.loads(r.out)
-    assert {row["check"] for row in rows} == {"skipped"} and all(row["ok"] for row in rows)
-    assert "H200" in rows[0]["detail"]
+    (row,) = json.loads(r.out)
+    assert (row["check"], row["ok"]) == ("skipped", True) and "compiles nothing" in row["detail"]
+
+
+@pytest.mark.slow
+def test_sm90_kernels_get_the_register_gate_and_a_skipped_row(cli):
+    """The sm90a forward alone (no backward, no quantizer): its registers row, and the row that
+    says which checks are sm100a-only."""
+    r = cli("verify", EXAMPLES / "sm90_bf16_d128.attn", "--kernel", "sm90_bf16_d128", "--json")
+    assert r.rc == 0, r.out + r.err
+    rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
+    assert set(rows) == {("forward", "registers"), ("all", "skipped")} and all(x["ok"] for x in rows.values())
+    assert "spills 0 B st + 0 B ld (budget 0)" in rows[("forward", "registers")]["detail"]
+    assert "H200" in rows[("all", "skipped")]["detail"]
+
+
+@pytest.mark.slow
+def test_every_kernel_of_the_sm90_training_example_passes_the_gate(cli):
+    """Forward, both backward variants, the six input quantizers and the five backward
+    pre/post-processing kernels: zero spills, the plan's setmaxnreg budgets, no C7508."""
+    r = cli("verify", EXAMPLES / "sm90_fp8_train_d128.attn", "--kernel", "sm90_fp8_train_causal_d128", "--json")
+    assert r.rc == 0, r.out + r.err
+    rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
+    assert set(rows) == {("forward", "registers"), ("backward", "registers"), ("quantizers", "registers"),
+                         ("bwd-prep", "registers"), ("all", "skipped")}
+    assert all(x["ok"] for x in rows.values())
+    fwd, bwd = rows[("forward", "registers")]["detail"], rows[("backward", "registers")]["detail"]
+    assert "setmaxnreg [240] up / [24] down, spills 0 B st + 0 B ld (budget 0)" in fwd
+    assert bwd.startswith("backward, backward_gqa: ") and "spills 0 B st + 0 B ld" in bwd
+    assert rows[("quantizers", "registers")]["detail"].startswith("6 kernels, ")
+    assert rows[("bwd-prep", "registers")]["detail"].startswith("5 kernels, ")
 
 
 def test_a_spec_error_is_a_user_error(cli, tmp_path):
