@@ -33,13 +33,17 @@ target's business (``layout.pack_p_fp8`` on Hopper).
 """
 from __future__ import annotations
 
+import math
+
 from cutlass import Float32
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from fp4gen.numerics.directp import P_FP8_SCALE
 
 from .ptx import _asm
 
 CODE_ONE = 120  # E4M3 0x78 = 256.0 = 2^8 * p(1)
-P_SCALE_LOG2 = 8  # P is stored at a fixed 2^8 scale
+P_SCALE_LOG2 = int(math.log2(P_FP8_SCALE))  # P is stored at the fixed scale P_FP8_SCALE = 2^8
 MAGIC_RNE = 12582912.0  # 1.5 * 2^23
 
 

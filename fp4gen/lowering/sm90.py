@@ -100,7 +100,7 @@ def config(plan):
 
 
 def _config(plan, in_fp8: bool, p_mode: str):
-    from fp4gen.device.sm90.forward import ForwardConfig
+    from fp4gen.device.sm90.config import ForwardConfig
     from fp4gen.ir.spec import Mask
 
     spec, sm = plan.spec, plan.sm90

@@ -54,7 +54,8 @@ def test_render_contract(variant, d, causal):
     assert {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} == {"_build", "forward", "compile_only"}
     imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
                 for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    assert imported <= {"fp4gen.device.sm90.forward", "fp4gen.runtime.sm90_host", "fp4gen.device"}, imported
+    assert imported <= {"fp4gen.device.sm90.config", "fp4gen.device.sm90.forward", "fp4gen.runtime.sm90_host",
+                        "fp4gen.device"}, imported
 
 
 def rendered_config(src: str) -> dict:

@@ -1,7 +1,8 @@
 """The Hopper (sm_90a) attention forward: one CuTe DSL kernel class for every sm90a spec.
 
-A generated sm90a module renders a ``ForwardConfig`` literal from its plan (the lowering,
-fp4gen/lowering/sm90.py, derives every field) and compiles ``kernel_class(config)(config)``.
+A generated sm90a module renders a ``ForwardConfig`` literal (``config.py``, no CuTe DSL) from
+its plan (the lowering, fp4gen/lowering/sm90.py, derives every field) and compiles
+``kernel_class(config)(config)``.
 Variants are values of the config, chosen while tracing with ``const_expr`` (or plain Python
 outside ``@cute.jit`` code), so each config traces to the code its own rendered kernel had:
 
@@ -25,9 +26,6 @@ The FP8 entry point takes the three scale tensors after V (``Fp8ForwardKernel.__
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -36,71 +34,12 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import directp as ddirectp
 from .. import layout as dlayout
 from .. import mask as dmask
 from .. import softmax as dsoftmax
+from .config import ForwardConfig
 
-P_MODES = ("bf16", "fp8_exp", "fp8_directp")
-WARPGROUP_THREADS = 128
 BAR_SCHED = 1  # named barriers: 0 is __syncthreads; BAR_SCHED + i gates consumer warpgroup i's MMA issue
-
-
-@dataclass(frozen=True)
-class ForwardConfig:
-    """Everything the sm90a forward takes from its plan (fp4gen/lowering/sm90.py: ``config``).
-
-    The generated module renders one literal of this class; the kernel class and the host
-    (fp4gen/runtime/sm90_host.py) read only these values."""
-
-    kernel_name: str  # the spec's kernel name: the prefix of every message
-    head_dim: int  # 64 or 128
-    causal: bool  # mask causal (bottom-right aligned)
-    in_fp8: bool  # Q, K, V in FP8 E4M3 with fp32 scales
-    p_mode: str  # one of P_MODES
-    l_from_mma: bool  # Direct-P's l as P @ ones on the tensor cores
-    tile_m: int  # query rows per CTA (64 per consumer warpgroup)
-    tile_n: int  # keys per tile
-    consumer_wgs: int  # consumer warpgroups
-    kv_stages: int  # K/V SMEM ring depth
-    intra_wg_overlap: bool  # QK^T of tile n+1 under the softmax of tile n
-    pingpong: bool  # consumer warpgroups take turns on the tensor cores
-    producer_regs: int  # setmaxnreg of the producer warpgroup
-    consumer_regs: int  # setmaxnreg of the consumer warpgroups
-    quant_block: Optional[int]  # FP8: tokens per Q/K scale (the spec's block); None for BF16
-
-    def __post_init__(self):
-        if self.p_mode not in P_MODES:
-            raise ValueError(f"{self.kernel_name}: p_mode must be one of {P_MODES}, got {self.p_mode!r}")
-        if self.in_fp8 != (self.p_mode != "bf16"):
-            raise ValueError(f"{self.kernel_name}: p_mode {self.p_mode!r} with in_fp8={self.in_fp8}")
-        if self.l_from_mma and self.p_mode != "fp8_directp":
-            raise ValueError(f"{self.kernel_name}: l_from_mma needs p_mode 'fp8_directp'")
-        if self.in_fp8 and self.quant_block != self.tile_n:
-            # the kernel reads one K scale per key tile (tile_mult)
-            raise ValueError(f"{self.kernel_name}: FP8 scale blocks ({self.quant_block}) must be key tiles ({self.tile_n})")
-
-    @property
-    def softmax_mode(self) -> str:
-        """The mode of fp4gen.device.softmax.tile."""
-        return "fp8_directp_l_mma" if self.l_from_mma else self.p_mode
-
-    @property
-    def in_dtype(self):
-        return cutlass.Float8E4M3FN if self.in_fp8 else cutlass.BFloat16
-
-    @property
-    def num_mma_threads(self) -> int:
-        return WARPGROUP_THREADS * self.consumer_wgs
-
-    @property
-    def num_threads(self) -> int:
-        return WARPGROUP_THREADS * (self.consumer_wgs + 1)
-
-    @property
-    def l_scale_log2(self) -> int:
-        """log2 of the fixed scale l is kept at: FP8 P is stored as 2^8 P."""
-        return ddirectp.P_SCALE_LOG2 if self.in_fp8 else 0
 
 
 class ForwardKernel:
