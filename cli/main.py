@@ -1,6 +1,7 @@
 """The ``fp4gen`` command.
 
     fp4gen check SPEC...                       parse + plan; diagnostics on stderr
+    fp4gen explain SPEC [--kernel K] [--target T] [--json]  what would run each kernel: here, on an H200, a B200
     fp4gen schedule SPEC [--kernel K] [--format text|json|svg|html] [-o FILE [--parents]]
     fp4gen compile SPEC -o DIR [--parents] [--target T] [--kernel K] [--emit py,ptx,cubin]
     fp4gen accuracy SPEC [--kernel K] [--seqlen N] [--heads H] [--batch B] [--seed S] [--json]
@@ -136,6 +137,83 @@ def cmd_check(args) -> int:
         return EXIT_USER
     if len(args.specs) > 1:
         print(f"ok: {n_kernels} kernels in {len(args.specs)} files")
+    return EXIT_OK
+
+
+# The GPUs explain reports on, by the generated target that runs on them.
+EXPLAIN_GPUS = (("H200", "sm90a"), ("B200", "sm100a"))
+
+
+def _explain_target(spec, target: str) -> dict:
+    """What ``fp4gen.attention(..., backend="auto")`` would run for ``spec`` on a GPU of ``target``:
+    {"forward", "backward"}, each "generated" or "none: <why>" (the refusal at its spec line;
+    under backend="auto" a "none" raises NoKernelError, backend="reference" runs the reference)."""
+    from fp4gen.frontend import SpecError
+
+    from fp4gen.driver import backward_gaps, check_lowering, plan_spec
+
+    if spec.target.value != target:
+        why = f"none: the spec targets {spec.target.value}"
+        return {"forward": why, "backward": why}
+    try:
+        check_lowering(plan_spec(spec))  # what compile would refuse (fp4gen check says the same)
+    except SpecError as e:
+        why = "none: " + "; ".join(f"{d.loc}: {d.message}" if d.loc else d.message for d in e.diagnostics)
+        return {"forward": why, "backward": why}
+    if spec.backward is None:
+        bwd = "none: the spec has no backward block"
+    else:
+        gaps = backward_gaps([spec])  # sm100a's backward planner; sm90a refusals failed the plan above
+        bwd = f"none: {gaps[0]}" if gaps else "generated"
+    return {"forward": "generated", "backward": bwd}
+
+
+def _explain_here(spec) -> tuple[str, dict]:
+    """(this machine's name, what would run on it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "here (cpu)", {"forward": "reference", "backward": "reference"}
+    from fp4gen.torch_ops import _arch_of
+
+    dev = torch.device("cuda")
+    arch = _arch_of(dev)
+    name = f"here ({torch.cuda.get_device_name(dev)}, {arch or 'no fp4gen target'})"
+    if arch is None:
+        why = "none: fp4gen generates for sm90a (H100/H200) and sm100a (B200/GB200) only"
+        return name, {"forward": why, "backward": why}
+    return name, _explain_target(spec, arch)
+
+
+def _explain_text(where: str, res: dict) -> str:
+    f, b = res["forward"], res["backward"]
+    if f == b:
+        return f"{where}: fwd+bwd {f}"
+    return f"{where}: fwd {f}, bwd {b}"
+
+
+def cmd_explain(args) -> int:
+    """One line per kernel: what runs its forward and backward here, on an H200 and on a B200."""
+    from fp4gen.driver import parse_target, retarget, select_specs
+
+    specs = [retarget(s, parse_target(args.target)) for s in select_specs(_load(args.spec), args.kernel)]
+    rows = []
+    for spec in specs:
+        here_name, here = _explain_here(spec)
+        row = {"kernel": spec.name, "target": spec.target.value, "here": {"machine": here_name, **here}}
+        for gpu, tgt in EXPLAIN_GPUS:
+            row[gpu] = {"target": tgt, **_explain_target(spec, tgt)}
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for row in rows:
+        parts = [_explain_text(row["here"]["machine"], row["here"])]
+        parts += [_explain_text(f"{gpu} ({tgt})", row[gpu]) for gpu, tgt in EXPLAIN_GPUS]
+        print(f"{row['kernel']}: " + " | ".join(parts))
+    if any("none" in r[g][p] for r in rows for g, _ in EXPLAIN_GPUS for p in ("forward", "backward")):
+        print("(none: fp4gen.attention with backend='auto' raises NoKernelError there; "
+              "backend='reference' runs the exact, slow reference)")
     return EXIT_OK
 
 
@@ -478,6 +556,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", type=_target, help="check for this target instead of each kernel's own")
     c.add_argument("--parse-only", action="store_true", help="skip planning")
     c.set_defaults(func=cmd_check)
+
+    e = sub.add_parser("explain", help="what would run each kernel (generated or reference, or why not): "
+                       "here, on an H200 and on a B200")
+    e.add_argument("spec", metavar="SPEC")
+    e.add_argument("--kernel", help="explain only this kernel")
+    e.add_argument("--target", type=_target, help="as if the kernels targeted this")
+    e.add_argument("--json", action="store_true", help="print the answer as JSON")
+    e.set_defaults(func=cmd_explain)
 
     s = sub.add_parser("schedule", help="print a kernel's plan (TMEM map, events, costs)")
     s.add_argument("spec", metavar="SPEC")

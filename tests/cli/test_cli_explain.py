@@ -1,0 +1,54 @@
+"""fp4gen explain: one line per kernel, what runs it here, on an H200 (sm90a), on a B200 (sm100a)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_explain_an_sm90a_example(cli):
+    r = cli("explain", EXAMPLES / "sm90_bf16_d128.attn")
+    assert r.rc == 0, r
+    lines = r.out.splitlines()
+    assert lines[0].startswith("sm90_bf16_d128: here (")  # the CPU here, or the GPU it runs on
+    assert "H200 (sm90a): fwd generated, bwd none: the spec has no backward block" in lines[0]
+    assert "B200 (sm100a): fwd+bwd none: the spec targets sm90a" in lines[0]
+    assert "H200 (sm90a): fwd+bwd generated" in lines[1]
+    assert "NoKernelError" in lines[2]
+
+
+def test_explain_names_the_refusal_at_its_line(cli, tmp_path):
+    spec = tmp_path / "w.attn"
+    spec.write_text((EXAMPLES / "sm90_bf16_d128.attn").read_text().replace("mask     causal", "mask     window(256, 0)"))
+    r = cli("explain", spec, "--kernel", "sm90_bf16_causal_d128")
+    assert r.rc == 0, r
+    (line, _) = r.out.splitlines()
+    assert f"H200 (sm90a): fwd+bwd none: {spec}:21:12: " in line and "mask window(256, 0)" in line
+    r = cli("explain", spec, "--kernel", "sm90_bf16_causal_d128", "--target", "reference")
+    assert "H200 (sm90a): fwd+bwd none: the spec targets reference" in r.out
+
+
+def test_explain_json_and_the_sm100a_backward(cli):
+    r = cli("explain", EXAMPLES / "fa4_fp4_d128.attn", "--json")
+    assert r.rc == 0, r
+    (row,) = json.loads(r.out)
+    assert row["kernel"] == "fa4_fp4_d128" and row["target"] == "sm100a"
+    assert row["B200"]["forward"] == "generated"
+    assert row["H200"] == {"target": "sm90a", "forward": "none: the spec targets sm100a",
+                           "backward": "none: the spec targets sm100a"}
+    assert set(row["here"]) == {"machine", "forward", "backward"}
+
+
+def test_explain_a_bad_spec(cli, tmp_path):
+    bad = tmp_path / "bad.attn"
+    bad.write_text("attention a {\n  target sm90a\n  head_dim 64\n  mask windw(1, 0)\n}\n")
+    r = cli("explain", bad)
+    assert r.rc == 1 and f"{bad}:4:8: error: unknown mask 'windw'" in r.err
+
+
+@pytest.mark.parametrize("argv", [["explain"], ["explain", "x.attn", "--target", "sm80"]])
+def test_explain_usage(cli, argv):
+    assert cli(*argv).rc == 2
