@@ -23,9 +23,12 @@ follow the umask, and a missing parent directory is an error unless ``--parents`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Optional, Sequence
@@ -43,6 +46,50 @@ class UsageError(Exception):
 
 def _err(msg: str) -> None:
     print(f"fp4gen: error: {msg}", file=sys.stderr)
+
+
+class Progress:
+    """One stderr line per slow stage: a stage still running after ``DELAY_S`` seconds prints
+    ``fp4gen: <stage> ...`` and, when it ends, the elapsed time on the same line. Quicker stages
+    print nothing; so does everything when stderr is not a terminal or with ``--quiet`` (the
+    output of scripts and of the tests stays as it was)."""
+
+    DELAY_S = 2.0
+
+    def __init__(self, quiet: bool = False, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = not quiet and callable(isatty) and isatty()
+
+    @contextlib.contextmanager
+    def stage(self, what: str):
+        if not self.enabled:
+            yield
+            return
+        t0 = time.perf_counter()
+        lock = threading.Lock()
+        state = {"shown": False, "done": False}
+
+        def show():
+            with lock:
+                if not state["done"]:
+                    print(f"fp4gen: {what} ...", end="", file=self.stream, flush=True)
+                    state["shown"] = True
+
+        timer = threading.Timer(self.DELAY_S, show)
+        timer.daemon = True
+        timer.start()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            timer.cancel()
+            with lock:
+                state["done"] = True
+                if state["shown"]:
+                    dt = time.perf_counter() - t0
+                    print(f" {dt:.1f} s" if ok else f" stopped after {dt:.1f} s", file=self.stream, flush=True)
 
 
 def _load(path: str):
@@ -237,9 +284,11 @@ def cmd_compile(args) -> int:
     if bad or not emit:
         raise UsageError(f"--emit takes a comma-separated list of py, ptx, cubin; got '{args.emit}'")
     specs = select_specs(_load(args.spec), args.kernel)
+    progress = Progress(getattr(args, "quiet", False))
     written: list[Path] = []
     try:
-        paths = compile_specs(specs, args.output, target=args.target, parents=args.parents, written=written)
+        with progress.stage(f"planning and rendering {len(specs)} kernel{'s' * (len(specs) != 1)}"):
+            paths = compile_specs(specs, args.output, target=args.target, parents=args.parents, written=written)
     except BaseException:  # an error or Ctrl-C: say which modules are new and which are not
         if len(specs) > 1:
             names = ", ".join(p.name for p in written) or "none"
@@ -252,9 +301,10 @@ def cmd_compile(args) -> int:
         print(f"warning: {line}", file=sys.stderr)
     extra = [e for e in emit if e != "py"]
     if extra:
-        for spec, p in zip(specs, paths):
+        for i, (spec, p) in enumerate(zip(specs, paths), 1):
             tgt = (parse_target(args.target) or spec.target).value
-            dump = emit_artifacts(p, tgt, extra)
+            with progress.stage(f"[{i}/{len(specs)}] compiling {spec.name} ({tgt}) to {','.join(extra)}"):
+                dump = emit_artifacts(p, tgt, extra)
             for f in sorted(dump.rglob("*")):
                 if f.is_file() and f.suffix.lstrip(".") in extra:
                     print(f"wrote {f}")
@@ -307,9 +357,11 @@ def cmd_accuracy(args) -> int:
 
     specs = select_specs(_load(args.spec), args.kernel)
     target = parse_target(args.target)
+    progress = Progress(getattr(args, "quiet", False))
     reports = []
-    for spec in specs:
-        rep = _jsonable(_accuracy_report(retarget(spec, target), args))
+    for i, spec in enumerate(specs, 1):
+        with progress.stage(f"[{i}/{len(specs)}] accuracy of {spec.name} at S={args.seqlen}"):
+            rep = _jsonable(_accuracy_report(retarget(spec, target), args))
         if isinstance(rep, dict):
             rep.setdefault("kernel", spec.name)
         reports.append(rep)
@@ -579,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--target", type=_target, help="sm100a, sm90a or reference (default: each kernel's own)")
     k.add_argument("--kernel", help="compile only this kernel")
     k.add_argument("--emit", default="py", help="comma-separated: py (always), ptx, cubin")
+    k.add_argument("--quiet", action="store_true", help="no progress lines on stderr (none off a terminal anyway)")
     k.set_defaults(func=cmd_compile)
 
     a = sub.add_parser("accuracy", help="cosine / rel-L2 of the spec's numerics vs float64")
@@ -587,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--target", type=_target, help="evaluate as this target (default: the kernel's own)")
     _add_shape_options(a, seqlen=1024, heads=4)
     a.add_argument("--json", action="store_true", help="print the report as JSON")
+    a.add_argument("--quiet", action="store_true", help="no progress lines on stderr (none off a terminal anyway)")
     a.set_defaults(func=cmd_accuracy)
 
     u = sub.add_parser("run", help="run one kernel on random inputs and compare with float64")
