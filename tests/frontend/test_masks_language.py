@@ -131,3 +131,20 @@ def test_check_and_compile_refuse_alike(tmp_path):
     assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     assert main(["check", "--target", "reference", str(spec)]) == 0
+
+
+@pytest.mark.parametrize("example, head_dim, refused", [
+    ("sm90_bf16_d128.attn", 96, True), ("sm90_bf16_d128.attn", 256, True), ("sm90_bf16_d128.attn", 64, False),
+    ("fa4_fp4_d128.attn", 64, True), ("fa4_fp4_d128.attn", 192, True),
+])
+def test_head_dims_check_refuses_what_compile_refuses(tmp_path, example, head_dim, refused):
+    """The language takes 64, 96, 128, 192, 256 (and any multiple of 16 to 256); sm90a builds 64
+    and 128, sm100a 128: check refuses the rest at the head_dim line, as compile does."""
+    from fp4gen.cli.main import main
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    spec = tmp_path / "d.attn"
+    spec.write_text((root / "examples" / example).read_text().replace("head_dim 128", f"head_dim {head_dim}"))
+    assert main(["check", str(spec)]) == (1 if refused else 0)
+    assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == (1 if refused else 0)
+    assert main(["check", "--target", "reference", str(spec)]) == 0
