@@ -8,6 +8,9 @@ head_dim 128, causal; tile 128 x 128,
 2 consumer warpgroups (64 query rows each) + 1 producer warp (TMA),
 2 K/V stages, softmax of tile n overlapped with QK^T of tile n+1, warpgroups take turns on the tensor cores.
 
+The kernel is fp4gen.device.sm90.forward (its variants are the values of CONFIG below), the
+host side fp4gen.runtime.sm90_host.
+
 Spec lines behind the choices:
   Q: examples/sm90_bf16_d128.attn:22: Q : bf16
   K: examples/sm90_bf16_d128.attn:23: K : bf16
@@ -18,20 +21,8 @@ Spec lines behind the choices:
   head_dim: examples/sm90_bf16_d128.attn:20: head_dim 128
   schedule: examples/sm90_bf16_d128.attn:28: tile 128 x 128
 """
-import math
-import os
-
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
-from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
-
-from fp4gen.device import layout as dlayout
-from fp4gen.device import mask as dmask
-from fp4gen.device import softmax as dsoftmax
+from fp4gen.device.sm90.forward import ForwardConfig, kernel_class
+from fp4gen.runtime.sm90_host import ForwardHost
 
 KERNEL_NAME = 'sm90_bf16_causal_d128'
 TARGET = "sm90a"
@@ -384,452 +375,43 @@ PLAN_JSON = (
     '}\n'
 )
 
-HEAD_DIM = 128
-CAUSAL = True
-IN_FP8 = False
-P_MODE = 'bf16'
-SOFTMAX_MODE = P_MODE
-TILE_M = 128
-TILE_N = 128
-KV_STAGES = 2
-QUANT_BLOCK = 128  # tokens per Q/K scale (numerics contract)
-
-_IN_DTYPE = cutlass.BFloat16
-_NUM_THREADS = 128 * (2 + 1)
-_NUM_MMA_THREADS = 128 * 2
-# named barriers: 0 is __syncthreads; 1 + i gates consumer warpgroup i's MMA issue
-_BAR_SCHED = 1
-
-
-class Sm90Bf16CausalD128Sm90Fwd:
-    """One CTA = 128 query rows of one (batch, head); loops over key tiles."""
-
-    def __init__(self):
-        self.tile_m, self.tile_n, self.hdim = TILE_M, TILE_N, HEAD_DIM
-        self.kv_stages = KV_STAGES
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, Sq, H, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, D)
-        mO: cute.Tensor,  # (B, Sq, H, D) bf16
-        mLSE: cute.Tensor,  # (B, H, Sq) fp32
-        seqlen_k: Int32,  # keys (mV may be padded beyond it)
-        softmax_scale_log2: Float32,  # softmax_scale * log2(e)
-        causal_offset: Int32,
-        stream,
-    ):
-        # kernel views: (seq, d, head, batch) with d contiguous
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        # V as the (N=D, K=keys) B operand, D contiguous (MN-major)
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-
-        # QK^T twice: one copy overwrites (first k-block), one accumulates; each keeps its
-        # runtime ACCUMULATE flag fixed for the whole kernel (no per-iteration MMA state)
-        tiled_mma_qk, tiled_mma_qk_acc = [
-            sm90_utils.make_trivial_tiled_mma(
-                _IN_DTYPE, _IN_DTYPE, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-                Float32, (2, 1, 1), (64, self.tile_n),
-            )
-            for _ in range(2)
-        ]
-        v_major = LayoutEnum.from_tensor(mV).sm90_mma_major_mode()
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            _IN_DTYPE, _IN_DTYPE, warpgroup.OperandMajorMode.K, v_major,
-            Float32, (2, 1, 1), (64, self.hdim),
-            warpgroup.OperandSource.RMEM,  # P stays in registers
-        )
-        sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), _IN_DTYPE, 1)
-        sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), _IN_DTYPE, self.kv_stages)
-        sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.from_tensor(mV), (self.tile_m, self.hdim, self.tile_n), _IN_DTYPE, self.kv_stages)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.hdim))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.hdim, self.tile_n))
-        self.q_bytes = cute.size_in_bytes(_IN_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
-        self.k_bytes = cute.size_in_bytes(_IN_DTYPE, cute.select(sK_layout, mode=[0, 1]))
-        self.v_bytes = cute.size_in_bytes(_IN_DTYPE, cute.select(sV_layout, mode=[0, 1]))
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
-            sQ: cute.struct.Align[cute.struct.MemRange[_IN_DTYPE, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[_IN_DTYPE, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[_IN_DTYPE, cute.cosize(sV_layout)], 1024]
-
-        self.shared_storage = SharedStorage
-
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
-        self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mO, mLSE, tiled_mma_qk, tiled_mma_qk_acc, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
-            seqlen_k, softmax_scale_log2, causal_offset,
-        ).launch(grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
-
-    @cute.kernel
-    def kernel(
-        self,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_qk_acc: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        seqlen_k: Int32,
-        softmax_scale_log2: Float32,
-        causal_offset: Int32,
-    ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_Q)
-            cpasync.prefetch_descriptor(tma_atom_K)
-            cpasync.prefetch_descriptor(tma_atom_V)
-
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, _NUM_MMA_THREADS // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.k_bytes, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.v_bytes, defer_sync=True)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-
-        bidx, head, batch = cute.arch.block_idx()
-        n_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        # longest rows first: the last query tiles see the most keys
-        m_block = n_m_blocks - 1 - bidx
-        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
-        seqlen_q = mQ.shape[0]
-        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-        # examples/sm90_bf16_d128.attn:21: mask     causal
-        n_block_max = cutlass.min(
-            n_block_max, cute.ceil_div((m_block + 1) * self.tile_m + causal_offset, self.tile_n))
-        n_block_max = cutlass.max(n_block_max, 0)
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(24)
-            if warp_idx == 0:
-                self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
-        else:
-            cute.arch.setmaxregister_increase(240)
-            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-            tiled_mma_qk_acc.set(warpgroup.Field.ACCUMULATE, True)
-            tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)  # O starts at 0
-            self.consumer(
-                (tiled_mma_qk, tiled_mma_qk_acc), tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
-                softmax_scale_log2, causal_offset, tidx - 128, None)
-
-    # ------------------------------------------------------------------ producer
-    @cute.jit
-    def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
-        """One warp: Q once, then K/V tiles in ascending key order."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.hdim, self.tile_n), (0, None))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if n_block_max > 0:
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK[None, 0], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ[None, 0],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            # consumer order: K(0), K(1) before V(0), K(2) before V(1), ...
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                prev_state = kv_state.clone()
-                kv_state.advance()
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, i + 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(prev_state)
-                cute.copy(tma_atom_V, tVgV[None, i], tVsV[None, prev_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-
-    # ------------------------------------------------------------------ consumers
-    @cute.jit
-    def consumer(self, mma_qk, tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                 mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
-                 softmax_scale_log2, causal_offset, tidx, l_parts):
-        tiled_mma_qk = mma_qk[0]
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        # descriptors are per warpgroup: slice with the warpgroup's first thread
-        wg_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdim)))
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        # epilogue partitions, made before any MMA runtime state changes
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
-        tOgO = thr_pv.partition_C(
-            cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0)))
-
-        n_rows = cute.size(dlayout.acc_mn(acc_O), mode=[0])
-        row_max = cute.make_rmem_tensor(n_rows, Float32)
-        row_sum = cute.make_rmem_tensor(n_rows, Float32)
-        row_scale = cute.make_rmem_tensor(n_rows, Float32)
-        row_lse = cute.make_rmem_tensor(n_rows, Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        acc_O.fill(0.0)
-        pv_l = None
-
-        q_mult = softmax_scale_log2
-        out_mult = Float32(1.0)
-        row0 = m_block * self.tile_m
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-
-        # warpgroup 0 goes first
-        if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=_NUM_MMA_THREADS)
-        if n_block_max > 0:
-            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            # Key tiles run in ascending order, as the numerics oracle does: Direct-P's codes
-            # depend on the running max at the time a tile is turned into P.
-            n_block = 0
-            # ---- first key tile: masked (it may be the last, or cross the causal diagonal)
-            acc_S = thr_qk.make_fragment_C(s_shape)
-            pipe_k.consumer_wait(kv_state)
-            self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(kv_state)
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, CAUSAL, causal_offset)
-            dsoftmax.tile(acc_S, row_max, row_sum, row_scale, self.tile_mult(q_mult, None, None, None, None), True, SOFTMAX_MODE)
-            self.store_p(acc_S, tOrP)
-            # tiles from n_mask_start on need masking: the last one (sequence end), and
-            # those crossing the causal diagonal
-            n_mask_start = n_block_max - 1
-            n_mask_start = cutlass.min(n_mask_start, (row0 + causal_offset) // self.tile_n)
-            n_mask_start = cutlass.max(n_mask_start, 1)
-            for i in cutlass.range(n_mask_start - 1, unroll=1):
-                kv_state = self.step_overlap(
-                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                    pipe_k, pipe_v, kv_state, 1 + i, row_max, row_sum, row_scale,
-                    q_mult, None, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
-            for i in cutlass.range(n_block_max - n_mask_start, unroll=1):
-                kv_state = self.step_overlap(
-                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                    pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
-                    q_mult, None, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
-            # ---- last PV
-            pipe_v.consumer_wait(kv_state)
-            self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index, pv_l)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(kv_state)
-            kv_state.advance()
-
-        dsoftmax.finalize(acc_O, row_max, row_sum, row_lse, out_mult, 0, True)
-        self.epilogue(acc_O, row_lse, tOcO, tOgO, mLSE, m_block, head, batch, seqlen_q)
-
-    @cute.jit
-    def tile_mult(self, q_mult, mSK, batch, head_kv, n_block):
-        return q_mult
-
-    @cute.jit
-    def store_p(self, acc_S, tOrP):
-        dlayout.store_p_bf16(acc_S, tOrP)
-
-    @cute.jit
-    def gemm(self, mmas, acc, tA, tB, stage):
-        """Issue one warpgroup MMA over all k-blocks (asynchronous; caller waits).
-
-        ``mmas[0]`` runs the first k-block, ``mmas[1]`` the rest (overwrite / accumulate).
-        """
-        warpgroup.fence()
-        n_k = cute.size(tA, mode=[2])
-        for k in cutlass.range_constexpr(n_k):
-            mma = mmas[0] if k == 0 else mmas[1]
-            if const_expr(cute.rank(tA) == 4):
-                cute.gemm(mma, acc, tA[None, None, k, 0], tB[None, None, k, stage], acc)
-            else:
-                cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k, stage], acc)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def pv(self, tiled_mma_pv, acc_O, tOrP, tOrV, stage, pv_l):
-        """O += P V."""
-        self.gemm((tiled_mma_pv, tiled_mma_pv), acc_O, tOrP, tOrV, stage)
-
-    @cute.jit
-    def rescale(self, acc_O, row_scale, pv_l):
-        dsoftmax.rescale_o(acc_O, row_scale)
-
-    @cute.jit
-    def step_overlap(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                     pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-                     q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
-                     masked: cutlass.Constexpr[bool], wg, pv_l):
-        """QK^T of tile n_block and PV of the previous tile in flight, then softmax(n_block)."""
-        v_state = kv_state.clone()
-        kv_state.advance()
-        c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(kv_state)
-        cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=_NUM_MMA_THREADS)
-        self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
-        pipe_v.consumer_wait(v_state)
-        self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index, pv_l)
-        cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + 1 - wg, number_of_threads=_NUM_MMA_THREADS)
-        warpgroup.wait_group(1)
-        pipe_k.consumer_release(kv_state)
-        if const_expr(masked):
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, CAUSAL, causal_offset)
-        dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, SOFTMAX_MODE)
-        warpgroup.wait_group(0)
-        pipe_v.consumer_release(v_state)
-        self.store_p(acc_S, tOrP)
-        self.rescale(acc_O, row_scale, pv_l)
-        return kv_state
-
-    @cute.jit
-    def epilogue(self, acc_O, row_lse, cO, tOgO, mLSE, m_block, head, batch, seqlen_q):
-        """Registers -> global: bf16 pairs per thread, rows past seqlen_q skipped."""
-        rO = cute.make_rmem_tensor_like(acc_O, tOgO.element_type)
-        rO.store(acc_O.load().to(tOgO.element_type))
-        o_mn = dlayout.acc_mn(rO)
-        c_mn = dlayout.acc_mn(cO)
-        g_mn = dlayout.acc_mn(tOgO)
-        row0 = m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            if row0 + c_mn[r, 0][0] < seqlen_q:
-                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    g_mn[r, j] = o_mn[r, j]
-                if c_mn[r, 0][1] == 0:
-                    mLSE[row0 + c_mn[r, 0][0], head, batch] = row_lse[r]
+# The kernel's values, each from the plan (fp4gen/lowering/sm90.py: config); the plan's warp
+# roles and key-tile order (pipeline.roles, pipeline.mma_order), which these values select:
+#   role producer (4 warps, 24 registers): one warp issues TMA loads of Q, K, V (the others idle)
+#   role consumer0 (4 warps, 240 registers): wgmma QK^T / PV on query rows 0..63, softmax and P in registers
+#   role consumer1 (4 warps, 240 registers): wgmma QK^T / PV on query rows 64..127, softmax and P in registers
+#   one key tile: per consumer warpgroup and KV tile j: issue QK(j), issue PV(j-1), softmax(j) under PV(j-1) (intra-warpgroup overlap); the two consumers take turns on the tensor core (ping-pong)
+CONFIG = ForwardConfig(
+    kernel_name=KERNEL_NAME,  # the spec's kernel name
+    head_dim=128,  # examples/sm90_bf16_d128.attn:20: head_dim 128
+    causal=True,  # examples/sm90_bf16_d128.attn:21: mask     causal
+    in_fp8=False,  # examples/sm90_bf16_d128.attn:22: Q : bf16
+    p_mode='bf16',  # examples/sm90_bf16_d128.attn:24: P : bf16
+    l_from_mma=False,  # plan: sm90.l_from_mma
+    tile_m=128,  # examples/sm90_bf16_d128.attn:28: tile 128 x 128
+    tile_n=128,  # examples/sm90_bf16_d128.attn:28: tile 128 x 128
+    consumer_wgs=2,  # plan: sm90.consumer_warpgroups
+    kv_stages=2,  # plan: sm90.kv_stages
+    intra_wg_overlap=True,  # plan: sm90.intra_warpgroup_overlap
+    pingpong=True,  # plan: sm90.pingpong
+    producer_regs=24,  # plan: sm90.producer_registers
+    consumer_regs=240,  # plan: sm90.consumer_registers
+    quant_block=None,  # examples/sm90_bf16_d128.attn:22: Q : bf16
+)
 
 
-# ====================================================================== host side
-import torch  # noqa: E402
-
-from fp4gen.device.layout import FP8_P_KEY_PERM  # noqa: E402
-
-_FP8_AS_UINT8 = None
-_COMPILED = {}  # tvm_ffi calling convention -> compiled kernel; one compile serves every B, S, H
+def _build():
+    """The kernel object; defined here, so that the compile cache keys on this module's source."""
+    return kernel_class(CONFIG)(CONFIG)
 
 
-def _use_tvm_ffi() -> bool:
-    import importlib.util
+_HOST = ForwardHost(CONFIG, _build)
 
-    return importlib.util.find_spec("tvm_ffi") is not None
-
-
-def _fake_args():
-    """Symbolic-shape stand-ins for every kernel argument (no GPU needed)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor as fake
-    sym = cute.sym_int
-    b, sq, sk, h, hkv = sym(), sym(), sym(), sym(), sym()
-    d = HEAD_DIM
-    q = fake(_IN_DTYPE, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    k = fake(_IN_DTYPE, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    v = fake(_IN_DTYPE, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    ins = (q, k, v)
-    o = fake(cutlass.BFloat16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    lse = fake(Float32, (b, h, sq), stride_order=(2, 1, 0), assumed_align=4)
-    return (*ins, o, lse, Int32(1), Float32(1.0), Int32(0))
-
-
-def _compile(arch=None, tvm_ffi=None):
-    """The compiled forward; symbolic shapes let one compile serve every B, S, H.
-
-    At run time (``arch`` None) the kernel goes through fp4gen's on-disk cache
-    (``fp4gen.runtime.cache``: keyed by this module's text, the calling convention
-    and the CuTe DSL version, written atomically), so a new process loads the
-    object file instead of tracing and compiling again. ``compile_only`` compiles
-    in memory only.
-    """
-    tvm_ffi = _use_tvm_ffi() if tvm_ffi is None else tvm_ffi
-    if tvm_ffi not in _COMPILED:
-        def build():
-            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-            # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
-            opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if tvm_ffi else "")
-            return cute.compile(Sm90Bf16CausalD128Sm90Fwd(), *_fake_args(), stream, options=opts)
-
-        if arch is None:
-            from fp4gen.runtime import cache
-
-            with open(__file__, encoding="utf-8") as f:
-                source = f.read()
-            _COMPILED[tvm_ffi] = cache.compiled_kernel(
-                "forward", f"arch=sm_90a,tvm_ffi={tvm_ffi}", build, module_source=source, enable_tvm_ffi=tvm_ffi)
-        else:
-            _COMPILED[tvm_ffi] = build()
-    return _COMPILED[tvm_ffi]
-
-
-def compile_only(arch: str = "sm_90a") -> list:
-    """Compile every kernel variant of this module for ``arch`` without a GPU."""
-    if arch != "sm_90a":
-        raise ValueError(f"{KERNEL_NAME} is a Hopper kernel: arch must be 'sm_90a', got {arch!r}")
-    _compile(arch, tvm_ffi=False)
-    names = [KERNEL_NAME]
-    # the backward section, when the spec has one, is appended below this forward module
-    bwd = globals().get("compile_only_backward")
-    if bwd is not None:
-        names += bwd(arch)
-    return names
-
-
-def _check(q, k, v, softmax_scale):
-    from fp4gen.runtime import checks
-
-    checks.check_softmax_scale(KERNEL_NAME, softmax_scale)
-    sizes = checks.check_qkv(KERNEL_NAME, q, k, v, dtypes=(torch.bfloat16,), head_dim=HEAD_DIM)
-    checks.require_arch("sm_90a", kernel=KERNEL_NAME, device=q.device)
-    return sizes
+# the names tests, benchmarks, fp4gen.torch_ops and the backward section use
+HEAD_DIM, CAUSAL, IN_FP8, P_MODE = CONFIG.head_dim, CONFIG.causal, CONFIG.in_fp8, CONFIG.p_mode
+TILE_M, TILE_N, KV_STAGES, QUANT_BLOCK = CONFIG.tile_m, CONFIG.tile_n, CONFIG.kv_stages, CONFIG.quant_block
+SOFTMAX_MODE = CONFIG.softmax_mode
+_compile, _check, run_prepared = _HOST.compile, _HOST.check, _HOST.run_prepared
 
 
 def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
@@ -839,54 +421,18 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
     ``prepared``: unused (BF16 takes q, k, v as they are); accepted for a uniform API.
     Causal, bottom-right aligned: key j is visible to query i iff j <= i + Sk - Sq.
     """
-    sizes = _check(q, k, v, softmax_scale)
-    B, Sq, H, D = q.shape
-    Sk = sizes.seqlen_k
-    causal_offset = Sk - Sq
-    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-    o = torch.empty_like(q)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    ins = (q, k, v)
-    run_prepared(ins, o, lse, Sk, scale, causal_offset)
-    return (o, lse) if return_lse else o
+    return _HOST.forward(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, prepared=prepared)
 
 
-def run_prepared(ins, o, lse, seqlen_k, softmax_scale, causal_offset=0):
-    """Launch on already prepared operands (``ins`` as ``forward`` builds them)."""
-    with torch.cuda.device(o.device):
-        tvm_ffi = _use_tvm_ffi()
-        kern = _compile(None, tvm_ffi)
-        scalars = (int(seqlen_k), float(softmax_scale) * math.log2(math.e), int(causal_offset))
-        if tvm_ffi:
-            global _FP8_AS_UINT8
-            if _FP8_AS_UINT8 is None:
-                # torch >= 2.11 exports float8 through DLPack; older torch needs a uint8 view
-                try:
-                    kern(*ins, o, lse, *scalars)
-                    _FP8_AS_UINT8 = False
-                    return
-                except ValueError:
-                    if not IN_FP8:
-                        raise
-                    _FP8_AS_UINT8 = True
-            args = [t.view(torch.uint8) if (_FP8_AS_UINT8 and t.dtype == torch.float8_e4m3fn) else t
-                    for t in ins]
-            kern(*args, o, lse, *scalars)
-        else:
-            import cuda.bindings.driver as cuda
-            from cutlass.cute.runtime import from_dlpack
-
-            def conv(t):
-                if t.dtype == torch.float8_e4m3fn:
-                    ct = from_dlpack(t.view(torch.uint8), assumed_align=16)
-                    ct.element_type = cutlass.Float8E4M3FN
-                else:
-                    ct = from_dlpack(t, assumed_align=16 if t.dtype != torch.float32 else 4)
-                return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-            kern(*[conv(t) for t in ins], conv(o), conv(lse), Int32(scalars[0]), Float32(scalars[1]),
-                 Int32(scalars[2]), stream)
+def compile_only(arch: str = "sm_90a") -> list:
+    """Compile every kernel variant of this module for ``arch`` without a GPU (the forward,
+    the FP8 input quantizer, the backward section's kernels); returns the names compiled."""
+    names = _HOST.compile_only(arch)
+    # the backward section, when the spec has one, is appended below this forward module
+    bwd = globals().get("compile_only_backward")
+    if bwd is not None:
+        names += bwd(arch)
+    return names
 
 
 # ====================================================================== backward
@@ -898,609 +444,45 @@ def run_prepared(ins, o, lse, seqlen_k, softmax_scale, causal_offset=0):
 #   pre: host: D_i = rowsum(dO * O) fp32, LSE * log2(e) (-inf -> +inf), padded to tile_m
 #   post: host: dQ = scale * dQ_accum, cast to bf16
 #   reuse: k lse q; gradients: dO bf16, dP bf16, dS bf16, dQ bf16, dK bf16, dV bf16
-import math as _bwd_math
-import os as _bwd_os
+from fp4gen.device import bwd_prep as _bwd_prep  # noqa: E402  (fused pre/post-processing)
+from fp4gen.device import quantize as _bwd_dquant  # noqa: E402  (the forward's fused FP8 quantizer)
+from fp4gen.device.sm90 import backward as _bwd_kernel  # noqa: E402  (the kernel class)
+from fp4gen.runtime.sm90_bwd_host import BackwardHost as _BwdHost  # noqa: E402
 
-# the same modules and names the forward section imports (rebinding them is harmless)
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
-from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op as _bwd_user_op
-from cutlass._mlir.dialects import llvm as _bwd_llvm
-from cutlass.utils import LayoutEnum  # the forward imports it from here too
+# The plan's decisions the backward kernel reads (fp4gen.device.sm90.backward.BackwardConfig).
+# causal: examples/sm90_bf16_d128.attn:21: mask     causal
+BWD_CONFIG = _bwd_kernel.BackwardConfig(
+    head_dim=128,
+    causal=True,
+    tile_m=64,
+    tile_n=128,
+    mma_warpgroups=2,
+    q_stages=2,
+    ds_stages=2,
+    deterministic=False,
+    producer_registers=24,
+    consumer_registers=240,
+    s_fp8=False,
+    do_fp8=False,
+    ds_fp8=False,
+    mma_majors=(  # (A, B) of each MMA, as the plan records them
+        ('K', 'K'),  # S^T = K Q^T (bf16, A from smem)
+        ('K', 'K'),  # dP^T = V dO^T (bf16, A from smem)
+        ('K', 'MN'),  # dV += P^T dO (bf16, A from registers)
+        ('K', 'MN'),  # dK += dS^T Q (bf16, A from registers)
+        ('MN', 'MN'),  # dQ = dS K (bf16, A from smem)
+    ),
+)
+# the names tests, the torch op and the benches read
+BWD_HEAD_DIM, BWD_CAUSAL, BWD_DETERMINISTIC = BWD_CONFIG.head_dim, BWD_CONFIG.causal, BWD_CONFIG.deterministic
+BWD_TILE_M, BWD_TILE_N = BWD_CONFIG.tile_m, BWD_CONFIG.tile_n
+BWD_S_FP8, BWD_DO_FP8, BWD_DS_FP8 = BWD_CONFIG.s_fp8, BWD_CONFIG.do_fp8, BWD_CONFIG.ds_fp8
 
-from fp4gen.device import layout as _bwd_dlayout
-from fp4gen.device import ptx as _bwd_ptx
-
-BWD_HEAD_DIM = 128
-BWD_CAUSAL = True
-BWD_TILE_M = 64  # query rows per inner step
-BWD_TILE_N = 128  # keys per CTA (2 MMA warpgroups x 64)
-BWD_Q_STAGES = 2
-BWD_DS_STAGES = 2
-BWD_DETERMINISTIC = False
-_BWD_DTYPE = cutlass.BFloat16
-_BWD_FP8 = cutlass.Float8E4M3FN
-BWD_S_FP8 = False  # S^T = K Q^T from the forward's FP8 Q/K payloads (reuse q k)
-BWD_DO_FP8 = False  # dP^T = V dO^T and dV += P^T dO with FP8 dO, V, P (dO : fp8e4m3)
-BWD_DS_FP8 = False  # dQ = dS K and dK += dS^T Q with FP8 dS and the forward's Q/K payloads (dS : fp8e4m3)
-_BWD_S_DTYPE = _BWD_DTYPE
-_BWD_DO_DTYPE = _BWD_DTYPE
-# dQ = dS K and dK += dS^T Q: the dS tile and their B operands (K, Q)
-_BWD_DS_DTYPE = _BWD_DTYPE
-_BWD_QUANT_BLOCK = 128  # tokens per FP8 Q/K scale (the forward's quantizer)
-_BWD_P_SCALE = 256.0  # FP8 P is produced as 2^8 P (numerics: P_FP8_SCALE)
-_BWD_P_LOG2_SCALE = 8.0
-_BWD_MMA_THREADS = 128 * 2
-_BWD_THREADS = _BWD_MMA_THREADS + 128  # + one producer warpgroup (warp 0: TMA loads, warp 1: dQ adds)
-_BWD_BAR_DS = 1  # named barrier: every MMA warp has written its dS^T into SMEM
-_BWD_BAR_DQ_FULL = 2  # named barrier: the MMA warps have written this query tile's dQ into SMEM
-_BWD_BAR_DQ_EMPTY = 3  # named barrier: the dQ warp has read the SMEM tile out (it may be rewritten)
-_BWD_DQ_SYNC_THREADS = _BWD_MMA_THREADS + 32  # both dQ barriers: the MMA warps and the dQ warp
-# dQ staging tile in SMEM and the dQ accumulator in global memory hold each 64-query tile in the
-# MMA warps' register order ("fragment order", fp4gen.device.bwd_prep.dq_fragment_index): warpgroup
-# w's thread t stores its accumulator registers 4i..4i+3 at float w*64*D/2 + 512i + 4t, so
-# every store is a conflict-free 16-byte STS and the dQ warp moves the whole tile with a few bulk
-# reduces; the post-processing kernel puts the rows back in order.
-_BWD_DQ_TILE_FLOATS = 64 * 128
-_BWD_DQ_REDUCE_LANES = 8  # the dQ warp splits a tile's bulk reduce over this many lanes
-
-
-@_bwd_user_op
-def _bwd_bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None):
-    """``num_bytes`` of fp32 in SMEM added element-wise into global memory by the TMA unit
-    (one bulk reduce: the L2 sees whole lines, not one atomic per element)."""
-    _bwd_llvm.inline_asm(
-        None,
-        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         smem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=_bwd_llvm.AsmDialect.AD_ATT,
-    )
-
-
-@_bwd_user_op
-def _bwd_bulk_load(gmem_ptr, smem_ptr, mbar_ptr, num_bytes: int, *, loc=None, ip=None):
-    """``num_bytes`` (a multiple of 16) global -> SMEM by the TMA unit, completing on ``mbar_ptr``
-    (the Q/dO stage's barrier: its transaction count includes these bytes)."""
-    _bwd_llvm.inline_asm(
-        None,
-        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         smem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         mbar_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [$1], [$0], $3, [$2];",
-        "l,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=_bwd_llvm.AsmDialect.AD_ATT,
-    )
-
-
-def _bwd_smem_layout(dtype, rows, cols, major_cols, stages=None):
-    """Row-major (cols contiguous) swizzled SMEM tile whose swizzle atom is at most
-    ``major_cols`` wide, so that a transposed (MN-major) view split across warpgroups
-    along ``cols`` is still a legal wgmma operand."""
-    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_cols)
-    atom = warpgroup.make_smem_layout_atom(kind, dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
-def _bwd_t(x):
-    """Transposed view of an SMEM tile (first two modes swapped, same bytes)."""
-    shape = (x.shape[1], x.shape[0], *x.shape[2:])
-    order = (1, 0, *range(2, cute.rank(x)))
-    return cute.composition(x, cute.make_ordered_layout(shape, order=order))
-
-
-def _bwd_tiles_view(t):
-    """A transposed FP8 payload stored as one contiguous D x T block per tile of T tokens,
-    (B, H, tiles, D, T) -> the kernel's view (d, (token in tile, tile), head, batch)."""
-    return cute.make_tensor(t.iterator, cute.make_layout(
-        (t.shape[3], (t.shape[4], t.shape[2]), t.shape[1], t.shape[0]),
-        stride=(t.stride[3], (t.stride[4], t.stride[2]), t.stride[1], t.stride[0])))
-
-
-class Sm90Bf16CausalD128Sm90Bwd:
-    """dK, dV (and the dQ contribution) of 128 keys of one (batch, head) per CTA.
-
-    Inputs (torch layouts): q, do (B, Sq, H, D) and k, v (B, Sk, Hkv, D) bf16;
-    lse2, dsum (B, H, Sqp) fp32 with Sqp = Sq rounded up to 64 (LSE in log2 units,
-    +inf past Sq or for empty rows, so P = 0 there; dsum = rowsum(dO * O), 0 past Sq).
-    Outputs: dq_acc fp32 (B, H, Sqp, D), each 64-row tile in fragment order
-    (fp4gen.device.bwd_prep.dq_fragment_index), accumulated with bulk reduces;
-    dk, dv (B, Sk, H, D) per query head, dk scaled by softmax_scale: bf16 when H == Hkv,
-    fp32 for GQA (the host sums each group).
-    """
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE2: cute.Tensor,
-        mDsum: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        softmax_scale_log2: Float32,
-        softmax_scale: Float32,
-        causal_offset: Int32,
-        stream,
-    ):
-        d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
-        # kernel views (seq, d, head, batch), d contiguous
-        mQ, mK, mV, mdO, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-            for t in (mQ, mK, mV, mdO, mdK, mdV)
-        ]
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # S^T = K Q^T and dP^T = V dO^T: keys are M (64 per warpgroup), queries N
-        mma_s = [
-            sm90_utils.make_trivial_tiled_mma(
-                _BWD_S_DTYPE, _BWD_S_DTYPE, K, K, Float32, (2, 1, 1), (64, bm))
-            for _ in range(2)
-        ]
-        mma_dp = [
-            sm90_utils.make_trivial_tiled_mma(
-                _BWD_DO_DTYPE, _BWD_DO_DTYPE, K, K, Float32, (2, 1, 1), (64, bm))
-            for _ in range(2)
-        ]
-        # dV += P^T dO, dK += dS^T Q: A from registers (the S^T / dP^T accumulators)
-        mma_dv = sm90_utils.make_trivial_tiled_mma(
-            _BWD_DTYPE, _BWD_DTYPE, K, MN, Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
-        mma_dk = sm90_utils.make_trivial_tiled_mma(
-            _BWD_DTYPE, _BWD_DTYPE, K, MN, Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
-        # dQ = dS K: 64 queries, the head dim split between the warpgroups; dS is stored
-        # as dS^T (keys x queries, queries contiguous), i.e. an MN-major A operand
-        mma_dq = [
-            sm90_utils.make_trivial_tiled_mma(
-                _BWD_DTYPE, _BWD_DTYPE, MN, MN, Float32, (1, 2, 1), (64, d // 2))
-            for _ in range(2)
-        ]
-        sQ_layout = _bwd_smem_layout(_BWD_DTYPE, bm, d, d, BWD_Q_STAGES)
-        sK_layout = _bwd_smem_layout(_BWD_DTYPE, bn, d, d // 2)
-        sdS_layout = _bwd_smem_layout(_BWD_DTYPE, bn, bm, bm, BWD_DS_STAGES)
-        sdO_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bm, d, d, BWD_Q_STAGES)
-        sV_layout = _bwd_smem_layout(_BWD_DO_DTYPE, bn, d, d)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-
-        def tma(src, layout, tile, staged):
-            return cpasync.make_tiled_tma_atom(g2s, src, cute.select(layout, mode=[0, 1]) if staged else layout, tile)
-
-        tma_atom_Q, tma_Q = tma(mQ, sQ_layout, (bm, d), True)
-        tma_atom_K, tma_K = tma(mK, sK_layout, (bn, d), False)
-        tma_atom_dO, tma_dO = tma(mdO, sdO_layout, (bm, d), True)
-        tma_atom_V, tma_V = tma(mV, sV_layout, (bn, d), False)
-        self.qdo_bytes = (cute.size_in_bytes(_BWD_DS_DTYPE, cute.select(sQ_layout, mode=[0, 1]))
-                          + cute.size_in_bytes(_BWD_DO_DTYPE, cute.select(sdO_layout, mode=[0, 1])))
-        self.kv_bytes = cute.size_in_bytes(_BWD_DS_DTYPE, sK_layout) + cute.size_in_bytes(_BWD_DO_DTYPE, sV_layout)
-        self.qdo_bytes += 2 * bm * 4  # the stage's LSE2 and D rows (fp32)
-
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * BWD_Q_STAGES]
-            sK: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[_BWD_DO_DTYPE, cute.cosize(sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[_BWD_DS_DTYPE, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, _BWD_DQ_TILE_FLOATS], 128]
-            # LSE2 and D of each Q/dO stage's queries, loaded with the stage (no global loads in the loop)
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bm * BWD_Q_STAGES], 128]
-            sDsum: cute.struct.Align[cute.struct.MemRange[Float32, bm * BWD_Q_STAGES], 128]
-
-        self.shared_storage = SharedStorage
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), bn), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
-        self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLSE2, mDsum, mdQacc, mdK, mdV,
-            mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1],
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-            softmax_scale_log2, softmax_scale, causal_offset,
-        ).launch(grid=grid, block=[_BWD_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
-
-    @cute.kernel
-    def kernel(
-        self,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_dO: cute.CopyAtom,
-        mdO: cute.Tensor,
-        tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,
-        mLSE2: cute.Tensor,
-        mDsum: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mma_s0: cute.TiledMma,
-        mma_s1: cute.TiledMma,
-        mma_dp0: cute.TiledMma,
-        mma_dp1: cute.TiledMma,
-        mma_dv: cute.TiledMma,
-        mma_dk: cute.TiledMma,
-        mma_q0: cute.TiledMma,
-        mma_q1: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        softmax_scale_log2: Float32,
-        softmax_scale: Float32,
-        causal_offset: Int32,
-    ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
-                cpasync.prefetch_descriptor(atom)
-
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, _BWD_MMA_THREADS // 32)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.kv_bytes, defer_sync=True)
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=BWD_Q_STAGES, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.qdo_bytes, defer_sync=True)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(_BWD_DQ_TILE_FLOATS))
-        sLSE = storage.sLSE.get_tensor(cute.make_layout((BWD_TILE_M, BWD_Q_STAGES)))
-        sDsum = storage.sDsum.get_tensor(cute.make_layout((BWD_TILE_M, BWD_Q_STAGES)))
-        sQ8, sK8 = sQ, sK  # S^T reads the bf16 tiles
-
-        n_block, head, batch = cute.arch.block_idx()
-        # shapes from dO and V, whose tiles are never the transposed copies: (seq, d, head, batch)
-        head_kv = head // (mdO.shape[2] // mV.shape[2])  # GQA: H % Hkv == 0
-        seqlen_q = mdO.shape[0]
-        seqlen_k = mV.shape[0]
-        m_block_max = cute.ceil_div(seqlen_q, BWD_TILE_M)
-        # examples/sm90_bf16_d128.attn:21: mask     causal
-        # key j is seen by queries i >= j - causal_offset: skip the query tiles above the diagonal
-        m_block_min = cutlass.max(n_block * BWD_TILE_N - causal_offset, 0) // BWD_TILE_M
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(24)
-            if warp_idx == 0:
-                # (atom, gmem, smem, head, transposed: the tile is d x tokens)
-                loads_kv = [(tma_atom_K, mK, sK, head_kv, BWD_DS_FP8), (tma_atom_V, mV, sV, head_kv, False)]
-                loads_q = [(tma_atom_Q, mQ, sQ, head, BWD_DS_FP8), (tma_atom_dO, mdO, sdO, head, False)]
-                self.producer(loads_kv, loads_q, (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head,
-                              batch, m_block_min, m_block_max)
-            if warp_idx == 1:
-                self.dq_writer(sdQ, mdQacc, None, batch, head, n_block,
-                               m_block_min, m_block_max)
-        else:
-            cute.arch.setmaxregister_increase(240)
-            mma_s0.set(warpgroup.Field.ACCUMULATE, False)
-            mma_s1.set(warpgroup.Field.ACCUMULATE, True)
-            mma_dp0.set(warpgroup.Field.ACCUMULATE, False)
-            mma_dp1.set(warpgroup.Field.ACCUMULATE, True)
-            mma_dv.set(warpgroup.Field.ACCUMULATE, True)  # dK, dV start at 0
-            mma_dk.set(warpgroup.Field.ACCUMULATE, True)
-            mma_q0.set(warpgroup.Field.ACCUMULATE, False)
-            mma_q1.set(warpgroup.Field.ACCUMULATE, True)
-            # per-tensor and per-block scales of the FP8 operands (1 when an MMA is bf16)
-            scale_k = Float32(1.0)
-            mScaleQ = None
-            scale_vdo = Float32(1.0)
-            scale_dv = Float32(1.0)
-            self.consumer(
-                (mma_s0, mma_s1), (mma_dp0, mma_dp1), mma_dv, mma_dk, (mma_q0, mma_q1),
-                sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdO, pipe_kv, pipe_qdo,
-                sLSE, sDsum, None, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV, n_block, head, batch,
-                m_block_min, m_block_max, seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx - 128)
-
-    # ------------------------------------------------------------------ producer
-    @cute.jit
-    def producer(self, loads_kv, loads_q, rows_g, rows_s, pipe_kv, pipe_qdo, n_block, head, batch,
-                 m_block_min, m_block_max):
-        """One warp: this CTA's key-side tiles (K, V) once, then the query-side tiles
-        (Q, dO) and rows (LSE2, D) of each query tile into the ring,
-        one barrier per stage."""
-        d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
-        one = cute.make_layout(1)
-
-        def partition(load, tokens, index):
-            atom, g, s, h, transposed = load
-            tile, coord = ((d, tokens), (0, index)) if transposed else ((tokens, d), (index, 0))
-            gt = cute.local_tile(g[None, None, h, batch], tile, coord)
-            ts, tg = cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(gt, 0, 2))
-            return atom, ts, tg
-
-        kv = [partition(x, bn, n_block) for x in loads_kv]
-        qs = [partition(x, bm, None) for x in loads_q]  # indexed by the query tile below
-        if m_block_min < m_block_max:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_kv.producer_acquire(kv_state)
-            for i in cutlass.range_constexpr(len(kv)):  # (atom, smem, gmem) of each key-side tile
-                cute.copy(kv[i][0], kv[i][2], kv[i][1], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, BWD_Q_STAGES)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                pipe_qdo.producer_acquire(state)
-                bar = pipe_qdo.producer_get_barrier(state)
-                for i in cutlass.range_constexpr(len(qs)):  # (atom, smem, gmem) of each query-side tile
-                    cute.copy(qs[i][0], qs[i][2][None, m_block], qs[i][1][None, state.index], tma_bar_ptr=bar)
-                # LSE2 and D: 64 fp32 each (rows padded to the tile); one lane issues them (the
-                # tile copies above elect one themselves): every issue adds its bytes to the barrier
-                if cute.arch.lane_idx() == 0:
-                    for i in cutlass.range_constexpr(2):
-                        g = rows_g[i]
-                        src = g.iterator + cute.crd2idx((batch, head, m_block * bm), g.layout)
-                        _bwd_bulk_load(src, rows_s[i][None, state.index].iterator, bar, bm * 4)
-                state.advance()
-
-    # ------------------------------------------------------------------ MMA warpgroups
-    @cute.jit
-    def consumer(self, mma_s, mma_dp, mma_dv, mma_dk, mma_q, sQ, sdO, sK, sV, sdS, sdQ, sQ8, sK8, sdOt,
-                 pipe_kv, pipe_qdo, sLSE, sDsum, sDsMax, mScaleQ, scale_k, scale_vdo, scale_dv, mdK, mdV,
-                 n_block, head, batch, m_block_min, m_block_max,
-                 seqlen_k, softmax_scale_log2, softmax_scale, causal_offset, tidx):
-        d, bm, bn = BWD_HEAD_DIM, BWD_TILE_M, BWD_TILE_N
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        # wgmma descriptors are per warpgroup (slice at its first thread); C per thread
-        wg_s = mma_s[0].get_slice(wg * 128)
-        wg_dp = mma_dp[0].get_slice(wg * 128)
-        wg_dv = mma_dv.get_slice(wg * 128)
-        wg_dk = mma_dk.get_slice(wg * 128)
-        wg_q = mma_q[0].get_slice(wg * 128)
-        thr_s = mma_s[0].get_slice(tidx)
-        thr_dv = mma_dv.get_slice(tidx)
-        thr_dk = mma_dk.get_slice(tidx)
-        thr_q = mma_q[0].get_slice(tidx)
-
-        tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK8))
-        tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ8))
-        tPrV = wg_dp.make_fragment_A(wg_dp.partition_A(sV))
-        tPrdO = wg_dp.make_fragment_B(wg_dp.partition_B(sdO))
-        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(_bwd_t(sdO)))  # dO^T: (D, queries)
-        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(_bwd_t(sQ)))  # Q^T: (D, queries)
-        tQrdS = wg_q.make_fragment_A(wg_q.partition_A(_bwd_t(sdS)))  # dS: (queries, keys)
-        tQrKt = wg_q.make_fragment_B(wg_q.partition_B(_bwd_t(sK)))  # K^T: (D, keys)
-
-        s_shape = thr_s.partition_shape_C((bn, bm))
-        tScS = thr_s.partition_C(cute.make_identity_tensor((bn, bm)))  # (key, query) in the tile
-        # dS^T -> SMEM with stmatrix: an accumulator row (a key) holds query pairs, i.e. 8x8 blocks of
-        # the row-major (keys x queries) tile, four blocks per instruction
-        st_dS = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), _BWD_DTYPE), mma_s[0])
-        thr_st_dS = st_dS.get_slice(tidx)
-        tSsdS = thr_st_dS.partition_D(sdS)
-        # LSE2 / D of the thread's queries: the stage's rows broadcast over the keys, same partition
-        # as the scores (each thread reads its query columns, in pairs)
-        row_layout = cute.make_layout((bn, bm, BWD_Q_STAGES), stride=(0, 1, bm))
-        tSsLSE = thr_s.partition_C(cute.make_tensor(sLSE.iterator, row_layout))
-        tSsDsum = thr_s.partition_C(cute.make_tensor(sDsum.iterator, row_layout))
-        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((bn, d)))
-        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((bn, d)))
-        tdVrP = thr_dv.make_fragment_A(thr_dv.partition_shape_A((bn, bm)))
-        tdKrdS = thr_dk.make_fragment_A(thr_dk.partition_shape_A((bn, bm)))
-        dq_shape = thr_q.partition_shape_C((bm, d))
-        # this thread's dQ registers in fragment order: 4 floats per 16-byte store, 512 floats apart
-        dq_regs = cute.size(dq_shape)
-        tdQsdQ = cute.make_tensor(sdQ.iterator + wg * (_BWD_DQ_TILE_FLOATS // 2) + (tidx % 128) * 4,
-                                  cute.make_layout((4, dq_regs // 4), stride=(1, 512)))
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-
-        s_mn = _bwd_dlayout.acc_mn(cute.make_rmem_tensor(s_shape, Float32))
-        c_mn = _bwd_dlayout.acc_mn(tScS)
-        n_rows = cute.size(s_mn, mode=[0])  # keys this thread holds
-        n_cols = cute.size(s_mn, mode=[1])  # queries this thread holds
-        key0 = n_block * bn
-
-        if m_block_min < m_block_max:
-            pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, BWD_Q_STAGES)
-            ds_stage = Int32(0)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                q0 = m_block * bm
-                acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-                score_scale = softmax_scale_log2
-                pipe_qdo.consumer_wait(state)
-                self.gemm(mma_s, acc_S, tSrK, tSrQ[None, None, None, state.index])
-                self.gemm(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, state.index])
-                warpgroup.wait_group(1)  # S^T is ready (dP^T still running)
-                S = _bwd_dlayout.acc_mn(acc_S)
-                # mask keys past the end and keys after the query's diagonal
-                limit_row = seqlen_k - key0
-                need_mask = (key0 + bn > seqlen_k) | (key0 + bn - 1 > q0 + causal_offset)
-                if need_mask:
-                    for r in cutlass.range_constexpr(n_rows):
-                        kr = c_mn[r, 0][0]
-                        for j in cutlass.range_constexpr(n_cols):
-                            bad = kr >= limit_row
-                            bad = bad | (key0 + kr > q0 + c_mn[0, j][1] + causal_offset)
-                            if bad:
-                                S[r, j] = -Float32.inf
-                # P^T = exp2(S^T * c - LSE2): rows of the forward's softmax, recomputed. Column
-                # by column, so each query's LSE2 / D (L1-resident) is live for two values only.
-                lse_row = cute.make_rmem_tensor(n_cols, Float32)
-                cute.autovec_copy(_bwd_dlayout.acc_mn(tSsLSE[None, None, None, state.index])[0, None], lse_row)
-                for j in cutlass.range_constexpr(n_cols):
-                    lse2 = lse_row[j]
-                    for r in cutlass.range_constexpr(n_rows):
-                        S[r, j] = _bwd_ptx.ex2(S[r, j] * score_scale - lse2)
-                warpgroup.wait_group(0)  # dP^T is ready
-                dP = _bwd_dlayout.acc_mn(acc_dP)
-                dsum_row = cute.make_rmem_tensor(n_cols, Float32)
-                cute.autovec_copy(_bwd_dlayout.acc_mn(tSsDsum[None, None, None, state.index])[0, None], dsum_row)
-                for j in cutlass.range_constexpr(n_cols):
-                    dsum = dsum_row[j]
-                    for r in cutlass.range_constexpr(n_rows):
-                        dP[r, j] = S[r, j] * (dP[r, j] - dsum)  # dS^T
-                # both A operands converted before any MMA reads them: S^T and dP^T die here,
-                # which keeps the live registers of the MMA warpgroups under 240
-                _bwd_dlayout.store_p_bf16(acc_S, tdVrP)
-                _bwd_dlayout.store_p_bf16(acc_dP, tdKrdS)
-                self.gemm((mma_dv, mma_dv), acc_dV, tdVrP, tVrdOt[None, None, None, state.index])
-                # dS^T -> SMEM (dQ's A operand, MN-major), visible to the async proxy; the bf16
-                # A fragment holds the values in accumulator order
-                cute.copy(st_dS, thr_st_dS.retile(cute.make_tensor(tdKrdS.iterator, acc_dP.layout)),
-                          tSsdS[None, None, None, ds_stage])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_BWD_BAR_DS, number_of_threads=_BWD_MMA_THREADS)
-                # dQ before dK: its result is wanted first (it leaves through SMEM while dK runs)
-                acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-                self.gemm(mma_q, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt)
-                self.gemm((mma_dk, mma_dk), acc_dK, tdKrdS, tKrQt[None, None, None, state.index])
-                warpgroup.wait_group(1)  # dV and dQ are done, dK still running
-                # hand dQ to the dQ warp: wait until it has read the previous tile out of SMEM
-                cute.arch.barrier(barrier_id=_BWD_BAR_DQ_EMPTY, number_of_threads=_BWD_DQ_SYNC_THREADS)
-                cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, dq_regs // 4))), tdQsdQ)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=_BWD_BAR_DQ_FULL, number_of_threads=_BWD_DQ_SYNC_THREADS)
-                warpgroup.wait_group(0)
-                pipe_qdo.consumer_release(state)
-                state.advance()
-                ds_stage = ds_stage ^ 1
-
-        self.epilogue(acc_dK, acc_dV, thr_dk, mdK, mdV, head, batch, n_block, seqlen_k, softmax_scale)
-
-    @cute.jit
-    def gemm(self, mmas, acc, tA, tB):
-        """One asynchronous warpgroup MMA over all k-blocks (``mmas``: first, rest)."""
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            mma = mmas[0] if k == 0 else mmas[1]
-            cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def dq_writer(self, sdQ, mdQacc, mdQturn, batch, head, n_block, m_block_min, m_block_max):
-        """One warp: adds each query tile's dQ contribution from SMEM into the fp32 global
-        accumulator (both in fragment order, so the tile is one contiguous run: a bulk reduce
-        per lane over 8 lanes), then frees the SMEM tile for the MMA warps' next one."""
-        lane = cute.arch.lane_idx()
-        chunk = _BWD_DQ_TILE_FLOATS // _BWD_DQ_REDUCE_LANES  # floats per lane's reduce
-        if m_block_min < m_block_max:
-            # the staging tile starts out free
-            cute.arch.barrier_arrive(barrier_id=_BWD_BAR_DQ_EMPTY, number_of_threads=_BWD_DQ_SYNC_THREADS)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                tile = mdQacc.iterator + cute.crd2idx((batch, head, m_block * BWD_TILE_M, 0), mdQacc.layout)
-                cute.arch.barrier(barrier_id=_BWD_BAR_DQ_FULL, number_of_threads=_BWD_DQ_SYNC_THREADS)
-                if lane < _BWD_DQ_REDUCE_LANES:
-                    _bwd_bulk_add_f32(tile + lane * chunk, sdQ.iterator + lane * chunk, chunk * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # SMEM read out; the adds may still be in flight
-                if m_block + 1 < m_block_max:  # the MMA warps wait for no tile after the last
-                    cute.arch.barrier_arrive(barrier_id=_BWD_BAR_DQ_EMPTY, number_of_threads=_BWD_DQ_SYNC_THREADS)
-
-    @cute.jit
-    def epilogue(self, acc_dK, acc_dV, thr_kv, mdK, mdV, head, batch, n_block, seqlen_k, softmax_scale):
-        """dK (scaled) and dV rows of keys < seqlen_k -> global, in the output's dtype
-        (bf16 when every query head has its own key head, fp32 partials for GQA)."""
-        d, bn = BWD_HEAD_DIM, BWD_TILE_N
-        key0 = n_block * bn
-        # partitions made here, after the loop, so their addresses are not live across it
-        tKVcKV = thr_kv.partition_C(cute.make_identity_tensor((bn, d)))
-        tdKgdK = thr_kv.partition_C(cute.local_tile(mdK[None, None, head, batch], (bn, d), (n_block, 0)))
-        tdVgdV = thr_kv.partition_C(cute.local_tile(mdV[None, None, head, batch], (bn, d), (n_block, 0)))
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            acc_dK[i] = acc_dK[i] * softmax_scale
-        rK = cute.make_rmem_tensor_like(acc_dK, mdK.element_type)
-        rV = cute.make_rmem_tensor_like(acc_dV, mdV.element_type)
-        rK.store(acc_dK.load().to(mdK.element_type))
-        rV.store(acc_dV.load().to(mdV.element_type))
-        k_mn = _bwd_dlayout.acc_mn(rK)
-        v_mn = _bwd_dlayout.acc_mn(rV)
-        c_mn = _bwd_dlayout.acc_mn(tKVcKV)
-        gk = _bwd_dlayout.acc_mn(tdKgdK)
-        gv = _bwd_dlayout.acc_mn(tdVgdV)
-        for r in cutlass.range_constexpr(cute.size(k_mn, mode=[0])):
-            if key0 + c_mn[r, 0][0] < seqlen_k:
-                # a row's column pairs are adjacent in memory: one 4-byte (bf16) or 8-byte (fp32) store each
-                cute.autovec_copy(k_mn[r, None], gk[r, None])
-                cute.autovec_copy(v_mn[r, None], gv[r, None])
-
-
-# ---------------------------------------------------------------- backward host side
-import torch as _bwd_torch  # noqa: E402
-
-_BWD_COMPILED = {}
-
-
-def _bwd_fake_args(dkv_dtype):
-    from cutlass.cute.runtime import make_fake_compact_tensor as fake
-    sym = cute.sym_int
-    b, sq, sk, h, hkv, sqp = sym(), sym(), sym(), sym(), sym(), sym()
-    d = BWD_HEAD_DIM
-    q = fake(_BWD_DTYPE, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    k = fake(_BWD_DTYPE, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    v = fake(_BWD_DTYPE, (b, sk, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    do = fake(_BWD_DO_DTYPE, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    extra = ()
-    lse2 = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)
-    dsum = fake(Float32, (b, h, sqp), stride_order=(2, 1, 0), assumed_align=16)
-    dq = fake(Float32, (b, h, sqp, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    dq = (dq,)
-    dk = fake(dkv_dtype, (b, sk, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    dv = fake(dkv_dtype, (b, sk, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-    return (q, k, v, do, *extra, lse2, dsum, *dq, dk, dv, Float32(1.0), Float32(1.0), Int32(0))
-
-
-def _bwd_use_tvm_ffi() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tvm_ffi") is not None
-
-
-def _bwd_compile(arch=None, tvm_ffi=None, gqa=False):
-    """``gqa``: dK/dV written as fp32 per query head (summed on the host), else bf16."""
-    tvm_ffi = _bwd_use_tvm_ffi() if tvm_ffi is None else tvm_ffi
-    key = (arch, tvm_ffi, gqa)
-    if key not in _BWD_COMPILED:
-        old = _bwd_os.environ.get("CUTE_DSL_ARCH")
-        if arch is not None:
-            _bwd_os.environ["CUTE_DSL_ARCH"] = arch
-        try:
-            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-            opts = "--enable-tvm-ffi" if tvm_ffi else ""
-            _BWD_COMPILED[key] = cute.compile(Sm90Bf16CausalD128Sm90Bwd(), *_bwd_fake_args(Float32 if gqa else _BWD_DTYPE), stream,
-                                              options=opts)
-        finally:
-            if arch is not None:
-                if old is None:
-                    _bwd_os.environ.pop("CUTE_DSL_ARCH", None)
-                else:
-                    _bwd_os.environ["CUTE_DSL_ARCH"] = old
-    return _BWD_COMPILED[key]
-
-
-def compile_only_backward(arch: str = "sm_90a") -> list:
-    """Compile the backward kernel (and its pre/post-processing kernels) for ``arch`` without a
-    GPU; returns the names compiled."""
-    if arch != "sm_90a":
-        raise ValueError(f"{KERNEL_NAME} backward is a Hopper kernel: arch must be 'sm_90a', got {arch!r}")
-    _bwd_compile(arch, tvm_ffi=False, gqa=False)
-    _bwd_compile(arch, tvm_ffi=False, gqa=True)
-    return [KERNEL_NAME + ".backward", KERNEL_NAME + ".backward_gqa"] + _bwd_prep.compile_only(arch, BWD_HEAD_DIM)
+_BWD_HOST = _BwdHost(KERNEL_NAME, BWD_CONFIG, _bwd_kernel.Backward, prep=_bwd_prep, quantize=_bwd_dquant,
+                     module_file=__file__)
+compile_only_backward = _BWD_HOST.compile_only
+_bwd_compile = _BWD_HOST.compile  # (arch=None, tvm_ffi=None, gqa=False): arch "sm_90a" compiles in memory
+_bwd_launch = _BWD_HOST.launch  # (args, softmax_scale, causal_offset, gqa); tests replace it
 
 
 def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
@@ -1511,81 +493,5 @@ def backward(q, k, v, o, lse, do, *, softmax_scale=None, prepared=None):
     in bf16, shaped like q, k, v.
     ``prepared``: unused (this backward reads bf16 Q/K); accepted for a uniform API.
     """
-    from fp4gen.runtime import checks
-
-    checks.check_softmax_scale(KERNEL_NAME, softmax_scale)
-    checks.check_backward(KERNEL_NAME, q, k, v, o, lse, do, dtypes=(_bwd_torch.bfloat16,),
-                          head_dim=BWD_HEAD_DIM)
-    checks.require_arch("sm_90a", kernel=KERNEL_NAME, device=q.device)
-    # the kernel is compiled for compact (B, S, H, D) tensors
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-    f32 = _bwd_torch.float32
-    dev = q.device
-    sqp = -(-Sq // BWD_TILE_M) * BWD_TILE_M
-    o = o.contiguous()
-    # preprocessing: LSE in log2 units (+inf where the forward saw nothing, so P = 0),
-    # D_i = rowsum(dO * O), a zeroed fp32 dQ accumulator; padded to whole query tiles.
-    # On CUDA one fused kernel (fp4gen.device.bwd_prep); the torch path is the same
-    # arithmetic for CPU tensors (the host tests emulate the kernel there).
-    if q.is_cuda:
-        lse2, dsum, dq_acc = _bwd_prep.preprocess(o, do, lse, sqp)
-    else:
-        lse2 = _bwd_torch.full((B, H, sqp), float("inf"), dtype=f32, device=dev)
-        l2 = lse.to(f32) * _bwd_math.log2(_bwd_math.e)
-        lse2[:, :, :Sq] = _bwd_torch.where(_bwd_torch.isneginf(l2), _bwd_torch.full_like(l2, float("inf")), l2)
-        dsum = _bwd_torch.zeros((B, H, sqp), dtype=f32, device=dev)
-        dsum[:, :, :Sq] = (do.to(f32) * o.to(f32)).sum(-1).permute(0, 2, 1)
-        dq_acc = _bwd_torch.zeros((B, H, sqp, D), dtype=f32, device=dev)
-    do_in, v_in = do, v
-    extra = ()  # the FP8 operands and their scales, in the kernel's argument order
-    dq_bufs = (dq_acc,)
-    g = H // Hkv
-    # GQA: fp32 dK/dV per query head, summed over each group below; else bf16 directly
-    dkv_dtype = f32 if g > 1 else k.dtype
-    dk_h = _bwd_torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-    dv_h = _bwd_torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-    causal_offset = Sk - Sq
-    _bwd_launch((q, k, v_in, do_in, *extra, lse2, dsum, *dq_bufs, dk_h, dv_h), scale, causal_offset, g > 1)
-    if q.is_cuda:
-        dq = _bwd_prep.postprocess(dq_acc, Sq, scale)
-    else:
-        dq = (_bwd_prep.dq_fragments_to_rows(dq_acc)[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
-    if g == 1:
-        dk, dv = dk_h, dv_h
-    else:  # GQA: the query heads of a group share one key/value head
-        dk = dk_h.view(B, Sk, Hkv, g, D).sum(3).to(k.dtype)
-        dv = dv_h.view(B, Sk, Hkv, g, D).sum(3).to(v.dtype)
-    return dq.contiguous(), dk, dv
-
-
-from fp4gen.device import bwd_prep as _bwd_prep  # noqa: E402  (fused pre/post-processing)
-
-
-def _bwd_launch(args, softmax_scale, causal_offset, gqa):
-    with _bwd_torch.cuda.device(args[0].device):
-        tvm_ffi = _bwd_use_tvm_ffi()
-        kern = _bwd_compile(None, tvm_ffi, gqa)
-        scalars = (float(softmax_scale) * _bwd_math.log2(_bwd_math.e), float(softmax_scale), int(causal_offset))
-        if tvm_ffi:
-            try:
-                kern(*args, *scalars)
-            except ValueError:  # torch < 2.11 cannot export float8 through DLPack: pass the bytes
-                kern(*[t.view(_bwd_torch.uint8) if t.dtype == _bwd_torch.float8_e4m3fn else t for t in args],
-                     *scalars)
-            return
-        import cuda.bindings.driver as cuda
-        from cutlass.cute.runtime import from_dlpack
-
-        def conv(t):
-            if t.dtype == _bwd_torch.float8_e4m3fn:
-                ct = from_dlpack(t.view(_bwd_torch.uint8), assumed_align=16)
-                ct.element_type = _BWD_FP8
-            else:
-                ct = from_dlpack(t, assumed_align=16 if t.dtype != _bwd_torch.int32 else 4)
-            return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-        stream = cuda.CUstream(_bwd_torch.cuda.current_stream().cuda_stream)
-        kern(*[conv(t) for t in args], Float32(scalars[0]), Float32(scalars[1]), Int32(scalars[2]), stream)
+    return _BWD_HOST.backward(q, k, v, o, lse, do, softmax_scale=softmax_scale, prepared=prepared,
+                              launch=_bwd_launch)
