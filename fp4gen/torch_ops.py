@@ -562,11 +562,16 @@ def _prepared_from_state(state):
     return (q8.view(fp8), k8.view(fp8), None, scale_q, scale_k, scale_v) + tuple(t.view(fp8) for t in state[5:])
 
 
-def _no_extras_for_generated(mod, sinks, cu_seqlens_q) -> None:
-    """A generated module never matches a spec with sinks or the varlen layout (no target
-    implements them, legalize refuses them): reaching one with them is a bug."""
-    if mod is not None and (sinks is not None or cu_seqlens_q is not None):
-        raise RuntimeError(f"fp4gen: generated module {mod.__name__} cannot take sinks or cu_seqlens")
+def _module_for_extras(mod, sinks, cu_seqlens_q):
+    """The module to run a call with sinks or cu_seqlens on: a reference-target module's forward
+    and backward take neither, so its spec runs on the reference backend itself (the very same
+    numerics: None); no GPU kernel implements them (legalize refuses the specs), so reaching one
+    of those with them is a bug."""
+    if mod is None or (sinks is None and cu_seqlens_q is None):
+        return mod
+    if mod.TARGET == "reference":
+        return None
+    raise RuntimeError(f"fp4gen: generated module {mod.__name__} cannot take sinks or cu_seqlens")
 
 
 @torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
@@ -577,7 +582,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend, strict=True)
-    _no_extras_for_generated(mod, sinks, cu_seqlens_q)
+    mod = _module_for_extras(mod, sinks, cu_seqlens_q)
     state = []
     if cu_seqlens_q is not None:  # varlen: (total, H, D); lse (H, total_q)
         o, lse = _reference().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _ref_spec(entry, softmax_scale),
@@ -637,7 +642,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend, need_backward=True, strict=True)
-    _no_extras_for_generated(mod, sinks, cu_seqlens_q)
+    mod = _module_for_extras(mod, sinks, cu_seqlens_q)
     if cu_seqlens_q is not None:
         dq, dk, dv = _reference().backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k,
                                                   _ref_spec(entry, softmax_scale), sinks=sinks,

@@ -230,3 +230,19 @@ def test_opcheck_with_sinks_and_varlen():
     torch.library.opcheck(torch.ops.fp4gen.attention_bwd.default,
                           (q[0].detach(), k[0].detach(), v[0].detach(), o, lse, torch.randn_like(o), state, vkey,
                            None, "auto", s.detach(), cq, ck, 3, 3))
+
+
+def test_a_reference_module_of_a_sinks_varlen_spec_runs(tmp_path):
+    """A generated reference-target module's forward takes no sinks or cu_seqlens: its spec runs
+    on the reference backend itself."""
+    import fp4gen
+
+    path = tmp_path / "s.attn"
+    path.write_text(f"attention sv {{ target reference; head_dim 16; {FP32}; sinks learned; layout varlen }}\n")
+    mod = fp4gen.load(path)
+    q, k, v, s = leaves((6, 2, 16), (7, 2, 16), (7, 2, 16), (2,))
+    cq, ck = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
+    o = attention_varlen(q, k, v, cq, ck, 4, 4, spec=mod, sinks=s)
+    want = attention_varlen(q, k, v, cq, ck, 4, 4, spec=spec("sinks learned"), sinks=s)
+    assert torch.equal(o, want)
+    torch.autograd.grad(o.sum(), [q, k, v, s])
