@@ -461,8 +461,9 @@ def test_fp8_ds_prepared_matches_quantizing_anew(cuda_scales, cpu_fp8_backward, 
     spec, mod = _ds_module(128, True, tmp_path_factory)
     cpu_fp8_backward(mod)
     if cuda_scales:
-        quantize = mod._quantize
-        monkeypatch.setattr(mod, "_quantize", lambda x, per_block, fast=True: quantize(x, per_block, fast=False))
+        # the forward's quantize_inputs calls its runtime host's quantize (runtime/sm90_host.py)
+        quantize = mod._HOST.quantize
+        monkeypatch.setattr(mod._HOST, "quantize", lambda x, per_block, fast=True: quantize(x, per_block, fast=False))
     seen = _capture_launch(mod, monkeypatch)
     q, k, v, o, lse, do = _ds_inputs(mod, spec, "gqa_6_2")
     prepared = mod.quantize_inputs(q, k, v, fast=False, for_backward=True, transposed_qk=True)
