@@ -52,3 +52,19 @@ def test_explain_a_bad_spec(cli, tmp_path):
 @pytest.mark.parametrize("argv", [["explain"], ["explain", "x.attn", "--target", "sm80"]])
 def test_explain_usage(cli, argv):
     assert cli(*argv).rc == 2
+
+
+def test_explain_here_on_a_gpu(cli, monkeypatch):
+    """On a GPU, 'here' is what that GPU's target gets (a GPU of no fp4gen target gets none)."""
+    import torch
+
+    from fp4gen import torch_ops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch_ops, "_arch_of", lambda device: "sm90a")
+    r = cli("explain", EXAMPLES / "sm90_bf16_d128.attn", "--kernel", "sm90_bf16_causal_d128")
+    assert r.out.startswith("sm90_bf16_causal_d128: here (NVIDIA H200, sm90a): fwd+bwd generated | "), r
+    monkeypatch.setattr(torch_ops, "_arch_of", lambda device: None)
+    r = cli("explain", EXAMPLES / "sm90_bf16_d128.attn", "--kernel", "sm90_bf16_causal_d128")
+    assert "here (NVIDIA H200, no fp4gen target): fwd+bwd none: fp4gen generates for sm90a" in r.out
