@@ -246,6 +246,9 @@ class Overrides:
     sinks: bool = False
     layout: Optional[str] = None
 
+    def __post_init__(self):  # a list window_size too; the value is a cache key, so hashable
+        object.__setattr__(self, "window_size", tuple(self.window_size))
+
     def apply(self, spec: KernelSpec) -> KernelSpec:
         kw: dict = {}
         if self.causal is not None or tuple(self.window_size) != (-1, -1):
