@@ -4,8 +4,7 @@ Fast tests: the checks on hand-written PTX headers and ptxas logs, one planted f
 spill, a setmaxnreg or a C7508 in a helper kernel; a plan budget that the attention kernel does
 not set), and how compiled kernels are sorted into rows. The slow one compiles the input
 quantizers, and the transposing ones again without their launch bound (the 8 B spill the gate
-found).
-``fp4gen verify`` of the FP8 training example, every kernel its module launches, is in
+found). ``fp4gen verify`` of the FP8 training example, every kernel its module launches, is in
 tests/cli/test_cli_verify.py.
 """
 from __future__ import annotations
