@@ -13,7 +13,6 @@ this file only turns it into a jinja2 context.
 """
 from __future__ import annotations
 
-
 from . import Comment, LoweringError, template_env
 
 TEMPLATE = "bwd.py.j2"
@@ -29,12 +28,11 @@ def backward_plan(plan):
     return plan_backward(plan)
 
 
-# BackwardConfig's fields besides the MMA majors, from the BackwardPlan field of each
-CONFIG_FIELDS = (("head_dim", "head_dim"), ("causal", "causal"), ("tile_m", "tile_m"), ("tile_n", "tile_n"),
-                 ("mma_warpgroups", "mma_warpgroups"), ("q_stages", "q_stages"), ("ds_stages", "ds_stages"),
-                 ("deterministic", "deterministic"), ("producer_registers", "producer_registers"),
-                 ("consumer_registers", "consumer_registers"))
-MMA_ORDER = ("S", "dP", "dV", "dK", "dQ")  # fp4gen.device.sm90.backward.MMA_NAMES
+# BackwardConfig's fields that are BackwardPlan fields of the same name (besides: the three FP8
+# choices, read off the MMA formats, and the MMA majors)
+CONFIG_FIELDS = ("head_dim", "causal", "tile_m", "tile_n", "mma_warpgroups", "q_stages", "ds_stages",
+                 "deterministic", "producer_registers", "consumer_registers")
+MMA_ORDER = ("S", "dP", "dV", "dK", "dQ")  # = fp4gen.device.sm90.backward.MMA_NAMES (test_render_contract)
 
 
 def context(plan) -> dict:
@@ -78,7 +76,7 @@ def context(plan) -> dict:
         do_fp8=fmts["dP"] == "fp8e4m3",  # dP^T = V dO^T and dV += P^T dO with FP8 dO, V, P
         ds_fp8=bp.ds_fp8,  # dK += dS^T Q and dQ = dS K in FP8 (dS : fp8e4m3)
     )
-    config = {field: getattr(bp, attr) for field, attr in CONFIG_FIELDS}
+    config = {field: getattr(bp, field) for field in CONFIG_FIELDS}
     config.update(flags)
     return dict(
         kernel_name=Comment(name),

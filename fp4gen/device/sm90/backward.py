@@ -27,6 +27,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fp4gen.numerics import backward_rules as rules
 from fp4gen.numerics.directp import P_FP8_SCALE
+from fp4gen.numerics.formats import E4M3
 
 from .. import layout as dlayout
 from .. import ptx
@@ -39,7 +40,7 @@ P_LOG2_SCALE = math.log2(P_FP8_SCALE)  # FP8 P is produced as 2^8 P (as the FP8 
 DS_C_HALVE_MIN = 2.0 ** rules.FP8_DS_HALVE_MIN_LOG2  # a tile's scale is halved for the next only from here up
 DS_SMALL = rules.FP8_DS_SMALL  # a tile whose f |dS| all stay below 448 / 16 halves the next tile's c
 DS_HEADROOM = rules.FP8_DS_HEADROOM  # a c taken from a tile's exact max is handed on times this
-E4M3_MAX = 448.0
+E4M3_MAX = E4M3.max_value  # 448: dS overflows e4m3 past it
 BAR_DS = 1  # named barrier: every MMA warp has written its dS^T into SMEM
 BAR_DQ_FULL = 2  # named barrier: the MMA warps have written this query tile's dQ into SMEM
 BAR_DQ_EMPTY = 3  # named barrier: the dQ warp has read the SMEM tile out (it may be rewritten)
@@ -66,7 +67,7 @@ class BackwardConfig:
     producer_registers: int  # setmaxnreg of the producer warpgroup
     consumer_registers: int  # setmaxnreg of each MMA warpgroup
     # (A major, B major) of each MMA in MMA_NAMES order: "K" or "MN" (the plan's BwdMma records)
-    mma_majors: tuple = (("K", "K"),) * 5
+    mma_majors: tuple
 
     def major(self, mma: str):
         """(A, B) ``warpgroup.OperandMajorMode`` of one MMA (S, dP, dV, dK, dQ)."""
