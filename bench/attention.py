@@ -2,8 +2,9 @@
 """Attention benchmark: fp4gen kernels beside the anchors, in one GPU run.
 
 Anchors: flash-attn-4's CuTe BF16 kernels (``flash_attn.cute.flash_attn_func``,
-the baseline every ratio is taken against), torch SDPA with the cuDNN back end
-(BF16) and SageAttention 1.0.6 (``sageattention.sageattn``). fp4gen kernels are
+``ratio_vs_fa4_bf16``), cuDNN's FP8 attention through cudnn-frontend (``bench/cudnn_fp8.py``:
+E4M3 in, quantized outside the timed call; ``ratio_vs_cudnn_fp8``), torch SDPA with the cuDNN
+back end (BF16) and SageAttention 1.0.6 (``sageattention.sageattn``). fp4gen kernels are
 given on the command line as generated module names, ``.py`` files or
 ``.attn`` specs (loaded with ``fp4gen.load``); one that fails to load
 is skipped with the reason printed.
@@ -42,8 +43,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 ROW_KEYS = ("kernel", "pass", "B", "S", "H", "D", "causal", "ms", "tflops", "ratio_vs_fa4_bf16",
-            "cosine", "device", "date", "command")
+            "ratio_vs_cudnn_fp8", "cosine", "device", "date", "command")
 FA4 = "fa4-cute-bf16"
+CUDNN_FP8 = "cudnn-fp8"
+ANCHORS = ("fa4", "sdpa", "cudnn8", "sage")
 
 
 def attn_flops(B, S, H, D, causal, bwd=False):
@@ -64,8 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--backward", action="store_true", help="also time backward passes (FA4 BF16, SDPA "
                    "cuDNN and fp4gen modules that have backward)")
     p.add_argument("--no-forward", action="store_true", help="with --backward: skip the forward rows")
-    p.add_argument("--anchors", default="fa4,sdpa,sage", help="comma-separated subset of fa4,sdpa,sage "
-                   "('' for none; ratios need fa4)")
+    p.add_argument("--anchors", default=",".join(ANCHORS), help="comma-separated subset of "
+                   f"{','.join(ANCHORS)} ('' for none; ratios need fa4 and cudnn8)")
     p.add_argument("--target", default=None, help="target passed to fp4gen.load for .attn specs")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time, ms")
@@ -78,7 +81,7 @@ def parse_args(argv=None):
     a.seqlens = [int(x) for x in a.seqlens.split(",") if x]
     a.causals = {"both": (False, True), "true": (True,), "false": (False,)}[a.causal]
     a.anchor_set = {x.strip() for x in a.anchors.split(",") if x.strip()}
-    unknown = a.anchor_set - {"fa4", "sdpa", "sage"}
+    unknown = a.anchor_set - set(ANCHORS)
     if unknown:
         p.error(f"unknown anchors: {', '.join(sorted(unknown))}")
     for s in a.seqlens:
@@ -159,6 +162,23 @@ def make_anchors(anchor_set, log):
                     lambda gs: tuple(from_bhsd(g) for g in gs))
 
         out.append(Kernel("sdpa-cudnn-bf16", sdpa_fwd, sdpa_bwd))
+    if "cudnn8" in anchor_set:
+        sys.path.insert(0, str(HERE))
+        import cudnn_fp8
+
+        why = cudnn_fp8.available()
+        if why:
+            log(f"skip {CUDNN_FP8}: {why}")
+        else:
+            def cudnn8_fwd(q, k, v, causal):
+                a = cudnn_fp8.CudnnFp8Attention(q, k, v, causal)
+                return a.forward, a.o_dequantized
+
+            def cudnn8_bwd(q, k, v, do, causal):
+                a = cudnn_fp8.CudnnFp8Attention(q, k, v, causal, do=do)
+                return a.backward, a.grads_dequantized
+
+            out.append(Kernel(CUDNN_FP8, cudnn8_fwd, cudnn8_bwd))
     if "sage" in anchor_set:
         try:
             from sageattention import sageattn
@@ -330,7 +350,7 @@ def main(argv=None):
     H, D = args.heads, args.head_dim
     passes = ([] if args.no_forward and args.backward else ["fwd"]) + (["bwd"] if args.backward else [])
     log(f"{'kernel':30s} {'pass':4s} {'B':>3s} {'S':>6s} {'causal':6s} {'ms':>9s} {'TFLOP/s':>8s} "
-        f"{'xFA4':>6s} {'cosine':>8s}")
+        f"{'xFA4':>6s} {'xcuDNN8':>7s} {'cosine':>8s}")
     torch.manual_seed(0)
     for causal in args.causals:
         for S in args.seqlens:
@@ -341,7 +361,7 @@ def main(argv=None):
             ref_g = (reference_slice(q, k, v, causal, args.check_heads, do)
                      if args.check_heads and "bwd" in passes else None)
             for pas in passes:
-                fa4_ms = None
+                fa4_ms = cudnn8_ms = None
                 for kern in kernels:
                     if causal not in kern.causal_ok:
                         continue
@@ -371,18 +391,23 @@ def main(argv=None):
                     tflops = attn_flops(B, S, H, D, causal, bwd=(pas == "bwd")) / (ms * 1e-3) / 1e12
                     if kern.name == FA4:
                         fa4_ms = ms
+                    if kern.name == CUDNN_FP8:
+                        cudnn8_ms = ms
                     ratio = (fa4_ms / ms) if fa4_ms else None
+                    ratio8 = (cudnn8_ms / ms) if cudnn8_ms else None
                     row = {"kernel": kern.name, "pass": pas, "B": B, "S": S, "H": H, "D": D, "causal": causal,
                            "ms": round(ms, 4), "tflops": round(tflops, 1),
                            "ratio_vs_fa4_bf16": round(ratio, 3) if ratio else None,
+                           "ratio_vs_cudnn_fp8": round(ratio8, 3) if ratio8 else None,
                            "cosine": round(cos, 6) if cos is not None and math.isfinite(cos) else cos,
                            "device": device, "date": date, "command": command}
                     rows.append(row)
                     save()  # after every row: a run cut short still leaves its results
                     cos_s = f"{cos:8.5f}" if cos is not None else "       -"
                     rat_s = f"{ratio:6.2f}" if ratio else "     -"
+                    rat8_s = f"{ratio8:7.2f}" if ratio8 else "      -"
                     log(f"{kern.name:30s} {pas:4s} {B:3d} {S:6d} {str(causal):6s} {ms:9.4f} {tflops:8.1f} "
-                        f"{rat_s} {cos_s}")
+                        f"{rat_s} {rat8_s} {cos_s}")
             del q, k, v, do, ref_o, ref_g
             torch.cuda.empty_cache()
     save()

@@ -8,6 +8,9 @@ Contenders, all in one process on the same inputs:
   kernels included), the baseline of every ratio;
 - ``sdpa-cudnn-bf16``: ``torch.nn.functional.scaled_dot_product_attention`` (cuDNN back end)
   backward, likewise through autograd;
+- ``cudnn-fp8``: cuDNN's FP8 backward graph (``bench/cudnn_fp8.py``; E4M3 q, k, v, dO made
+  once outside the timed call, its own FP8 forward's o and stats), ``ratio_vs_cudnn_fp8`` of
+  every row; its rel-L2 is reported but not gated (FP8 gradients);
 - fp4gen generated modules given on the command line (``generated/...py`` files, module
   names under ``fp4gen.generated``, or ``FILE.attn::KERNEL``), each timed twice where it can be:
   ``<name>``: the module's full ``backward(q, k, v, o, lse, do)`` call (host preprocessing
@@ -53,14 +56,18 @@ import traceback
 from statistics import median
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cudnn_fp8  # noqa: E402  (bench/cudnn_fp8.py: the cuDNN FP8 anchor, shared with attention.py)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 SCHEMA = "fp4gen-attention-bwd/2"
 FA4 = "fa4-cute-bf16"
+CUDNN_FP8 = "cudnn-fp8"
 SDPA = "sdpa-cudnn-bf16"
 ROW_KEYS = ("kernel", "kind", "timed", "B", "S", "H", "D", "causal", "ms", "tflops", "ratio_vs_fa4",
-            "ms_rounds", "rel_l2_vs_fa4", "gate_pass", "rel_l2_own_forward_vs_fa4", "error")
+            "ratio_vs_cudnn_fp8", "ms_rounds", "rel_l2_vs_fa4", "gate_pass", "rel_l2_own_forward_vs_fa4", "error")
 TIMED_FULL = "full backward(q, k, v, o, lse, do) call: host pre/post-processing + kernel launch"
 TIMED_KERNEL = "backward kernel launch only (arguments prepared by one full call, untimed)"
 TIMED_FULL_STATE = ("full backward(..., prepared=quantize_inputs(q, k, v, **forward_state_options(mod))) call: "
@@ -69,6 +76,8 @@ TIMED_FULL_STATE = ("full backward(..., prepared=quantize_inputs(q, k, v, **forw
                     "untimed: the FP8 forward's quantizer writes them; bench/attention_bwd_profile.py times what "
                     "the extra payloads add to it), "
                     "host pre/post-processing + kernel launch")
+TIMED_CUDNN_FP8 = ("cuDNN FP8 backward graph execute (E4M3 q, k, v, o, dO prepared outside; gradients E4M3 on "
+                   "Hopper, BF16 on Blackwell)")
 TIMED_AUTOGRAD = "torch.autograd.grad of the forward output (the library's pre/post-processing included)"
 
 
@@ -90,7 +99,7 @@ def rel_l2(x, ref) -> float:
     return float((x - ref).norm() / den)
 
 
-def make_row(kernel, kind, timed, B, S, H, D, causal=True, ms=None, ms_rounds=None, ratio=None, rel=None,
+def make_row(kernel, kind, timed, B, S, H, D, causal=True, ms=None, ms_rounds=None, ratio=None, ratio8=None, rel=None,
              gate=None, rel_own=None, error=None) -> dict:
     """One result row (every key of ROW_KEYS, in that order). ``ms``: the median over the timing
     rounds (``ms_rounds``); ``ratio``: the median over rounds of FA4's time / this time."""
@@ -98,6 +107,7 @@ def make_row(kernel, kind, timed, B, S, H, D, causal=True, ms=None, ms_rounds=No
     row = {"kernel": kernel, "kind": kind, "timed": timed, "B": B, "S": S, "H": H, "D": D, "causal": causal,
            "ms": round(ms, 4) if ms else None, "tflops": round(t, 1) if t else None,
            "ratio_vs_fa4": round(ratio, 3) if ratio else None,
+           "ratio_vs_cudnn_fp8": round(ratio8, 3) if ratio8 else None,
            "ms_rounds": [round(x, 4) for x in ms_rounds] if ms_rounds else None,
            "rel_l2_vs_fa4": rel, "gate_pass": gate, "rel_l2_own_forward_vs_fa4": rel_own, "error": error}
     assert tuple(row) == ROW_KEYS
@@ -113,7 +123,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=32768, help="B*S per shape (B = tokens // S)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
-    p.add_argument("--anchors", default="fa4,sdpa", help="comma-separated subset of fa4,sdpa ('' for none)")
+    p.add_argument("--anchors", default="fa4,sdpa,cudnn8", help="comma-separated subset of fa4,sdpa,cudnn8 "
+                   "('' for none)")
     p.add_argument("--gate", type=float, default=2e-2, help="max rel-L2 of dq, dk, dv vs FA4 (default 2e-2)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time, ms")
@@ -138,9 +149,9 @@ def parse_args(argv=None):
         if s <= 0 or a.tokens // s < 1:
             p.error(f"seqlen {s} does not fit --tokens {a.tokens}")
     a.anchor_set = {x.strip() for x in a.anchors.split(",") if x.strip()}
-    unknown = a.anchor_set - {"fa4", "sdpa"}
+    unknown = a.anchor_set - {"fa4", "sdpa", "cudnn8"}
     if unknown:
-        p.error(f"unknown anchors: {', '.join(sorted(unknown))} (known: fa4, sdpa)")
+        p.error(f"unknown anchors: {', '.join(sorted(unknown))} (known: fa4, sdpa, cudnn8)")
     if a.gate <= 0:
         p.error("--gate must be positive")
     if a.rounds < 1:
@@ -490,6 +501,21 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                 emit(make_row(SDPA, "anchor", TIMED_AUTOGRAD, B, S, H, D, error=_first_line(e)))
                 sync()
 
+        # --- cuDNN FP8 (E4M3 q, k, v, o-free dO; quantized once, outside the timed call). Its
+        # rel-L2 is reported, not gated: FP8 gradients are not held to the BF16 gate.
+        if "cudnn8" in args.anchor_set:
+            why = cudnn_fp8.available() if dev == "cuda" else "no CUDA device"
+            if why:
+                log(f"skip {CUDNN_FP8}: {why}")
+            else:
+                try:
+                    c8 = cudnn_fp8.CudnnFp8Attention(q, k, v, True, do=do)
+                    rel, _ok = gate_of(c8.grads_dequantized(c8.backward()))
+                    timed.append((dict(kernel=CUDNN_FP8, kind="anchor", timed=TIMED_CUDNN_FP8, rel=rel), c8.backward))
+                except Exception as e:  # noqa: BLE001
+                    emit(make_row(CUDNN_FP8, "anchor", TIMED_CUDNN_FP8, B, S, H, D, error=_first_line(e)))
+                    sync()
+
         # --- fp4gen modules
         for mname, mod in mods:
             try:
@@ -550,6 +576,8 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                         errors[i] = _first_line(e)
                         sync()
         fa4_times = times[0] if (timed and timed[0][0]["kernel"] == FA4 and errors[0] is None) else None
+        c8_times = next((ts for (kw, _f), ts, err in zip(timed, times, errors)
+                         if kw["kernel"] == CUDNN_FP8 and err is None), None)
         for (kw, _fn), ts, err in zip(timed, times, errors):
             kw = dict(kw)
             kernel, kind, how = kw.pop("kernel"), kw.pop("kind"), kw.pop("timed")
@@ -557,8 +585,10 @@ def _run(args, dev, sync, log, json_path, command, date) -> int:
                 emit(make_row(kernel, kind, how, B, S, H, D, error=err, **kw))
                 continue
             ratios = [f / t for f, t in zip(fa4_times, ts)] if fa4_times else None
+            ratios8 = [c / t for c, t in zip(c8_times, ts)] if c8_times else None
             emit(make_row(kernel, kind, how, B, S, H, D, ms=median(ts), ms_rounds=ts,
-                          ratio=median(ratios) if ratios else None, **kw))
+                          ratio=median(ratios) if ratios else None,
+                          ratio8=median(ratios8) if ratios8 else None, **kw))
         del timed, times
 
         del q, k, v, do, ref_grads, fa4_state

@@ -61,7 +61,7 @@ def test_help_and_bad_arguments(ab, capsys):
     assert e.value.code == 0 and "FA4" in capsys.readouterr().out
     a = ab.parse_args([])
     assert a.seqlens == [4096, 8192, 16384] and a.tokens == 32768 and a.heads == 16 and a.head_dim == 128
-    assert a.anchor_set == {"fa4", "sdpa"} and a.gate == 2e-2
+    assert a.anchor_set == {"fa4", "sdpa", "cudnn8"} and a.gate == 2e-2
     for bad, msg in ((["--seqlens", "4k"], "integers"), (["--seqlens", "65536"], "does not fit"),
                      (["--anchors", "fa4,sage"], "unknown anchors"), (["--gate", "0"], "positive")):
         with pytest.raises(SystemExit) as e:
