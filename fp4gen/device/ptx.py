@@ -38,13 +38,14 @@ def _words(res, n: int, loc=None, ip=None):
 
 @dsl_user_op
 def ex2(x, *, loc=None, ip=None) -> Float32:
-    """2**x on the MUFU (ex2.approx.ftz.f32)."""
+    """2**x on the MUFU (``ex2.approx.ftz.f32``). PTX ISA: Floating-Point Instructions, ``ex2``."""
     return Float32(_asm(T.f32(), "ex2.approx.ftz.f32 $0, $1;", "=f,f", [Float32(x)], loc=loc, ip=ip))
 
 
 @dsl_user_op
 def prmt(a, b, sel: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a} (bytes a0..a3 = 0..3, b0..b3 = 4..7)."""
+    """Byte permute of {b, a} (bytes a0..a3 = 0..3, b0..b3 = 4..7). PTX ISA: Integer Arithmetic
+    Instructions, ``prmt``."""
     return Uint32(
         _asm(T.i32(), f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r", [Uint32(a), Uint32(b)], loc=loc, ip=ip)
     )
@@ -54,7 +55,7 @@ def prmt(a, b, sel: int, *, loc=None, ip=None) -> Uint32:
 def pack_low_bytes4(y0, y1, y2, y3, *, loc=None, ip=None) -> Uint32:
     """Pack the low byte of four 32-bit words into one word (byte i = y_i & 0xff).
 
-    Three PRMTs: two gather pairs, one joins the halves.
+    Three PRMTs: two gather pairs, one joins the halves (``prmt``, as above).
     """
     return Uint32(
         _asm(
@@ -73,7 +74,8 @@ def pack_low_bytes4(y0, y1, y2, y3, *, loc=None, ip=None) -> Uint32:
 
 @dsl_user_op
 def cvt_e4m3x4(p0, p1, p2, p3, *, loc=None, ip=None) -> Uint32:
-    """Four fp32 -> four E4M3 (round to nearest even, saturating), byte i = p_i."""
+    """Four fp32 -> four E4M3 (round to nearest even, saturating), byte i = p_i. PTX ISA: Data
+    Movement and Conversion Instructions, ``cvt`` (``.e4m3x2.f32``)."""
     return Uint32(
         _asm(
             T.i32(),
@@ -91,24 +93,28 @@ def cvt_e4m3x4(p0, p1, p2, p3, *, loc=None, ip=None) -> Uint32:
 
 @dsl_user_op
 def f32_as_u32(x, *, loc=None, ip=None) -> Uint32:
+    """The bits of a float (PTX ISA: Data Movement and Conversion Instructions, ``mov``)."""
     return Uint32(_asm(T.i32(), "mov.b32 $0, $1;", "=r,f", [Float32(x)], loc=loc, ip=ip))
 
 
 @dsl_user_op
 def u32_as_f32(x, *, loc=None, ip=None) -> Float32:
+    """A float from its bits (``mov``, as ``f32_as_u32``)."""
     return Float32(_asm(T.f32(), "mov.b32 $0, $1;", "=f,r", [Uint32(x)], loc=loc, ip=ip))
 
 
 @dsl_user_op
 def absmax2(x, y, *, loc=None, ip=None) -> Float32:
-    """max(|x|, |y|) (ptxas folds the abs into the FMNMX)."""
+    """max(|x|, |y|) (ptxas folds the abs into the FMNMX). PTX ISA: Floating-Point Instructions,
+    ``abs``, ``max``."""
     return Float32(_asm(T.f32(), "{\n.reg .f32 a, b;\nabs.f32 a, $1;\nabs.f32 b, $2;\nmax.f32 $0, a, b;\n}",
                         "=f,f,f", [Float32(x), Float32(y)], loc=loc, ip=ip))
 
 
 @dsl_user_op
 def pow2_reciprocal(c, *, loc=None, ip=None) -> Float32:
-    """1 / c, exactly, for c a normal power of two (from its exponent bits; NaN stays NaN)."""
+    """1 / c, exactly, for c a normal power of two (from its exponent bits; NaN stays NaN).
+    PTX ISA: Integer Arithmetic Instructions (``bfe``, ``sub``, ``shl``)."""
     return Float32(_asm(
         T.f32(),
         "{\n.reg .b32 e, r;\n.reg .pred special;\nmov.b32 r, $1;\nbfe.u32 e, r, 23, 8;\n"
@@ -122,7 +128,8 @@ def fp8_scale_cover(x, *, loc=None, ip=None) -> Float32:
     """The smallest power of two s with 448 s >= x (x >= 0): x = m 2^e, m in [1, 2), gives
     2^(e-8) if m <= 1.75 else 2^(e-7) (448 = 1.75 2^8); 1 for x < 2^-117 (0 included), NaN
     for inf/NaN. Exact and without a division; the numerics oracle's
-    ``reference.fp8_ds_scale_cover`` does the same bit arithmetic."""
+    ``reference.fp8_ds_scale_cover`` does the same bit arithmetic. PTX ISA: Integer Arithmetic
+    Instructions (``bfe``, ``and``, ``setp``)."""
     return Float32(_asm(
         T.f32(),
         "{\n.reg .b32 e, m, r;\n.reg .pred big, tiny, special;\n"
