@@ -64,9 +64,12 @@ def test_a_kernel_the_lowering_refuses_is_a_user_error(cli, tmp_path):
                                      "sm100a lowering implements head_dim 128 only (not yet 64)")
 
 
-def test_no_ptxas_is_a_clear_error(cli, monkeypatch, tmp_path):
+@pytest.mark.parametrize("example", ["fa4_fp4_d128.attn", "sm90_bf16_d128.attn"])
+def test_no_ptxas_is_a_clear_error_before_anything_compiles(cli, monkeypatch, tmp_path, example):
     monkeypatch.setenv("FP4GEN_PTXAS", str(tmp_path / "nope"))
-    r = cli("verify", EXAMPLES / "fa4_fp4_d128.attn")
+    monkeypatch.setattr("fp4gen.lowering.ptxas.compile_kept", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr("fp4gen.lowering.conformance.compile_artifacts", lambda *a, **k: pytest.fail("compiled"))
+    r = cli("verify", EXAMPLES / example)
     assert r.rc == 1 and "FP4GEN_PTXAS" in r.err and "Traceback" not in r.err
 
 
