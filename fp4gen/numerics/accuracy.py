@@ -7,7 +7,11 @@ Inputs: q, k, v i.i.d. standard normal (float32, torch.Generator seeded with
 ``seed``), shape (batch, seqlen, heads, head_dim); for a backward spec dO is
 standard normal too. The exact reference is float64 softmax attention of the
 *unquantized* inputs (and its analytic gradients), so the numbers include
-every quantization the spec asks for.
+every quantization the spec asks for. The oracle applies the spec's mask (window sizes
+included), softcap and sinks (``exact_attention``: ``exact.attention`` in bounded memory);
+a ``sinks learned`` spec gets seeded per-head sink logits (``draw_sinks``), and a
+``layout varlen`` spec runs on a seeded ragged batch (``ragged_lengths``, with an empty
+sequence and one of length 1) against the oracle per sequence; the report lists both.
 
     python -m fp4gen.numerics.accuracy --table [--seqlen 1024 --heads 4 --seed 0]
 
@@ -16,15 +20,17 @@ prints the recipe table of docs/numerics.md.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import sys
 
 import torch
 
-from fp4gen.ir.spec import (DirectPPolicy, Format, Guard, KernelSpec, Mask,
-                            OperandFormat, PKind, PProduction, ScaleGranularity, Target,
+from fp4gen.ir.spec import (DirectPPolicy, Format, Guard, KernelSpec, Layout, Mask,
+                            OperandFormat, PKind, PProduction, ScaleGranularity, Sinks, Target,
                             default_operand_format)
 
-from . import reference
+from . import masking, reference
 
 
 # The float64 oracle takes the query rows a block at a time so that its score matrix
@@ -33,35 +39,55 @@ from . import reference
 ORACLE_BLOCK_BYTES = 16 << 20
 
 
-def exact_attention(q, k, v, scale: float, causal: bool, do=None, *, row_block=None):
+def exact_attention(q, k, v, scale: float, causal: bool = False, do=None, *, window=None,
+                    softcap: float = 0.0, sinks=None, row_block=None):
     """float64 attention (and gradients when ``do`` is given), one (b, h) and one block of
-    ``row_block`` query rows at a time (default: ``ORACLE_BLOCK_BYTES`` of scores)."""
+    ``row_block`` query rows at a time (default: ``ORACLE_BLOCK_BYTES`` of scores).
+
+    ``exact.attention`` computed in bounded memory: the same definition (the mask rules,
+    softcap and sinks of ``masking.py``; ``window`` is FlashAttention's window_size, or
+    ``causal`` for (-1, 0)), with analytic gradients instead of autograd's whole score
+    matrix. ``sinks`` (H,) are the learned sink logits. Returns (o, lse, (dq, dk, dv) or None)."""
+    if window is None:
+        window = (-1, 0) if causal else masking.NO_WINDOW
+    elif causal and tuple(window) != (-1, 0):
+        raise ValueError(f"exact_attention: causal=True and window={window!r} disagree")
+    window = masking.check_window("exact_attention", window)
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv
     rb = row_block or max(1, ORACLE_BLOCK_BYTES // (8 * max(1, Sk)))
     q, k, v = (x.to(torch.float64) for x in (q, k, v))
+    sink64 = None if sinks is None else sinks.detach().to(torch.float64).cpu()
     o = torch.zeros(B, Sq, H, D, dtype=torch.float64)
-    lse = torch.zeros(B, H, Sq, dtype=torch.float64)
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float64)
+    if sink64 is not None:
+        lse[:] = sink64[None, :, None]
     grads = None
     if do is not None:
         do = do.to(torch.float64)
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
-    cols = torch.arange(Sk)[None, :]
+    if Sk == 0:  # no key: o = 0, lse = -inf (the sink with sinks), gradients 0
+        return o, lse, grads
+    cols = torch.arange(Sk)
     for b in range(B):
         for h in range(H):
             kh = h // g
             kb, vb = k[b, :, kh], v[b, :, kh]
             for r0 in range(0, Sq, rb):
                 r = slice(r0, min(Sq, r0 + rb))
-                s = (q[b, r, h] @ kb.T) * scale
-                if causal:
-                    rows = torch.arange(r.start, r.stop)[:, None]
-                    s = s.masked_fill(cols > rows + Sk - Sq, float("-inf"))
+                s = masking.softcap((q[b, r, h] @ kb.T) * scale, softcap)
+                if masking.is_masked(window):
+                    ok = masking.allowed(torch.arange(r.start, r.stop), cols, Sq, Sk, window)
+                    s = s.masked_fill(~ok, float("-inf"))
                 mx = s.amax(-1, keepdim=True)
+                if sink64 is not None:
+                    mx = torch.maximum(mx, sink64[h].expand_as(mx))
                 mx = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
                 e = torch.exp(s - mx)
                 l = e.sum(-1, keepdim=True)
+                if sink64 is not None:  # the sink's term in the denominator; it has no value row
+                    l = l + torch.exp(sink64[h] - mx)
                 p = torch.where(l > 0, e / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(e))
                 o[b, r, h] = p @ vb
                 lse[b, h, r] = torch.where(l[:, 0] > 0, (mx + torch.log(l))[:, 0],
@@ -70,10 +96,55 @@ def exact_attention(q, k, v, scale: float, causal: bool, do=None, *, row_block=N
                     dob = do[b, r, h]
                     dsum = (dob * o[b, r, h]).sum(-1, keepdim=True)
                     ds = p * (dob @ vb.T - dsum)
+                    if softcap:  # through c * tanh(s / c)
+                        ds = ds * masking.softcap_grad(s, softcap)
                     grads[0][b, r, h] = ds @ kb * scale
                     grads[1][b, :, kh] += ds.T @ q[b, r, h] * scale
                     grads[2][b, :, kh] += p.T @ dob
     return o, lse, grads
+
+
+def exact_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float, do=None, *,
+                           window=masking.NO_WINDOW, softcap: float = 0.0, sinks=None):
+    """``exact_attention`` per packed sequence (each on its own bottom-right diagonal):
+    q (total_q, H, D), k/v (total_k, Hkv, D) -> (o (total_q, H, D), lse (H, total_q),
+    (dq, dk, dv) or None), float64, as ``reference.forward_varlen`` lays them out."""
+    H, D = q.shape[1], q.shape[2]
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((H, q.shape[0]), float("-inf"), dtype=torch.float64)
+    grads = None if do is None else tuple(torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
+    for q0, q1, k0, k1 in masking.segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+        ob, lb, gb = exact_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale,
+                                     do=None if do is None else do[None, q0:q1], window=window,
+                                     softcap=softcap, sinks=sinks)
+        o[q0:q1], lse[:, q0:q1] = ob[0], lb[0]
+        if gb is not None:
+            grads[0][q0:q1], grads[1][k0:k1], grads[2][k0:k1] = gb[0][0], gb[1][0], gb[2][0]
+    return o, lse, grads
+
+
+# ------------------------------------------------- the inputs of a report -----
+# Drawn from the report's seeded generator after q, k, v (and dO), so that a dense spec without
+# sinks sees the very inputs it always did.
+
+def draw_sinks(heads: int, seqlen: int, gen: torch.Generator) -> torch.Tensor:
+    """Per-head sink logits (H,) float32: ``log(seqlen) + N(0, 1)``, so that the sink holds a
+    share of each row's softmax mass comparable to the keys' (an N(0, 1) sink next to ~seqlen
+    keys of N(0, 1) scores would weigh ~1/seqlen, too little for a wrong sink to show)."""
+    return math.log(max(2, seqlen)) + torch.randn(heads, generator=gen)
+
+
+def ragged_lengths(batch: int, seqlen: int, gen: torch.Generator) -> list[int]:
+    """The sequence lengths of a varlen report: ``batch`` lengths drawn uniformly from
+    1..seqlen, plus one empty sequence and one of length 1, in a seeded random order."""
+    drawn = torch.randint(1, seqlen + 1, (batch,), generator=gen).tolist()
+    lengths = [0, 1] + drawn
+    return [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]
+
+
+def cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    """int32 cumulative offsets (B + 1,) of sequences of these lengths."""
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -94,25 +165,47 @@ def row_cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def report(spec: KernelSpec, seqlen: int = 1024, heads: int = 4, batch: int = 1, seed: int = 0,
            head_dim=None, device="cpu") -> dict:
+    """The spec's numerics (the reference backend) against float64 attention of the same
+    unquantized inputs, with the spec's mask, softcap and sinks (``draw_sinks``); a varlen
+    spec runs on a ragged batch (``ragged_lengths``: ``batch`` sequences of up to ``seqlen``
+    tokens plus an empty one and one of length 1) against the per-sequence oracle."""
     D = head_dim or spec.head_dim
     if head_dim is not None and head_dim != spec.head_dim:
         from dataclasses import replace
         spec = replace(spec, head_dim=head_dim)
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, seqlen, heads, D)
+    varlen = spec.layout is Layout.VARLEN
+    lengths = ragged_lengths(batch, seqlen, gen) if varlen else None
+    shape = (sum(lengths), heads, D) if varlen else (batch, seqlen, heads, D)
     q, k, v, do = (torch.randn(shape, generator=gen) for _ in range(4))
-    causal = spec.mask is Mask.CAUSAL
-    o, lse = reference.forward(q.to(device), k.to(device), v.to(device), spec)
-    o_ref, lse_ref, grads = exact_attention(q, k, v, spec.scale, causal,
-                                            do if spec.backward is not None else None)
+    sinks = draw_sinks(heads, seqlen, gen) if spec.sinks is not Sinks.NONE else None
+    dev = [x.to(device) for x in (q, k, v, do)]
+    dev_sinks = None if sinks is None else sinks.to(device)
+    do_ref = do if spec.backward is not None else None
+    mask = dict(window=spec.window_size, softcap=spec.softcap, sinks=sinks)
+    if varlen:
+        cu = cu_seqlens(lengths)
+        seq = dict(max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        o, lse = reference.forward_varlen(*dev[:3], cu.to(device), cu.to(device), spec, sinks=dev_sinks, **seq)
+        o_ref, lse_ref, grads = exact_attention_varlen(q, k, v, cu, cu, spec.scale, do_ref, **mask)
+    else:
+        o, lse = reference.forward(*dev[:3], spec, sinks=dev_sinks)
+        o_ref, lse_ref, grads = exact_attention(q, k, v, spec.scale, do=do_ref, **mask)
     out = {"kernel": spec.name, "target": spec.target.value}
+    if varlen:
+        out["seqlens"] = lengths
+    if sinks is not None:
+        out["sink_logits"] = [round(float(x), 4) for x in sinks]
     out.update(compare(o.cpu(), o_ref))
     out["mean_row_cosine"] = row_cosine(o.cpu(), o_ref)
     fin = torch.isfinite(lse_ref)
     out["lse_max_abs"] = float((lse.cpu().double()[fin] - lse_ref[fin]).abs().max()) if fin.any() else 0.0
     if spec.backward is not None:
-        dq, dk, dv = reference.backward(q.to(device), k.to(device), v.to(device), o, lse,
-                                        do.to(device), spec)
+        if varlen:
+            dq, dk, dv = reference.backward_varlen(*dev[:3], o, lse, dev[3], cu.to(device), cu.to(device), spec,
+                                                   sinks=dev_sinks, **seq)
+        else:
+            dq, dk, dv = reference.backward(*dev[:3], o, lse, dev[3], spec, sinks=dev_sinks)
         for name, x, r in (("dq", dq, grads[0]), ("dk", dk, grads[1]), ("dv", dv, grads[2])):
             c = compare(x.cpu(), r)
             out[f"{name}_cosine"] = c["cosine"]
