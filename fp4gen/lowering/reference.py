@@ -4,11 +4,15 @@ The generated module embeds its ``KernelSpec`` as JSON and rebuilds it with
 ``fp4gen.runtime.specjson`` (no lark, no jinja2), and its plan as ``PLAN_JSON`` like every
 backend (``fp4gen.lowering.plan_json``). Its ``forward``/``backward``
 take any device and the floating dtypes torch has, and compute exactly the
-numerics the spec asks for (quantized Q/K/V, P's production, guard), so it is
-the oracle for the CuTe DSL kernels and lets anyone run a spec on a CPU.
+numerics the spec asks for (quantized Q/K/V, P's production, guard, mask, softcap,
+sinks), so it is the oracle for the CuTe DSL kernels and lets anyone run a spec on a CPU.
+Beyond the contract of ``fp4gen.lowering``, they take ``sinks=`` (the sink logits of a
+``sinks learned`` spec) and, for a ``layout varlen`` spec, packed ``(total, H, D)`` tensors
+with ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`` by name.
 """
 from __future__ import annotations
 
+from fp4gen.ir.dump.text import mask_text
 from fp4gen.ir.serialize import spec_to_json
 from fp4gen.ir.spec import Target
 
@@ -45,7 +49,7 @@ def context(plan) -> dict:
         excerpt=[Comment(line) for line in _spec_excerpt(spec)],
         operands=f"Q {spec.q}, K {spec.k}, P {spec.p} via {spec.p_production.kind.value}, V {spec.v}, O {spec.o}",
         head_dim=spec.head_dim,
-        mask=spec.mask.value,
+        mask=Comment(mask_text(spec)),  # "mask causal"; window sizes, softcap, sinks, layout where set
         guard=g.kind.value + (f"({g.m}, {g.l})" if g.kind.value == "sample" else ""),
         has_backward=spec.backward is not None,
         plan_json=plan_json(plan),

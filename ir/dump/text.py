@@ -29,7 +29,7 @@ def _tmem_bar(plan: KernelPlan, width: int = 64) -> list[str]:
     return ["    " + "".join(row) + "|", "    " + ticks + str(tm.limit_columns)]
 
 
-def _mask_text(s) -> str:
+def mask_text(s) -> str:
     """The mask as the spec writes it, then softcap, sinks and layout where the spec sets them:
     "mask window(128, 0), softcap 30, sinks learned, layout varlen". A spec that sets none of
     the three prints "mask causal" (or "mask none") alone, as dumps always did."""
@@ -51,7 +51,7 @@ def to_text(plan: KernelPlan) -> str:
     sch = s.schedule
     L: list[str] = []
     L.append(f"kernel {s.name}  target {s.target.value}  ({s.source_file})")
-    L.append(f"  head_dim {s.head_dim}, {_mask_text(s)}, tile {sch.tile_m} x {sch.tile_n}, "
+    L.append(f"  head_dim {s.head_dim}, {mask_text(s)}, tile {sch.tile_m} x {sch.tile_n}, "
              f"q_stages {plan.pipeline.q_stages if plan.pipeline else sch.q_stages}, "
              f"kv_stages {plan.pipeline.kv_stages if plan.pipeline else sch.kv_stages or '-'}, "
              f"P via {s.p_production.kind.value}"
