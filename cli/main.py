@@ -412,8 +412,9 @@ def cmd_run(args) -> int:
     device = _run_device(args.device, target)
     import torch
 
-    from fp4gen.numerics.accuracy import compare, exact_attention
+    from fp4gen.numerics import accuracy
     from fp4gen.api import LoadError, load
+    from fp4gen.ir.spec import Layout, Sinks
     from fp4gen.runtime.checks import UnsupportedDeviceError
 
     try:
@@ -424,30 +425,44 @@ def cmd_run(args) -> int:
     if args.backward and not bwd:
         raise UsageError(f"kernel {spec.name} has no backward block")
     gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.batch, args.seqlen, args.heads, spec.head_dim)
+    # a varlen spec runs a seeded ragged batch (with an empty and a one-token sequence), as accuracy does
+    lengths = accuracy.ragged_lengths(args.batch, args.seqlen, gen) if spec.layout is Layout.VARLEN else None
+    shape = ((sum(lengths),) if lengths else (args.batch, args.seqlen)) + (args.heads, spec.head_dim)
 
     def draw():  # one bf16 input on the device, without keeping its float32 draw
         return torch.randn(shape, generator=gen).to(device=device, dtype=torch.bfloat16)
 
     q, k, v = draw(), draw(), draw()
-    do = draw() if bwd else None  # drawn last: q, k, v are the same with and without --backward
+    sinks = accuracy.draw_sinks(args.heads, args.seqlen, gen) if spec.sinks is not Sinks.NONE else None
+    do = draw() if bwd else None  # drawn last: q, k, v (and sinks) are the same with and without --backward
+    extra = {}  # what only a sinks or varlen spec's (reference) module takes
+    if sinks is not None:
+        extra["sinks"] = sinks.to(device)
+    cu = None
+    if lengths:
+        cu = accuracy.cu_seqlens(lengths)
+        extra.update(cu_seqlens_q=cu.to(device), cu_seqlens_k=cu.to(device), max_seqlen_q=max(lengths),
+                     max_seqlen_k=max(lengths))
     t0 = time.perf_counter()
     try:
-        o, lse = mod.forward(q, k, v, return_lse=True)
-        grads = mod.backward(q, k, v, o, lse, do) if bwd else None
+        o, lse = mod.forward(q, k, v, return_lse=True, **extra)
+        grads = mod.backward(q, k, v, o, lse, do, **extra) if bwd else None
     except UnsupportedDeviceError as e:  # a GPU of another architecture
         raise UserError(str(e)) from None
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    # the float64 oracle sees the same (bf16-rounded) inputs the kernel saw
-    ref_o, _, ref_g = exact_attention(q.cpu(), k.cpu(), v.cpu(), spec.scale, spec.mask.value == "causal",
-                                      do.cpu() if bwd else None)
-    print(f"{spec.name} ({target}, {device}): B={args.batch} S={args.seqlen} H={args.heads} D={spec.head_dim}, "
+    # the float64 oracle sees the same (bf16-rounded) inputs the kernel saw, with the spec's mask fields
+    ref_o, _, ref_g = accuracy.spec_oracle(spec, q.cpu(), k.cpu(), v.cpu(), do.cpu() if bwd else None,
+                                           sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    batch = f"seqlens {lengths}" if lengths else f"B={args.batch} S={args.seqlen}"
+    print(f"{spec.name} ({target}, {device}): {batch} H={args.heads} D={spec.head_dim}, "
           f"{'forward+backward' if bwd else 'forward'} in {elapsed * 1e3:.1f} ms (first call, includes compilation)")
+    if sinks is not None:
+        print(f"  sink logits: {[round(float(x), 4) for x in sinks]}")
     rows = [("o", o, ref_o)] + ([(n, g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_g)] if bwd else [])
     for name, x, ref in rows:
-        c = compare(x.cpu(), ref)
+        c = accuracy.compare(x.cpu(), ref)
         print(f"  {name}: cosine {c['cosine']:.6f}  rel_l2 {c['rel_l2']:.6f}  max_abs {c['max_abs']:.4g}")
     return EXIT_OK
 

@@ -123,6 +123,16 @@ def exact_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float, do
     return o, lse, grads
 
 
+def spec_oracle(spec: KernelSpec, q, k, v, do=None, *, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """float64 attention with ``spec``'s scale, mask (window sizes included), softcap and
+    sinks: ``exact_attention`` for a dense spec, ``exact_attention_varlen`` on packed inputs
+    with their ``cu_seqlens_*`` for a ``layout varlen`` one. -> (o, lse, grads or None)."""
+    mask = dict(window=spec.window_size, softcap=spec.softcap, sinks=sinks)
+    if spec.layout is Layout.VARLEN:
+        return exact_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, spec.scale, do, **mask)
+    return exact_attention(q, k, v, spec.scale, do=do, **mask)
+
+
 # ------------------------------------------------- the inputs of a report -----
 # Drawn from the report's seeded generator after q, k, v (and dO), so that a dense spec without
 # sinks sees the very inputs it always did.
@@ -182,15 +192,13 @@ def report(spec: KernelSpec, seqlen: int = 1024, heads: int = 4, batch: int = 1,
     dev = [x.to(device) for x in (q, k, v, do)]
     dev_sinks = None if sinks is None else sinks.to(device)
     do_ref = do if spec.backward is not None else None
-    mask = dict(window=spec.window_size, softcap=spec.softcap, sinks=sinks)
+    cu = cu_seqlens(lengths) if varlen else None
     if varlen:
-        cu = cu_seqlens(lengths)
         seq = dict(max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
         o, lse = reference.forward_varlen(*dev[:3], cu.to(device), cu.to(device), spec, sinks=dev_sinks, **seq)
-        o_ref, lse_ref, grads = exact_attention_varlen(q, k, v, cu, cu, spec.scale, do_ref, **mask)
     else:
         o, lse = reference.forward(*dev[:3], spec, sinks=dev_sinks)
-        o_ref, lse_ref, grads = exact_attention(q, k, v, spec.scale, do=do_ref, **mask)
+    o_ref, lse_ref, grads = spec_oracle(spec, q, k, v, do_ref, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_k=cu)
     out = {"kernel": spec.name, "target": spec.target.value}
     if varlen:
         out["seqlens"] = lengths
