@@ -1,6 +1,6 @@
 """Tiny single-CTA sm100a unit kernels for the forward's risky tcgen05 forms (``fp4gen selftest``).
 
-The sm100a forward (``templates/sm100/fwd.py.j2``, docs/sm100.md) has never run. Its P.V product
+The sm100a forward (``fp4gen/device/sm100/forward.py``, docs/sm100.md) has never run. Its P.V product
 is ``tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block32`` with A (P, E2M1) read from
 TMEM, a form CUTLASS ships no atom test for. Each check here isolates one assumption of that
 path on one 128-row tile, with the expected result computed on the host from
@@ -156,7 +156,7 @@ def _build(cfg: KernelConfig):
             mSFB = cute.make_tensor(sfb_ptr, bsl.tile_atom_to_shape_SF(b_l.shape, SF_VEC))
             mD = cute.make_tensor(d_ptr, cute.make_layout((M, N, PRODUCTS), stride=(N, 1, M * N)))
 
-            # the forward's PV TiledMMA (fwd.py.j2: pv_mma), A from TMEM
+            # the forward's PV TiledMMA (forward.py: pv_mma), A from TMEM
             mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
                 F4, F4, OperandMajorMode.K, OperandMajorMode.K, E8M0, SF_VEC,
                 tcgen05.CtaGroup.ONE, self.tiler[:2], tcgen05.OperandSource.TMEM)
@@ -265,7 +265,7 @@ def _build(cfg: KernelConfig):
                     for w in cutlass.range_constexpr(half):
                         src_i[w] = mA[t, h * half + w, p]
                     cute.copy(thr_st, src, thr_st.partition_D(slab))
-            # SFA bytes at the forward's atom coordinate (fwd.py.j2 softmax: sfp_bytes[...])
+            # SFA bytes at the forward's atom coordinate (forward.py softmax: sfp_bytes[...])
             sfa_bytes = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=cutlass.Uint8), sSFA.layout)
             for b in cutlass.range_constexpr(K // SF_VEC):
                 sfa_bytes[(((t % 32, t // 32), 0), (0, b % 2)), 0, b // 2, 0] = mSFA[t, b]
