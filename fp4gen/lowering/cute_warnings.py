@@ -1,9 +1,11 @@
-"""CuTe DSL's own checker on a generated sm100a kernel, and which of its warnings are triaged.
+"""CuTe DSL's own checker on a generated kernel, and which of its warnings are triaged.
 
 ``cute.compile(..., options="warnings")`` runs CuTe DSL's synchronisation and TMEM checks
 (mbarrier arrive counts, TMEM loads outstanding at a release or a dealloc, ...) and prints each
-finding with a file:line: the kernel classes' files (fp4gen/device/sm100/forward.py,
-backward.py), where the kernel code lives, or the generated module. Issue 16 asks that every
+finding with a file:line: the kernel classes' files (fp4gen/device/sm100/*.py,
+fp4gen/device/sm90/*.py, the helper kernels' fp4gen/device/quantize.py and bwd_prep.py), where
+the kernel code lives, or the generated module. ``collect`` compiles an sm100a module's forward
+or backward; ``collect_module`` every kernel an (sm90a) module's ``compile_only`` compiles. Issue 16 asks that every
 one be fixed, or be suppressed with a reason next to the code it names. A warning counts as triaged
 when a comment above the line it names, in the same function and within ``WINDOW`` lines (one
 comment may cover a block of similar statements, e.g. eight barrier creations), mentions its
@@ -12,11 +14,14 @@ a new warning cannot slip in unread.
 
 The compile runs in a child process (CuTe DSL state and ``CUTE_DSL_ARCH`` stay out of the
 caller) and keeps nothing: with ``options`` CuTe DSL does not keep PTX, so this is one extra
-compile per kernel (~15 s), paid by ``fp4gen verify`` only.
+compile per kernel (~15 s), paid by ``fp4gen verify`` only. ``collect_module`` turns the checker
+on through ``CUTE_DSL_COMPILER_OPT=warnings``, which CuTe DSL adds to the options every host
+passes, so the module's own compile path runs unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -43,6 +48,28 @@ _RUNNER = textwrap.dedent("""
         Kernel, cutlass, cute = host.build()
         args = host.fake_args(cutlass, cute)
     cute.compile(Kernel(), *args, options="warnings")
+""")
+
+# Every compile of ``compile_only(arch)``, its checker output (CuTe DSL prints it to
+# sys.stderr) captured apart, so that each warning belongs to the kernel compiled.
+_MODULE_RUNNER = textwrap.dedent("""
+    import contextlib, importlib.util, io, json, sys
+    import cutlass.cute as cute
+    _compile, logs = cute.compile, []
+    def _logged(*args, **kwargs):
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(buf):
+                return _compile(*args, **kwargs)
+        finally:
+            logs.append(buf.getvalue())
+            sys.stderr.write(buf.getvalue())  # a failing compile's diagnostics stay visible
+    cute.compile = _logged
+    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    names = m.compile_only(sys.argv[2])
+    print(json.dumps({"names": names, "logs": logs}))
 """)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -91,9 +118,36 @@ def collect(source: str, *, backward: bool = False, timeout: int = 900) -> list:
     if r.returncode != 0:
         raise RuntimeError(f"sm_100a compilation with CuTe warnings failed (exit {r.returncode}):\n"
                            f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    # the compiled copy of the module is gone with tmp: a warning there names the module itself
-    return [dataclasses.replace(w, file=None) if w.file in (str(mod), "module.py") else w
-            for w in parse(r.stdout + "\n" + r.stderr)]
+    return [_named_in(w, mod) for w in parse(r.stdout + "\n" + r.stderr)]
+
+
+def _named_in(w: CuteWarning, mod: Path) -> CuteWarning:
+    """The warning, with ``file`` None when it names the compiled copy of the module (that copy
+    is gone with its temporary directory: the caller reads the module's source instead)."""
+    return dataclasses.replace(w, file=None) if w.file in (str(mod), mod.name) else w
+
+
+def collect_module(source: str, arch: str = "sm_90a", *, timeout: int = 1800) -> list:
+    """Compile every kernel a generated module's ``compile_only(arch)`` compiles, each with
+    CuTe's checker on; return ``(name, warnings)`` per compile, in compile order, the names
+    ``compile_only``'s. Raises RuntimeError when a compile fails or the names and compiles
+    disagree in number."""
+    with tempfile.TemporaryDirectory(prefix="fp4gen_cute_warnings_") as tmp:
+        mod = Path(tmp) / "module.py"
+        mod.write_text(source)
+        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_COMPILER_OPT="warnings",
+                   FP4GEN_CACHE_DIR=str(Path(tmp) / "cache"))  # compile, never a cache hit
+        r = subprocess.run([sys.executable, "-c", _MODULE_RUNNER, str(mod), arch],
+                           env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{arch} compilation with CuTe warnings failed (exit {r.returncode}):\n"
+                           f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    names, logs = out["names"], out["logs"]
+    if len(names) != len(logs):
+        raise RuntimeError(f"compile_only named {len(names)} kernels ({', '.join(names)}) but ran "
+                           f"{len(logs)} compiles")
+    return [(name, [_named_in(w, mod) for w in parse(log)]) for name, log in zip(names, logs)]
 
 
 def triaged(warning: CuteWarning, source_lines: list) -> bool:

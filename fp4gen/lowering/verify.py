@@ -15,23 +15,25 @@ backward), each compiled for sm_100a on the CPU:
   KV tiles with a ragged tail, O and LSE against the reference numerics; the backward's every
   CTA of a 256 x 256 causal problem, dQ/dK/dV against the exact gradient; no warp collective
   may run with part of a warp;
-* ``protocol`` (forwards): the emulated CTA's trace of barrier and async-memory events explored
-  under every interleaving the ISA allows (``protocol.py``): no deadlock, no race, no barrier
-  misuse, assuming in-order tensor-pipe issue (the S-column reuse FA4 also relies on; docs/sm100.md);
+* ``protocol``: each emulated CTA's trace of barrier and async-memory events (the forward's
+  one CTA, every CTA of the backward's problem) explored under every interleaving the ISA
+  allows (``protocol.py``): no deadlock, no race, no barrier misuse, assuming in-order
+  tensor-pipe issue (the S-column reuse FA4 also relies on; docs/sm100.md). Global memory (the
+  backward's dQ atomics and turn counter) is outside the model;
 * ``cute-warnings``: every warning of CuTe DSL's own checker (arrive counts, TMEM loads at a
-  release or dealloc) is triaged in the template beside the code it names
+  release or dealloc) is triaged beside the code it names, in the kernel library's files
   (``cute_warnings.py``; one extra compile per kernel).
 
 Only hardware can prove the rest (the block-scaled MMA with A from TMEM, P's nibble order
 in TMEM, timing): docs/sm100.md lists what is proven and what is not.
 
-sm90a specs get the ``registers`` gate (``verify_sm90``) for every kernel their module
-launches, compiled for sm_90a on the CPU: the forward and the backward against the plan's
-producer / consumer setmaxnreg budgets, the helper kernels of ``fp4gen/device`` (input
-quantizers, the backward's pre/post-processing) for no setmaxnreg, no spill, no C7508. The
-other checks read tcgen05 code and are sm100a-only (one ``skipped`` row says so); sm90a
-kernels run on the H200 and are checked there (tests/sm90*). Reference kernels have nothing
-to compile.
+sm90a specs get, for every kernel their module launches (compiled for sm_90a on the CPU), the
+``registers`` gate (``verify_sm90``: the forward and the backward against the plan's producer /
+consumer setmaxnreg budgets, the helper kernels of ``fp4gen/device`` (input quantizers, the
+backward's pre/post-processing) for no setmaxnreg, no spill, no C7508) and ``cute-warnings``
+(one more compile of the whole module with CuTe's checker on). The other checks read tcgen05
+code and are sm100a-only (one ``skipped`` row says so); sm90a kernels run on the H200 and are
+checked there (tests/sm90*). Reference kernels have nothing to compile.
 """
 from __future__ import annotations
 
@@ -98,7 +100,8 @@ def _emulator(kernel: str, source: str, art) -> tuple:
                  time.perf_counter() - t), res.trace
 
 
-def _emulator_backward(kernel: str, source: str, art) -> Check:
+def _emulator_backward(kernel: str, source: str, art) -> tuple:
+    """(Check, one trace per CTA, or None) of the emulated backward."""
     from .emulator import run
     from .emulator.machine import EmulationError
 
@@ -108,34 +111,40 @@ def _emulator_backward(kernel: str, source: str, art) -> Check:
         res = run.emulate_backward(source, seqlen_q=256, seqlen_k=256, seed=0)
     except EmulationError as e:
         return Check(kernel, "backward", "emulator", False, f"emulation stopped: {e}".splitlines()[0],
-                     time.perf_counter() - t)
+                     time.perf_counter() - t), None
     worst = max(res.errors.values())
     ok = worst < run.BWD_TOLERANCE and not res.notes
     errs = ", ".join(f"{k} {v:.2g}" for k, v in sorted(res.errors.items()))
     detail = (f"Sq 256, Sk 256, {res.ctas} CTAs: rel-L2 vs the exact gradient {errs} (tol "
               f"{run.BWD_TOLERANCE:g}); {res.instructions} warp instructions"
               + (f"; partial-warp collectives: {res.notes[0]}" if res.notes else ""))
-    return Check(kernel, "backward", "emulator", ok, detail, time.perf_counter() - t)
+    return Check(kernel, "backward", "emulator", ok, detail, time.perf_counter() - t), res.traces
 
 
-def _protocol(kernel: str, trace) -> Check:
+def _protocol(kernel: str, part: str, traces) -> Check:
+    """Every emulated CTA's trace (``traces``; None: the emulation did not finish) explored by
+    the protocol model check; the forward emulates one CTA, the backward every CTA of its grid
+    (each CTA's own barriers: the CTAs share only global memory, which the model leaves out)."""
     from . import protocol
 
     t = time.perf_counter()
-    if trace is None:
-        return Check(kernel, "forward", "protocol", False, "no trace: the emulation did not finish")
-    rep = protocol.check_protocol(trace, in_order_tensor_pipe=True)
+    if traces is None:
+        return Check(kernel, part, "protocol", False, "no trace: the emulation did not finish")
+    reps = [protocol.check_protocol(tr, in_order_tensor_pipe=True) for tr in traces]
     kinds = {}
-    for f in rep.findings:
-        kinds[f.kind] = kinds.get(f.kind, 0) + 1
-    head = (f"{trace.kv_tiles} KV tiles, {rep.states} states"
-            f"{'' if rep.exhaustive else ' (NOT exhaustive)'}, in-order tensor pipe assumed")
-    if rep.ok:
-        return Check(kernel, "forward", "protocol", True, head + ": no deadlock, race or barrier misuse",
+    for rep in reps:
+        for f in rep.findings:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    exhaustive = all(rep.exhaustive for rep in reps)
+    what = f"{traces[0].kv_tiles} KV tiles" if part == "forward" else f"{len(traces)} CTAs"
+    head = (f"{what}, {sum(rep.states for rep in reps)} states"
+            f"{'' if exhaustive else ' (NOT exhaustive)'}, in-order tensor pipe assumed")
+    if all(rep.ok for rep in reps):
+        return Check(kernel, part, "protocol", True, head + ": no deadlock, race or barrier misuse",
                      time.perf_counter() - t)
-    first = rep.findings[0] if rep.findings else None
+    first = next((rep.findings[0] for rep in reps if rep.findings), None)
     found = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-    return Check(kernel, "forward", "protocol", False,
+    return Check(kernel, part, "protocol", False,
                  f"{head}: {found or 'search cut off'}" + (f"; first: {first.message}" if first else ""),
                  time.perf_counter() - t)
 
@@ -183,7 +192,7 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(Check(spec.name, "forward", "registers", ok, detail))
     emulated, trace = _emulator(spec.name, source, art)
     out.append(emulated)
-    out.append(_protocol(spec.name, trace))
+    out.append(_protocol(spec.name, "forward", None if trace is None else [trace]))
     out.append(_cute_warnings(spec.name, "forward", source, backward=False))
     if spec.backward is None:
         return out
@@ -203,7 +212,9 @@ def verify_spec(spec, plan=None) -> list[Check]:
     out.append(_descriptors(spec.name, "backward", D.check_backward_descriptors(bp, art.ptx), art.ptx))
     ok, detail = _registers(art.ptx, _roles(bp.roles), bp.spill_budget_bytes)
     out.append(Check(spec.name, "backward", "registers", ok, detail))
-    out.append(_emulator_backward(spec.name, source, art))
+    emulated, traces = _emulator_backward(spec.name, source, art)
+    out.append(emulated)
+    out.append(_protocol(spec.name, "backward", traces))
     out.append(_cute_warnings(spec.name, "backward", source, backward=True))
     return out
 
@@ -217,18 +228,21 @@ SM90_SPILL_BUDGET_BYTES = 0
 SM90_HELPER_PARTS = (("fp8_quantize_", "quantizers", "quantize"), ("bwd_", "bwd-prep", "bwd_prep"))
 
 
+def _sm90_part_of_name(kernel: str, name: str) -> tuple:
+    """(row, helper family or None) of the kernel ``compile_only`` named ``name``."""
+    if name == kernel or name.startswith(kernel + ".backward"):
+        return ("forward" if name == kernel else "backward"), None
+    found = [(part, fam) for prefix, part, fam in SM90_HELPER_PARTS if name.startswith(prefix)]
+    if not found:
+        raise RuntimeError(f"{kernel}: compile_only compiled {name!r}, a kernel verify does not know")
+    return found[0]
+
+
 def sm90_part(kernel: str, name: str, entry: str) -> str:
     """Which row a kernel of ``kernel``'s module belongs to: forward, backward, or the helper
     family (quantizers, bwd-prep) of ``fp4gen/device``. The name (``compile_only``'s) and the
     entry (the class that compiled it) must agree, else the kept PTX is not the kernel named."""
-    if name == kernel or name.startswith(kernel + ".backward"):
-        part = "forward" if name == kernel else "backward"
-        family = None
-    else:
-        found = [(part, fam) for prefix, part, fam in SM90_HELPER_PARTS if name.startswith(prefix)]
-        if not found:
-            raise RuntimeError(f"{kernel}: compile_only compiled {name!r}, a kernel verify does not know")
-        part, family = found[0]
+    part, family = _sm90_part_of_name(kernel, name)
     helper_entry = [fam for _, _, fam in SM90_HELPER_PARTS if f"device{fam}_" in entry]
     if helper_entry != ([family] if family else []):
         raise RuntimeError(f"{kernel}: the PTX kept for {name} is {entry[:80]}..., another kernel")
@@ -271,16 +285,41 @@ def _sm90_helpers(kernel: str, part: str, kept: list) -> Check:
     return Check(kernel, part, "registers", not bad, detail, time.perf_counter() - t)
 
 
+def _sm90_cute_warnings(kernel: str, source: str) -> list[Check]:
+    """One ``cute-warnings`` row per part: every warning CuTe's checker raises on the part's
+    kernels is triaged beside the code it names (one compile of every kernel of the module)."""
+    from . import cute_warnings
+
+    t = time.perf_counter()
+    compiled = cute_warnings.collect_module(source, "sm_90a")
+    seconds = time.perf_counter() - t
+    parts: dict = {}
+    for name, found in compiled:
+        parts.setdefault(_sm90_part_of_name(kernel, name)[0], []).append(found)
+    out = []
+    for part, per_kernel in parts.items():
+        found = [w for ws in per_kernel for w in ws]
+        bad = cute_warnings.untriaged(found, source)
+        codes = sorted({w.code for w in found})
+        detail = (f"{len(per_kernel)} kernels, {len(found)} warnings ({', '.join(codes) or 'none'})"
+                  + (", each triaged beside its code" if found else "") if not bad
+                  else "untriaged: " + "; ".join(map(str, bad)))
+        out.append(Check(kernel, part, "cute-warnings", not bad, detail, seconds if not out else 0.0))
+    return out
+
+
 def verify_sm90(plan) -> list[Check]:
-    """The register and spill gate for every kernel an sm90a module launches, compiled for
-    sm_90a on the CPU: the forward and backward against the plan's producer / consumer
-    setmaxnreg budgets, the helper kernels (input quantizers, backward pre/post-processing) for
-    no setmaxnreg, no spill and no C7508; one row per part."""
+    """For every kernel an sm90a module launches, compiled for sm_90a on the CPU: the register
+    and spill gate (the forward and backward against the plan's producer / consumer setmaxnreg
+    budgets, the helper kernels (input quantizers, backward pre/post-processing) for no
+    setmaxnreg, no spill and no C7508) and CuTe's checker warnings; per part its ``registers``
+    row, then its ``cute-warnings`` row."""
     from . import ptxas, render
 
     name = plan.spec.name
+    source = render(plan)
     t = time.perf_counter()
-    kept = ptxas.compile_kept(render(plan), "sm_90a")
+    kept = ptxas.compile_kept(source, "sm_90a")
     compile_s = time.perf_counter() - t
     parts: dict = {}
     for k in kept:
@@ -297,8 +336,13 @@ def verify_sm90(plan) -> list[Check]:
         else:
             out.append(_sm90_helpers(name, part, parts[part]))
     out[0] = replace(out[0], seconds=out[0].seconds + compile_s)  # the one compile of every kernel
+    warned = {c.part: c for c in _sm90_cute_warnings(name, source)}
+    if set(warned) != {c.part for c in out}:
+        raise RuntimeError(f"{name}: the checker's compile covered parts {sorted(warned)}, the register gate's "
+                           f"{sorted(c.part for c in out)}")
+    out = [row for c in out for row in (c, warned[c.part])]
     out.append(Check(name, "all", "skipped", True,
-                     "conformance, descriptors, emulator, protocol and cute-warnings are sm100a-only; "
+                     "conformance, descriptors, emulator and protocol are sm100a-only; "
                      "sm90a kernels run on the H200 (tests/sm90*)"))
     return out
 

@@ -20,32 +20,37 @@ def test_a_reference_kernel_is_reported_as_skipped(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_sm90_kernels_get_the_register_gate_and_a_skipped_row(cli):
-    """The sm90a forward alone (no backward, no quantizer): its registers row, and the row that
-    says which checks are sm100a-only."""
+def test_sm90_kernels_get_the_register_gate_cute_warnings_and_a_skipped_row(cli):
+    """The sm90a forward alone (no backward, no quantizer): its registers and cute-warnings
+    rows, and the row that says which checks are sm100a-only."""
     r = cli("verify", EXAMPLES / "sm90_bf16_d128.attn", "--kernel", "sm90_bf16_d128", "--json")
     assert r.rc == 0, r.out + r.err
     rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
-    assert set(rows) == {("forward", "registers"), ("all", "skipped")} and all(x["ok"] for x in rows.values())
+    assert set(rows) == {("forward", "registers"), ("forward", "cute-warnings"), ("all", "skipped")}
+    assert all(x["ok"] for x in rows.values())
     assert "spills 0 B st + 0 B ld (budget 0)" in rows[("forward", "registers")]["detail"]
-    assert "H200" in rows[("all", "skipped")]["detail"]
+    assert rows[("forward", "cute-warnings")]["detail"] == "1 kernels, 0 warnings (none)"
+    assert "H200" in rows[("all", "skipped")]["detail"] and "cute-warnings" not in rows[("all", "skipped")]["detail"]
 
 
 @pytest.mark.slow
 def test_every_kernel_of_the_sm90_training_example_passes_the_gate(cli):
     """Forward, both backward variants, the six input quantizers and the five backward
-    pre/post-processing kernels: zero spills, the plan's setmaxnreg budgets, no C7508."""
+    pre/post-processing kernels: zero spills, the plan's setmaxnreg budgets, no C7508, every
+    CuTe checker warning triaged."""
     r = cli("verify", EXAMPLES / "sm90_fp8_train_d128.attn", "--kernel", "sm90_fp8_train_causal_d128", "--json")
     assert r.rc == 0, r.out + r.err
     rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
-    assert set(rows) == {("forward", "registers"), ("backward", "registers"), ("quantizers", "registers"),
-                         ("bwd-prep", "registers"), ("all", "skipped")}
+    parts = ("forward", "backward", "quantizers", "bwd-prep")
+    assert set(rows) == {(p, c) for p in parts for c in ("registers", "cute-warnings")} | {("all", "skipped")}
     assert all(x["ok"] for x in rows.values())
     fwd, bwd = rows[("forward", "registers")]["detail"], rows[("backward", "registers")]["detail"]
     assert "setmaxnreg [240] up / [24] down, spills 0 B st + 0 B ld (budget 0)" in fwd
     assert bwd.startswith("backward, backward_gqa: ") and "spills 0 B st + 0 B ld" in bwd
     assert rows[("quantizers", "registers")]["detail"].startswith("6 kernels, ")
     assert rows[("bwd-prep", "registers")]["detail"].startswith("5 kernels, ")
+    assert [rows[(p, "cute-warnings")]["detail"].split(",")[0] for p in parts] == [
+        "1 kernels", "2 kernels", "6 kernels", "5 kernels"]
 
 
 def test_a_spec_error_is_a_user_error(cli, tmp_path):
@@ -80,6 +85,7 @@ def test_forward_and_backward_of_the_backward_example(cli):
     rows = {(x["part"], x["check"]): x for x in json.loads(r.out)}
     assert set(rows) == {(part, check) for part in ("forward", "backward")
                          for check in ("conformance", "descriptors", "registers", "cute-warnings")} | {
-        ("forward", "emulator"), ("forward", "protocol"), ("backward", "emulator")}
+        ("forward", "emulator"), ("forward", "protocol"), ("backward", "emulator"), ("backward", "protocol")}
     assert all(x["ok"] for x in rows.values())
     assert "spills 0 B st + 0 B ld (budget 0)" in rows[("backward", "registers")]["detail"]
+    assert rows[("backward", "protocol")]["detail"].startswith("2 CTAs, ")  # Sk 256: two key tiles
