@@ -546,3 +546,48 @@ def test_other_sm100a_forwards_pass_with_in_order_issue(name):
     t = run.emulate_forward(src, seqlen_q=256, seqlen_k=256, strict_aligned=False).trace
     r = protocol.check_protocol(t)
     assert r.exhaustive and r.findings == [], r.summary()
+
+
+# --- the real backward traces: sm100_bwd_causal_d128, every CTA of a 256 x 256 causal problem -----
+# (~80 s of emulation, once per session, plus one cached compile)
+_BWD = {}
+
+
+def _backward_traces():
+    run = pytest.importorskip("fp4gen.lowering.emulator.run")
+    if not _BWD:
+        src = (ROOT / "generated" / "sm100_bwd_causal_d128_sm100a.py").read_text()
+        _BWD["traces"] = run.emulate_backward(src, seqlen_q=256, seqlen_k=256, seed=0).traces
+    return _BWD["traces"]
+
+
+@pytest.mark.slow
+def test_sm100_backward_real_traces_pass_with_in_order_issue():
+    traces = _backward_traces()
+    assert len(traces) == 2  # one CTA per 128 keys
+    for t in traces:
+        r = protocol.check_protocol(t)
+        assert r.exhaustive and r.findings == [], r.summary()
+
+
+@pytest.mark.slow
+def test_sm100_backward_trace_without_the_compute_warps_first_arrive_deadlocks():
+    # planted in the last CTA's trace (one query tile): the compute warps' first mbarrier arrive
+    # is dropped. The MMA warp waits on that barrier (its init count is the compute warps'
+    # 4 x 32 lanes), so it blocks there for ever: a deadlock naming that wait.
+    t = _backward_traces()[-1]
+    compute = [w for w, role in t.roles.items() if role == "compute"]
+    (mma,) = [w for w, role in t.roles.items() if role == "mma"]
+    first = next(e for e in t.warps[compute[0]] if isinstance(e, Arrive))
+    waits = [e for e in t.warps[mma] if isinstance(e, Wait) and e.bar == first.bar]
+    assert waits, "the MMA warp waits on the compute warps' first arrive's barrier"
+    warps = {}
+    for w, evs in t.warps.items():
+        if w in compute:
+            i = next(i for i, e in enumerate(evs) if isinstance(e, Arrive))
+            assert evs[i].bar == first.bar
+            evs = evs[:i] + evs[i + 1:]
+        warps[w] = list(evs)
+    r = protocol.check_protocol(Trace(t.kernel, t.kv_tiles, warps, t.roles))
+    assert r.exhaustive and r.deadlocks, r.summary()
+    assert any(waits[0].line in f.lines and mma in f.warps for f in r.deadlocks), r.summary()
