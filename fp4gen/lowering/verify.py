@@ -301,9 +301,11 @@ def _sm90_cute_warnings(kernel: str, source: str) -> list[Check]:
         found = [w for ws in per_kernel for w in ws]
         bad = cute_warnings.untriaged(found, source)
         codes = sorted({w.code for w in found})
-        detail = (f"{len(per_kernel)} kernels, {len(found)} warnings ({', '.join(codes) or 'none'})"
-                  + (", each triaged beside its code" if found else "") if not bad
-                  else "untriaged: " + "; ".join(map(str, bad)))
+        if bad:
+            detail = "untriaged: " + "; ".join(map(str, bad))
+        else:
+            detail = (f"{len(per_kernel)} kernels, {len(found)} warnings ({', '.join(codes) or 'none'})"
+                      + (", each triaged beside its code" if found else ""))
         out.append(Check(kernel, part, "cute-warnings", not bad, detail, seconds if not out else 0.0))
     return out
 
