@@ -1,7 +1,9 @@
-"""Masking of one score tile: keys past the sequence end, and causal.
+"""Masking of one score tile: keys past the sequence end, causal, and a sliding window.
 
 Causal here means key j is visible to query i iff j <= i + causal_offset
 (offset 0: top-left aligned, as torch's ``is_causal``; Sk - Sq: bottom-right).
+A window (left, right) (fp4gen.numerics.masking, FlashAttention's ``window_size``; -1 =
+unbounded side) means i + offset - left <= j <= i + offset + right, with the same offset.
 """
 from __future__ import annotations
 
@@ -21,14 +23,30 @@ def apply(
     seqlen_k: Int32,
     causal: cutlass.Constexpr[bool],
     causal_offset: Int32,
+    window: cutlass.Constexpr = None,
 ):
-    """Set masked scores to -inf. ``coords``: (row, col) in the tile of each element."""
+    """Set masked scores to -inf. ``coords``: (row, col) in the tile of each element.
+    ``window``: (left, right) or None (then ``causal`` alone decides)."""
     s_mn = acc_mn(acc_s)
     c_mn = acc_mn(coords)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         limit = seqlen_k - col0
         if cutlass.const_expr(causal):
             limit = cutlass.min(limit, row0 + c_mn[r, 0][0] + 1 + causal_offset - col0)
-        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            if c_mn[0, j][1] >= limit:
-                s_mn[r, j] = -Float32.inf
+        if cutlass.const_expr(window is None):
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if c_mn[0, j][1] >= limit:
+                    s_mn[r, j] = -Float32.inf
+        else:
+            # columns (tile-relative) [lo, limit) are visible to this row
+            diag = row0 + c_mn[r, 0][0] + causal_offset - col0
+            lo = Int32(0)
+            if cutlass.const_expr(window[1] >= 0):
+                limit = cutlass.min(limit, diag + (window[1] + 1))
+            if cutlass.const_expr(window[0] >= 0):
+                lo = diag - window[0]
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if c_mn[0, j][1] >= limit:
+                    s_mn[r, j] = -Float32.inf
+                if c_mn[0, j][1] < lo:
+                    s_mn[r, j] = -Float32.inf

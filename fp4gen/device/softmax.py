@@ -28,6 +28,8 @@ from cutlass import Float32
 
 from . import directp, ptx
 from .layout import acc_mn
+from .ptx import _asm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LN2 = math.log(2.0)
 
@@ -113,6 +115,27 @@ def tile(
             row_sum[r] = tot
         else:
             row_sum[r] = row_sum[r] * scale + tot
+
+
+@dsl_user_op
+def tanh_approx(x, *, loc=None, ip=None) -> Float32:
+    """tanh on the MUFU (``tanh.approx.f32``, PTX ISA 9.7.3.22), as FlashAttention-3 uses it.
+    Its maximum relative error is 2^-10.987 (PTX ISA), ~5e-4: with a softcap of c2 (log2
+    units) a saturated score moves by up to c2 * 5e-4 (0.02 for softcap 30), i.e. P by up to
+    ~1.5 %; the GPU tests' softcap tolerance accounts for that."""
+    return Float32(_asm(T.f32(), "tanh.approx.f32 $0, $1;", "=f,f", [Float32(x)], loc=loc, ip=ip))
+
+
+@cute.jit
+def softcap(acc_s: cute.Tensor, c: Float32, cap2: cutlass.Constexpr[float]):
+    """s -> x = cap2 * tanh(s * c / cap2) in place: the log2-unit score x = s * c, capped
+    (fp4gen.numerics.reference: t = cap2 tanh(t / cap2), cap2 = softcap * log2 e). Applied
+    before the mask (-inf stays -inf only if masked afterwards); ``tile`` then takes c = 1."""
+    s_mn = acc_mn(acc_s)
+    c_in = c * (1.0 / cap2)  # s * c / cap2 in one multiply (1 ulp from the reference's division)
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            s_mn[r, j] = tanh_approx(s_mn[r, j] * c_in) * cap2
 
 
 @cute.jit

@@ -70,6 +70,7 @@ def context(plan) -> dict:
         raise LoweringError("sm90 ping-pong is implemented together with intra-warpgroup overlap")
 
     origins = {k: Comment(spec.origin(k)) for k in ("Q", "K", "P", "V", "O", "mask", "head_dim")}
+    origins["softcap"] = Comment(spec.origin("softcap"))
     origins["schedule"] = Comment(spec.origin("schedule.tile"))
     cfg = _config(plan, in_fp8, p_mode)
     return dict(
@@ -121,20 +122,26 @@ def _config(plan, in_fp8: bool, p_mode: str):
         producer_regs=sm.producer_registers,
         consumer_regs=sm.consumer_registers,
         quant_block=spec.q.block if in_fp8 else None,  # the spec's Q/K scale block (checked 128 above)
+        window=tuple(spec.window_size) if spec.mask is Mask.WINDOW else None,
+        softcap=float(spec.softcap or 0.0),
     )
 
 
 # the spec line (origins key) or plan field behind each ForwardConfig value, for its comment
 _FIELD_SOURCE = {
     "head_dim": "head_dim", "causal": "mask", "in_fp8": "Q", "p_mode": "P", "quant_block": "Q",
-    "tile_m": "schedule", "tile_n": "schedule",
+    "tile_m": "schedule", "tile_n": "schedule", "window": "mask", "softcap": "softcap",
 }
 
 
 def _config_fields(cfg, origins) -> list:
-    """(name, literal, comment) per ForwardConfig field, in declaration order."""
+    """(name, literal, comment) per ForwardConfig field, in declaration order; a field with a
+    default (window, softcap) only when the spec sets it, so that the modules of specs
+    without one render as before."""
     rows = []
     for f in dataclasses.fields(cfg):
+        if f.default is not dataclasses.MISSING and getattr(cfg, f.name) == f.default:
+            continue
         value = Code("KERNEL_NAME") if f.name == "kernel_name" else pyrepr(getattr(cfg, f.name))
         src = _FIELD_SOURCE.get(f.name)
         if f.name == "kernel_name":

@@ -50,9 +50,17 @@ def _fp8(block):
 
 def make_plan(variant: str, head_dim: int = 128, causal: bool = False, *,
               overlap: bool = True, pingpong: bool = True, kv_stages: int = 2,
-              l_from_mma: bool = False) -> KernelPlan:
+              l_from_mma: bool = False, window=None, softcap: float = 0.0) -> KernelPlan:
+    """``window``: (left, right) for ``mask window(left, right)`` (not with ``causal``);
+    ``softcap``: the spec's softcap (0: none)."""
     name = f"sm90_{variant}_d{head_dim}{'_causal' if causal else ''}"
     mask = Mask.CAUSAL if causal else Mask.NONE
+    if window is not None:
+        assert not causal, "a window spec has mask window, not causal"
+        name += f"_w{window[0]}_{window[1]}".replace("-", "m")
+        mask = Mask.WINDOW
+    if softcap:
+        name += f"_cap{softcap:g}".replace(".", "p")
     if variant == "bf16":
         spec = KernelSpec(name=name, target=Target.SM90A, head_dim=head_dim, mask=mask)
         fp8 = False
@@ -64,6 +72,8 @@ def make_plan(variant: str, head_dim: int = 128, causal: bool = False, *,
             p=OperandFormat(Format.FP8E4M3), p_production=PProduction(kind=kind),
         )
         fp8 = True
+    if window is not None or softcap:
+        spec = dataclasses.replace(spec, window=tuple(window) if window is not None else None, softcap=float(softcap))
     elt = 1 if fp8 else 2
     smem = elt * head_dim * (128 + 2 * kv_stages * 128)
     sm = (Sm90PlanX if l_from_mma else Sm90Plan)(

@@ -60,15 +60,20 @@ def test_render_contract(variant, d, causal):
 
 def rendered_config(src: str) -> dict:
     """The keyword values of the module's ``CONFIG = ForwardConfig(...)`` literal, read with ast
-    (``kernel_name=KERNEL_NAME`` resolved): what the module's kernel and host run with."""
+    (``kernel_name=KERNEL_NAME`` resolved), fields it leaves out at their defaults: what the
+    module's kernel and host run with."""
+    from fp4gen.device.sm90.config import ForwardConfig
+
     tree = ast.parse(src)
     consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
               and isinstance(n.value, ast.Constant) for t in n.targets if isinstance(t, ast.Name)}
     (call,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
                and [getattr(t, "id", None) for t in n.targets] == ["CONFIG"]]
     assert isinstance(call, ast.Call) and call.func.id == "ForwardConfig" and not call.args
-    return {kw.arg: consts[kw.value.id] if isinstance(kw.value, ast.Name) else ast.literal_eval(kw.value)
-            for kw in call.keywords}
+    given = {kw.arg: consts[kw.value.id] if isinstance(kw.value, ast.Name) else ast.literal_eval(kw.value)
+             for kw in call.keywords}
+    defaults = {f.name: f.default for f in dataclasses.fields(ForwardConfig) if f.default is not dataclasses.MISSING}
+    return {**defaults, **given}
 
 
 @pytest.mark.parametrize("variant,d,causal", MATRIX)

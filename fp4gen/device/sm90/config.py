@@ -33,6 +33,12 @@ class ForwardConfig:
     producer_regs: int  # setmaxnreg of the producer warpgroup
     consumer_regs: int  # setmaxnreg of the consumer warpgroups
     quant_block: Optional[int]  # FP8: tokens per Q/K scale (the spec's block); None for BF16
+    # Fields with a default: a module renders them only when it sets them, so the modules
+    # of specs without them (and their PTX) stay as they were.
+    # mask window(left, right), -1 = unbounded side (bottom-right aligned, as
+    # fp4gen.numerics.masking); None: no window (``causal`` is its own field)
+    window: Optional[tuple] = None
+    softcap: float = 0.0  # c > 0: scaled scores become c * tanh(s / c); 0: none
 
     def __post_init__(self):
         if self.p_mode not in P_MODES:
@@ -45,6 +51,21 @@ class ForwardConfig:
             # the kernel reads one K scale per key tile (ForwardKernel.tile_mult)
             raise ValueError(f"{self.kernel_name}: FP8 scale blocks ({self.quant_block}) must be key tiles "
                              f"({self.tile_n})")
+        if self.window is not None:
+            left, right = self.window
+            if self.causal or (left, right) in ((-1, -1), (-1, 0)) or min(left, right) < -1:
+                raise ValueError(f"{self.kernel_name}: window {self.window} must bound a side, be neither "
+                                 "causal (-1, 0) nor combined with causal, and each side >= -1")
+        if self.softcap < 0:
+            raise ValueError(f"{self.kernel_name}: softcap must be > 0 (or 0: none), got {self.softcap}")
+
+    @property
+    def softcap_log2(self) -> float:
+        """The softcap in the kernel's log2 units (x = s * softmax_scale * log2 e):
+        c tanh(s / c) log2 e = c2 tanh(x / c2) with c2 = c log2 e, as the reference's ``cap2``."""
+        from fp4gen.numerics.directp import LOG2E
+
+        return self.softcap * LOG2E
 
     @property
     def softmax_mode(self) -> str:

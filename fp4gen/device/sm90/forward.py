@@ -13,6 +13,10 @@ outside ``@cute.jit`` code), so each config traces to the code its own rendered 
 - ``l_from_mma``: Direct-P's normaliser l = sum of decoded P codes as P @ ones on the
   tensor cores, from the very registers PV reads.
 - ``causal``: bottom-right aligned causal mask, longest query tiles scheduled first.
+- ``window`` (left, right): a sliding window (fp4gen.numerics.masking); a CTA visits only
+  the key tiles [n_block_min, n_block_max) its rows see (``window_tiles``) and masks the
+  left-edge tiles and those from the right edge (diagonal) on.
+- ``softcap``: scores become c2 tanh(x / c2) (log2 units, softmax.softcap) before the mask.
 - ``intra_wg_overlap``: a warpgroup's QK^T of tile n+1 runs under the softmax of tile n
   (``step_overlap``); else one tile after the other (``step_plain``).
 - ``pingpong``: the consumer warpgroups take turns issuing MMAs (named barriers 1 + wg).
@@ -219,12 +223,17 @@ class ForwardKernel:
             n_block_max = cutlass.min(
                 n_block_max, cute.ceil_div((m_block + 1) * self.tile_m + causal_offset, self.tile_n))
             n_block_max = cutlass.max(n_block_max, 0)
+        n_block_min = None  # None: from key tile 0 (no window); else an Int32
+        n_tiles = n_block_max
+        if const_expr(cfg.window is not None):
+            n_block_min, n_block_max = self.window_tiles(m_block, seqlen_q, seqlen_k, causal_offset)
+            n_tiles = cutlass.max(n_block_max - n_block_min, 0)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
+                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
@@ -246,14 +255,37 @@ class ForwardKernel:
             self.consumer(
                 (tiled_mma_qk, tiled_mma_qk_acc), tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                 mSQ, mSK, mSV,
-                mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
+                mO, mLSE, m_block, head, head_kv, batch, n_tiles, n_block_min, seqlen_q, seqlen_k,
                 softmax_scale_log2, causal_offset, tidx - 128, l_parts)
+
+    @cute.jit
+    def window_tiles(self, m_block, seqlen_q, seqlen_k, causal_offset):
+        """[n_block_min, n_block_max): the key tiles some row of query tile ``m_block`` sees
+        through the window (keys i + offset - left .. i + offset + right of row i); empty
+        when n_block_min >= n_block_max (its rows get O = 0, LSE = -inf)."""
+        left, right = self.config.window
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(right >= 0):
+            row_last = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
+            key_end = cutlass.max(row_last + causal_offset + (right + 1), 0)  # one past its last key
+            n_block_max = cutlass.min(n_block_max, (key_end + (self.tile_n - 1)) // self.tile_n)
+        n_block_min = Int32(0)
+        if const_expr(left >= 0):
+            key_first = cutlass.max(m_block * self.tile_m + causal_offset - left, 0)
+            n_block_min = key_first // self.tile_n
+        return n_block_min, n_block_max
+
+    @staticmethod
+    def kv_tile(n_block_min, i):
+        """Key tile index of the i-th tile visited: i itself without a window."""
+        return i if n_block_min is None else n_block_min + i
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
-        """One warp: Q once, then K/V tiles in ascending key order."""
+                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min):
+        """One warp: Q once, then ``n_tiles`` K/V tiles in ascending key order from
+        ``n_block_min`` (None: from 0)."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.hdim, self.tile_n), (0, None))
@@ -266,36 +298,36 @@ class ForwardKernel:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        if n_block_max > 0:
+        if n_tiles > 0:
             pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK[None, 0], tKsK[None, kv_state.index],
+            cute.copy(tma_atom_K, tKgK[None, self.kv_tile(n_block_min, 0)], tKsK[None, kv_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ[None, 0],
                       tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             if const_expr(self.config.intra_wg_overlap):
                 # consumer order: K(0), K(1) before V(0), K(2) before V(1), ...
-                for i in cutlass.range(n_block_max - 1, unroll=1):
+                for i in cutlass.range(n_tiles - 1, unroll=1):
                     prev_state = kv_state.clone()
                     kv_state.advance()
                     pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, i + 1], tKsK[None, kv_state.index],
+                    cute.copy(tma_atom_K, tKgK[None, self.kv_tile(n_block_min, i + 1)], tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(prev_state)
-                    cute.copy(tma_atom_V, tVgV[None, i], tVsV[None, prev_state.index],
+                    cute.copy(tma_atom_V, tVgV[None, self.kv_tile(n_block_min, i)], tVsV[None, prev_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
                 pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
+                cute.copy(tma_atom_V, tVgV[None, self.kv_tile(n_block_min, n_tiles - 1)], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
             else:
                 pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, kv_state.index],
+                cute.copy(tma_atom_V, tVgV[None, self.kv_tile(n_block_min, 0)], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
-                for i in cutlass.range(n_block_max - 1, unroll=1):
+                for i in cutlass.range(n_tiles - 1, unroll=1):
                     pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, i + 1], tKsK[None, kv_state.index],
+                    cute.copy(tma_atom_K, tKgK[None, self.kv_tile(n_block_min, i + 1)], tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(kv_state)
                     cute.copy(tma_atom_V, tVgV[None, i + 1], tVsV[None, kv_state.index],
@@ -306,8 +338,9 @@ class ForwardKernel:
     @cute.jit
     def consumer(self, mma_qk, tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                  mSQ, mSK, mSV,
-                 mO, mLSE, m_block, head, head_kv, batch, n_block_max, seqlen_q, seqlen_k,
+                 mO, mLSE, m_block, head, head_kv, batch, n_tiles, n_block_min, seqlen_q, seqlen_k,
                  softmax_scale_log2, causal_offset, tidx, l_parts):
+        """``n_tiles`` key tiles from ``n_block_min`` (None: from 0, no window)."""
         cfg = self.config
         tiled_mma_qk = mma_qk[0]
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -360,20 +393,24 @@ class ForwardKernel:
             # warpgroup 0 goes first
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=cfg.num_mma_threads)
-        if n_block_max > 0:
+        if n_tiles > 0:
             pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
             # Key tiles run in ascending order, as the numerics oracle does: Direct-P's codes
             # depend on the running max at the time a tile is turned into P.
-            n_block = 0
+            n_block = self.kv_tile(n_block_min, 0)
             # ---- first key tile: masked (it may be the last, or cross the causal diagonal)
             acc_S = thr_qk.make_fragment_C(s_shape)
             pipe_k.consumer_wait(kv_state)
             self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset)
-            dsoftmax.tile(acc_S, row_max, row_sum, row_scale, self.tile_mult(q_mult, mSK, batch, head_kv, n_block),
-                          True, cfg.softmax_mode)
+            if const_expr(cfg.softcap > 0):
+                c = self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset,
+                                self.tile_mult(q_mult, mSK, batch, head_kv, n_block), True)
+            else:  # the mask before the scale load, as this tile always had it
+                self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset, None, True)
+                c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
+            dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, True, cfg.softmax_mode)
             self.store_p(acc_S, tOrP)
             if const_expr(not cfg.intra_wg_overlap):
                 pipe_v.consumer_wait(kv_state)
@@ -384,20 +421,53 @@ class ForwardKernel:
             # tiles from n_mask_start on need masking: the last one (sequence end), and
             # with a causal mask those crossing the diagonal
 
-            n_mask_start = n_block_max - 1
-            if const_expr(cfg.causal):
-                n_mask_start = cutlass.min(n_mask_start, (row0 + causal_offset) // self.tile_n)
-            n_mask_start = cutlass.max(n_mask_start, 1)
-            for i in cutlass.range(n_mask_start - 1, unroll=1):
-                kv_state = self.step(
-                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                    pipe_k, pipe_v, kv_state, 1 + i, row_max, row_sum, row_scale,
-                    q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
-            for i in cutlass.range(n_block_max - n_mask_start, unroll=1):
-                kv_state = self.step(
-                    mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                    pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
-                    q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+            if const_expr(cfg.window is None):
+                n_mask_start = n_tiles - 1
+                if const_expr(cfg.causal):
+                    n_mask_start = cutlass.min(n_mask_start, (row0 + causal_offset) // self.tile_n)
+                n_mask_start = cutlass.max(n_mask_start, 1)
+                for i in cutlass.range(n_mask_start - 1, unroll=1):
+                    kv_state = self.step(
+                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                        pipe_k, pipe_v, kv_state, 1 + i, row_max, row_sum, row_scale,
+                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
+                for i in cutlass.range(n_tiles - n_mask_start, unroll=1):
+                    kv_state = self.step(
+                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                        pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
+                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+            else:
+                # window: [first, n_left_end) masked (left edge), [n_left_end, n_mask_start)
+                # unmasked, [n_mask_start, n_end) masked (right edge / diagonal, sequence end)
+                left, right = cfg.window
+                first = n_block_min + 1
+                n_end = n_block_min + n_tiles
+                n_left_end = first
+                if const_expr(left >= 0):
+                    # tile n misses keys of some row iff n * tile_n < (the tile's last row) + offset - left
+                    key_lo = cutlass.max(row0 + (self.tile_m - 1) + causal_offset - left, 0)
+                    n_left_end = cutlass.max(first, cutlass.min(n_end, (key_lo + (self.tile_n - 1)) // self.tile_n))
+                n_mask_start = n_end - 1
+                if const_expr(right >= 0):
+                    # tiles wholly at or left of the first row's last key need no right mask
+                    key_hi = cutlass.max(row0 + causal_offset + (right + 1), 0)
+                    n_mask_start = cutlass.min(n_mask_start, key_hi // self.tile_n)
+                n_mask_start = cutlass.max(n_mask_start, n_left_end)
+                for i in cutlass.range(n_left_end - first, unroll=1):
+                    kv_state = self.step(
+                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                        pipe_k, pipe_v, kv_state, first + i, row_max, row_sum, row_scale,
+                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+                for i in cutlass.range(n_mask_start - n_left_end, unroll=1):
+                    kv_state = self.step(
+                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                        pipe_k, pipe_v, kv_state, n_left_end + i, row_max, row_sum, row_scale,
+                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
+                for i in cutlass.range(n_end - n_mask_start, unroll=1):
+                    kv_state = self.step(
+                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
+                        pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
+                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
             if const_expr(cfg.intra_wg_overlap):
                 # ---- last PV
                 pipe_v.consumer_wait(kv_state)
@@ -422,6 +492,19 @@ class ForwardKernel:
             return q_mult * mSK[batch, head_kv, n_block]
         else:
             return q_mult
+
+    @cute.jit
+    def scores(self, acc_S, tScS, row0, n_block, seqlen_k, causal_offset, c, masked: cutlass.Constexpr[bool]):
+        """Softcap (when the config has one), then the mask (when ``masked``), on the raw
+        scores of key tile ``n_block``; returns the multiplier ``dsoftmax.tile`` takes: ``c``,
+        or 1 once the softcap has turned the scores into log2 units."""
+        cfg = self.config
+        if const_expr(cfg.softcap > 0):
+            dsoftmax.softcap(acc_S, c, cfg.softcap_log2)
+            c = Float32(1.0)
+        if const_expr(masked):
+            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset, cfg.window)
+        return c
 
     @cute.jit
     def store_p(self, acc_S, tOrP):
@@ -504,8 +587,7 @@ class ForwardKernel:
             cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=cfg.num_mma_threads)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv_state)
-        if const_expr(masked):
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset)
+        c = self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset, c, masked)
         dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, cfg.softmax_mode)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
@@ -526,8 +608,7 @@ class ForwardKernel:
         self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
-        if const_expr(masked):
-            dmask.apply(acc_S, tScS, row0, n_block * self.tile_n, seqlen_k, cfg.causal, causal_offset)
+        c = self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset, c, masked)
         dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, cfg.softmax_mode)
         self.store_p(acc_S, tOrP)
         self.rescale(acc_O, row_scale, pv_l)
