@@ -231,10 +231,16 @@ def _check_shape(spec: KernelSpec) -> None:
         raise PlanError(f"{t.value} has no tensor memory; drop the tmem block", _loc(spec, "schedule.tmem", "schedule"))
 
 
+# the extensions each target's forward implements (the reference implements all of them);
+# no target's backward implements any yet (issue 19)
+FORWARD_EXTENSIONS = {Target.SM90A: ("mask", "softcap"), Target.SM100A: ()}
+
+
 def _check_extensions(spec: KernelSpec) -> None:
-    """sm90a and sm100a implement dense attention with mask none or causal: a window, softcap,
-    sinks or the varlen layout is refused at its spec line (only the reference target runs
-    them), here in the first planning pass, so that ``fp4gen check`` and ``fp4gen compile``
+    """sm100a implements dense attention with mask none or causal; the sm90a forward adds
+    window(l, r) and softcap, its backward none of them. A window, softcap, sinks or the varlen
+    layout a kernel lacks is refused at its spec line (only the reference target runs them
+    all), here in the first planning pass, so that ``fp4gen check`` and ``fp4gen compile``
     refuse it alike."""
     t = spec.target
     if t is Target.REFERENCE:
@@ -242,19 +248,38 @@ def _check_extensions(spec: KernelSpec) -> None:
     used = spec.uses_extensions
     if not used:
         return
-    field = used[0]
-    what = {
-        "mask": f"mask window({spec.window_size[0]}, {spec.window_size[1]}): {t.value} implements mask none "
-                "and causal (window(-1, 0))",
-        "softcap": f"softcap {spec.softcap:g}: {t.value} implements attention without a softcap",
-        "sinks": f"sinks {spec.sinks.value}: {t.value} implements attention without sinks",
-        "layout": f"layout {spec.layout.value}: {t.value} implements the dense (B, S, H, D) layout only",
+    forward_ok = FORWARD_EXTENSIONS.get(t, ())
+    missing = [f for f in used if f not in forward_ok]
+    if not missing and spec.backward is not None:
+        field = used[0]
+        raise PlanError(f"{_extension_text(spec, field)}: the {t.value} forward implements it, its backward "
+                        "does not", spec.loc(field),
+                        ["drop the backward block (a forward-only kernel), or target reference, which "
+                         "implements the backward too (backward kernels for these are issue 19)"])
+    if not missing:
+        return
+    field = missing[0]
+    what = f"{_extension_text(spec, field)}: " + {
+        "mask": f"{t.value} implements mask none and causal (window(-1, 0))",
+        "softcap": f"{t.value} implements attention without a softcap",
+        "sinks": f"{t.value} implements attention without sinks",
+        "layout": f"{t.value} implements the dense (B, S, H, D) layout only",
     }[field]
     fix = {"mask": "write mask none or mask causal", "softcap": "drop the softcap line (or write softcap none)",
            "sinks": "drop the sinks line (or write sinks none)", "layout": "drop the layout line (or write layout dense)"}
     raise PlanError(what, spec.loc(field),
                     [f"{fix[field]}, or target reference, which implements window, softcap, sinks and varlen "
                      "(kernels for them are issue 19)"])
+
+
+def _extension_text(spec: KernelSpec, field: str) -> str:
+    """The spec line of extension ``field`` as written ("mask window(255, 0)")."""
+    return {
+        "mask": f"mask window({spec.window_size[0]}, {spec.window_size[1]})",
+        "softcap": f"softcap {spec.softcap:g}",
+        "sinks": f"sinks {spec.sinks.value}",
+        "layout": f"layout {spec.layout.value}",
+    }[field]
 
 
 def _sources(spec: KernelSpec, name: str, a: OperandFormat, b: OperandFormat) -> tuple[str, str, str, str]:
