@@ -440,6 +440,28 @@ def compiled_kernel(
     return fn
 
 
+def module_source(defined_in) -> str:
+    """The text of a generated module, given its path or a function it defines ('' when it
+    cannot be read): what keys that module's compiled kernels on disk."""
+    import inspect
+
+    try:
+        path = defined_in if isinstance(defined_in, (str, os.PathLike)) else inspect.getsourcefile(defined_in)
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, TypeError):
+        return ""
+
+
+def module_kernel(name: str, variant: str, build: Callable[[], object], source: str, *,
+                  enable_tvm_ffi: bool = False):
+    """``compiled_kernel`` for a kernel of the generated module whose text is ``source`` (the
+    compile memo every runtime host uses). Without a source there is no safe disk key (two
+    modules would share one entry): the kernel is then compiled in memory only."""
+    return compiled_kernel(name, variant, build, module_source=source, persist=bool(source),
+                           enable_tvm_ffi=enable_tvm_ffi)
+
+
 def _load_entry(kdir: Path, key: str, name: str, sym: str, enable_tvm_ffi: bool):
     """The kernel of a cache entry, or None: absent, unreadable, or bad (then discarded)."""
     obj = kdir / "kernel.o"

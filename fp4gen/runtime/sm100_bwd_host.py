@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from fp4gen.runtime.sm100_host import cached_compile
+from fp4gen.runtime import cache
 
 ARCH = "sm_100a"
 VARIANTS = ("bf16", "gqa")  # dK/dV written as bf16, or as fp32 per query head (GQA sums them)
@@ -73,8 +73,8 @@ class BackwardHost:
                 compile_fn = cute.compile[cute.KeepPTX] if keep else cute.compile
                 return compile_fn(Kernel(), *self.fake_args(cutlass, cute, gqa), stream)
 
-            self._compiled[(gqa, keep)] = build() if keep else cached_compile(
-                "backward", f"arch={ARCH},gqa={gqa}", build, self.build)
+            self._compiled[(gqa, keep)] = build() if keep else cache.module_kernel(
+                "backward", f"arch={ARCH},gqa={gqa}", build, cache.module_source(self.build))
         self.last_compiled = self._compiled[(gqa, keep)]
         return self.last_compiled
 

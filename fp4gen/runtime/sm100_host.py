@@ -26,6 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from fp4gen.runtime import cache
+from fp4gen.runtime.cache import module_source  # noqa: F401  (sm90_host imports it from here)
+
 ARCH = "sm_100a"
 NVFP4_BLOCK = 16  # Q, K: 16 elements along D share one E4M3 scale (kind::mxf4nvf4 ... block16)
 MXFP4_BLOCK = 32  # V (and P): 32 keys share one E8M0 scale (block32)
@@ -119,27 +122,6 @@ def _heads_major(x):
     """(B, S, Hx, C) -> contiguous (B*Hx, S, C): one run per (batch, head), as the kernel indexes."""
     B, S, Hx = x.shape[:3]
     return x.transpose(1, 2).reshape(B * Hx, S, *x.shape[3:]).contiguous()
-
-
-def module_source(build: Callable) -> str:
-    """The text of the generated module that defines ``build`` ('' when it cannot be read)."""
-    import inspect
-
-    try:
-        path = inspect.getsourcefile(build)
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, TypeError):
-        return ""
-
-
-def cached_compile(name: str, variant: str, compile_fn: Callable, build: Callable):
-    """``cache.compiled_kernel`` for the module that defines ``build``. Without its source
-    there is no safe disk key (two modules would share one): compile in memory only."""
-    from fp4gen.runtime import cache
-
-    source = module_source(build)
-    return cache.compiled_kernel(name, variant, compile_fn, module_source=source, persist=bool(source))
 
 
 class ForwardHost:
@@ -393,7 +375,8 @@ class ForwardHost:
                 Kernel, cutlass, cute = self.build()
                 return cute.compile(Kernel(), *self.fake_args(cutlass, cute))
 
-            self._compiled[device_index] = cached_compile("forward", f"arch={ARCH}", build, self.build)
+            self._compiled[device_index] = cache.module_kernel(
+                "forward", f"arch={ARCH}", build, cache.module_source(self.build))
         return self._compiled[device_index]
 
     def forward(self, q, k, v, *, softmax_scale=None, return_lse=False):

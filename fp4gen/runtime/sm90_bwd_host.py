@@ -132,21 +132,12 @@ class BackwardHost:
                 return cute.compile(self.kernel(self.config), *self.fake_args(gqa), stream, options=opts)
 
             if arch is None:
-                source = self.module_source()
-                self._compiled[key] = cache.compiled_kernel(
-                    "backward", f"arch={ARCH},tvm_ffi={tvm_ffi},gqa={gqa}", build, module_source=source,
-                    persist=bool(source), enable_tvm_ffi=tvm_ffi)
+                self._compiled[key] = cache.module_kernel(
+                    "backward", f"arch={ARCH},tvm_ffi={tvm_ffi},gqa={gqa}", build,
+                    cache.module_source(self.module_file), enable_tvm_ffi=tvm_ffi)
             else:
                 self._compiled[key] = build()
         return self._compiled[key]
-
-    def module_source(self) -> str:
-        """The generated module's text ('' when it cannot be read)."""
-        try:
-            with open(self.module_file, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, TypeError):
-            return ""
 
     def compile_only(self, arch: str = ARCH) -> list:
         """Compile the backward kernel (both dK/dV variants) and its pre/post-processing kernels

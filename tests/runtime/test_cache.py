@@ -297,3 +297,15 @@ def test_real_cute_kernel_runs_after_reload(tmp_path):
     assert first["built"] and first["values"] == [float(i + 1) for i in range(32)], first
     second = _child(tmp_path, "--run")
     assert not second["built"] and second["values"] == [float(i + 1) for i in range(32)], second
+
+
+def test_module_source_reads_a_path_or_the_file_of_a_function(tmp_path):
+    """The text that keys a generated module's kernels, from its path or a function it
+    defines; '' (compile in memory only) when there is no readable file."""
+    mod = tmp_path / "gen_mod.py"
+    mod.write_text("def _build():\n    pass\n")
+    ns = {}
+    exec(compile(mod.read_text(), str(mod), "exec"), ns)
+    assert cache.module_source(str(mod)) == cache.module_source(ns["_build"]) == mod.read_text()
+    exec(compile("def f():\n    pass\n", "<no file>", "exec"), ns)
+    assert cache.module_source(ns["f"]) == cache.module_source("") == cache.module_source(None) == ""

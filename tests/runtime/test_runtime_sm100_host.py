@@ -134,4 +134,4 @@ def test_both_hosts_compile_through_the_shared_cache_keyed_by_their_module(monke
     ns2 = {}
     exec(compile("def _build():\n    pass\n", "<no file>", "exec"), ns2)
     host.ForwardHost(host.ForwardConfig(**FP4), ns2["_build"]).compiled_kernel(0)
-    assert calls[0][2] == {"module_source": "", "persist": False}
+    assert calls[0][2] == {"module_source": "", "persist": False, "enable_tvm_ffi": False}
