@@ -21,7 +21,8 @@ Spec lines behind the choices:
   head_dim: examples/sm90_bf16_d128.attn:20: head_dim 128
   schedule: examples/sm90_bf16_d128.attn:28: tile 128 x 128
 """
-from fp4gen.device.sm90.forward import ForwardConfig, kernel_class
+from fp4gen.device.sm90.config import ForwardConfig
+from fp4gen.device.sm90.forward import kernel_class
 from fp4gen.runtime.sm90_host import ForwardHost
 
 KERNEL_NAME = 'sm90_bf16_causal_d128'

@@ -22,7 +22,8 @@ Spec lines behind the choices:
   head_dim: examples/sm90_fp8_train_d128.attn:44: head_dim 128
   schedule: examples/sm90_fp8_train_d128.attn:52: tile 128 x 128
 """
-from fp4gen.device.sm90.forward import ForwardConfig, kernel_class
+from fp4gen.device.sm90.config import ForwardConfig
+from fp4gen.device.sm90.forward import kernel_class
 from fp4gen.runtime.sm90_host import ForwardHost
 from fp4gen.device import quantize as _dquant  # the fused input quantizer
 
