@@ -104,13 +104,19 @@ def test_a_window_mask_needs_its_sizes():
         spec_from_dict(d)
 
 
-@pytest.mark.parametrize("target", ["sm90a", "sm100a"])
-@pytest.mark.parametrize("body, field, words", [
+GPU_REFUSALS = [
     ("  mask window(256, 0)", "mask", "implements mask none and causal"),
     ("  softcap 30", "softcap", "without a softcap"),
     ("  sinks learned", "sinks", "without sinks"),
     ("  layout varlen", "layout", "dense (B, S, H, D) layout only"),
-])
+]
+# the sm90a forward implements window and softcap (c593e12); its backward does not
+SM90_FORWARD_TAKES = {"mask", "softcap"}
+
+
+@pytest.mark.parametrize("target, body, field, words",
+                         [("sm100a",) + r for r in GPU_REFUSALS] +
+                         [("sm90a",) + r for r in GPU_REFUSALS if r[1] not in SM90_FORWARD_TAKES])
 def test_gpu_targets_refuse_at_the_field(target, body, field, words):
     k = one(body, target)
     with pytest.raises(PlanError) as exc:
@@ -121,12 +127,17 @@ def test_gpu_targets_refuse_at_the_field(target, body, field, words):
     plan_kernel(k.with_target(Target.REFERENCE))  # the reference plans it
 
 
+@pytest.mark.parametrize("body", ["  mask window(256, 0)", "  softcap 30"])
+def test_the_sm90a_forward_plans_window_and_softcap(body):
+    plan_kernel(one(body, "sm90a"))
+
+
 def test_check_and_compile_refuse_alike(tmp_path):
     from fp4gen.cli.main import main
 
     spec = tmp_path / "w.attn"
     spec.write_text((__import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "sm90_bf16_d128.attn")
-                    .read_text().replace("mask     causal", "mask     window(256, 0)"))
+                    .read_text().replace("mask     causal", "mask     causal\n  sinks learned"))
     assert main(["check", str(spec)]) == 1
     assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
