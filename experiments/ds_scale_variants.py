@@ -8,7 +8,8 @@ ANDs the "below 448/16" flags (``bar.red.and``), an overflowing tile (and each w
 takes its exact max and is stored again, and dK's accumulator is rescaled when c changes. With
 a static scale the kernel was 1.15x over the bf16-dS kernel, with the guess 1.08x-1.11x
 (docs/backward.md, "FP8 dS"); cutting the redo path's share did not move its time. This script
-writes copies of the generated module with one piece taken out each, for the bench to time
+writes copies of the sm90a backward kernel class (fp4gen/device/sm90/backward.py) with one piece
+taken out each, each beside a copy of the generated module that builds it, for the bench to time
 side by side (kernel-only rows), so that the next change goes where the time is:
 
 - ``base``: unchanged (renamed, so that it times in the same process as the others);
@@ -28,6 +29,7 @@ side by side (kernel-only rows), so that the next change goes where the time is:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import os
 import sys
@@ -35,36 +37,58 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "generated" / "sm90_fp8_train_ds8_causal_d128_sm90a.py"
+KERNEL_SOURCE = ROOT / "fp4gen" / "device" / "sm90" / "backward.py"  # the kernel class the variants patch
 NAME = "sm90_fp8_train_ds8_causal_d128"
+KERNEL_IMPORT = "from fp4gen.device.sm90 import backward as _bwd_kernel"
 
-_MAX_TREE = ("ds_loc = _bwd_tree_max([_bwd_ptx.absmax2(acc_dP[2 * i], acc_dP[2 * i + 1])\n"
-             "                                        for i in range(cute.size(acc_dP) // 2)])")
-_SMALL = "ds_small = ds_loc < _BWD_DS_SMALL"
-_AND_BARRIER = "                ds_small = _bwd_barrier_red(_BWD_BAR_DS, _BWD_MMA_THREADS, ds_small, \"and\")\n"
-_REDO = "ds_redo = (ds_loc > 448.0) | (m_block == m_block_min)"
+_MAX_TREE = ("ds_loc = tree_max([ptx.absmax2(acc_dP[2 * i], acc_dP[2 * i + 1])\n"
+             "                                       for i in range(cute.size(acc_dP) // 2)])")
+_SMALL = "ds_small = ds_loc < DS_SMALL"
+_AND_BARRIER = "                    ds_small = ptx.barrier_red(BAR_DS, self.mma_threads, ds_small, \"and\")\n"
+_REDO = "ds_redo = (ds_loc > E4M3_MAX) | (m_block == m_block_min)"
 _RESCALE = "if ds_c != dk_c:"
 
 VARIANTS = {
     "base": [],
     "one_barrier": [(_SMALL, "ds_small = ds_loc < -1.0  # A/B: never halve"), (_AND_BARRIER, "")],
     "no_rescale": [(_RESCALE, "if ds_c != ds_c:  # A/B: never rescale dK")],
-    "short_max": [(_MAX_TREE, "ds_loc = _bwd_ptx.absmax2(acc_dP[0], acc_dP[1])  # A/B: one pair")],
+    "short_max": [(_MAX_TREE, "ds_loc = ptx.absmax2(acc_dP[0], acc_dP[1])  # A/B: one pair")],
     "static": [(_SMALL, "ds_small = ds_loc < -1.0  # A/B: never halve"), (_AND_BARRIER, ""),
-               (_REDO, "ds_redo = m_block == m_block_min  # A/B: c from the first tile only"),
+               (_REDO, "ds_redo = m_block == m_block_min"),  # A/B: c from the first tile only
                (_RESCALE, "if ds_c != ds_c:  # A/B: c never changes after the first tile")],
 }
 
 
-def variant_source(text: str, name: str) -> str:
+def _replace_once(text: str, old: str, new: str, what: str) -> str:
+    if text.count(old) != 1:
+        raise SystemExit(f"expected one {old.strip()[:60]!r} in {what}, found {text.count(old)} "
+                         f"(the kernel or the module changed: update this script)")
+    return text.replace(old, new)
+
+
+def kernel_variant(text: str, name: str) -> str:
+    """The sm90a backward kernel class's source with variant ``name``'s pieces taken out."""
     for old, new in VARIANTS[name]:
-        if text.count(old) != 1:
-            raise SystemExit(f"{name}: expected one {old.strip()[:60]!r} in {SOURCE.name}, found "
-                             f"{text.count(old)} (the template changed: update this script)")
-        text = text.replace(old, new)
-    old_name = f"KERNEL_NAME = {NAME!r}"
-    if text.count(old_name) != 1:
-        raise SystemExit(f"{SOURCE.name} does not define {old_name}")
-    return text.replace(old_name, f"KERNEL_NAME = {NAME + '_ab_' + name!r}")
+        text = _replace_once(text, old, new, KERNEL_SOURCE.name)
+    return text
+
+
+def module_variant(text: str, name: str, kernel_text: str) -> str:
+    """The generated module, renamed, building its backward from the variant kernel file beside
+    it (``ds8_ab_<name>_kernel.py``, loaded as a sibling of fp4gen.device.sm90.backward so that
+    its relative imports resolve). The kernel text's hash is in the module text: the compile
+    cache keys on the module's source, so an edited variant is never served an old kernel."""
+    digest = hashlib.sha256(kernel_text.encode()).hexdigest()[:16]
+    loader = (f"import importlib.util as _ab_util, sys as _ab_sys  # noqa: E402  (A/B variant {name!r}, "
+              f"kernel sha256 {digest})\n"
+              f"_ab_spec = _ab_util.spec_from_file_location(\n"
+              f"    'fp4gen.device.sm90.ds8_ab_{name}', __import__('pathlib').Path(__file__).with_name("
+              f"'ds8_ab_{name}_kernel.py'))\n"
+              f"_bwd_kernel = _ab_util.module_from_spec(_ab_spec)\n"
+              f"_ab_sys.modules[_ab_spec.name] = _bwd_kernel  # dataclasses look their module up\n"
+              f"_ab_spec.loader.exec_module(_bwd_kernel)")
+    text = _replace_once(text, KERNEL_IMPORT, loader, SOURCE.name)
+    return _replace_once(text, f"KERNEL_NAME = {NAME!r}", f"KERNEL_NAME = {NAME + '_ab_' + name!r}", SOURCE.name)
 
 
 def main(argv=None) -> int:
@@ -76,11 +100,13 @@ def main(argv=None) -> int:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = SOURCE.read_text()
+    text, kernel = SOURCE.read_text(), KERNEL_SOURCE.read_text()
     for name in VARIANTS:
         path = out / f"ds8_ab_{name}.py"
-        path.write_text(variant_source(text, name))
-        print(f"wrote {path}")
+        kernel_text = kernel_variant(kernel, name)
+        path.with_name(f"ds8_ab_{name}_kernel.py").write_text(kernel_text)
+        path.write_text(module_variant(text, name, kernel_text))
+        print(f"wrote {path} and its kernel")
         if args.compile:
             spec = importlib.util.spec_from_file_location(f"_ds8_ab_{name}", path)
             mod = importlib.util.module_from_spec(spec)
