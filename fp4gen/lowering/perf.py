@@ -231,11 +231,20 @@ def _run(args, env, cwd, timeout):
         raise RuntimeError(f"compile failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
+def _library_digest() -> str:
+    """sha256 over the sources a generated module imports its kernel and host from."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(f for d in ("device", "runtime", "numerics") for f in (root / d).rglob("*.py"))
+    return _sha("".join(f"{f.relative_to(root)}\n{f.read_text()}" for f in files))
+
+
 def fp4gen_ptx(path: str, timeout: int = 1800) -> str:
-    """The PTX of a generated fp4gen module (its forward), cached by the source's sha256."""
+    """The PTX of a generated fp4gen module (its forward), cached by the sha256 of its source and
+    of the kernel library it builds (fp4gen/device, fp4gen/runtime, fp4gen/numerics): a module
+    renders only a config, so a kernel change leaves the module's text as it was."""
     source = Path(path).read_text()
     target = "sm_100a" if "sm100a" in Path(path).name or 'TARGET = "sm100a"' in source else "sm_90a"
-    key = cache_dir() / f"fp4gen-{_sha(source)[:24]}-{target}.ptx"
+    key = cache_dir() / f"fp4gen-{_sha(source + _library_digest())[:24]}-{target}.ptx"
     if key.is_file():
         return key.read_text()
     if target == "sm_100a":
@@ -326,14 +335,30 @@ class KernelInfo:
     source: str = ""
 
 
+# the kernel config a generated module renders (sm100a FWD_CONFIG = ForwardKernelConfig(...),
+# sm90a CONFIG = ForwardConfig(...)): its literal keywords are the module's constants
+_CONFIG_NAMES = ("FWD_CONFIG", "CONFIG")
+
+
 def _module_constants(source: str) -> dict:
+    """Literal top-level assignments of a generated module, and the literal keywords of its
+    rendered kernel config upper-cased (tile_m -> TILE_M): since the kernels moved into
+    fp4gen/device, a module's tile, stages and mask live only in that config."""
     import ast
 
     out = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name in _CONFIG_NAMES and isinstance(node.value, ast.Call):
+                for kw in node.value.keywords:
+                    try:
+                        out.setdefault(kw.arg.upper(), ast.literal_eval(kw.value))
+                    except Exception:
+                        pass
+                continue
             try:
-                out[node.targets[0].id] = ast.literal_eval(node.value)
+                out[name] = ast.literal_eval(node.value)
             except Exception:
                 pass
     return out

@@ -81,3 +81,16 @@ def test_a_plan_with_other_publish_columns_is_refused():
     bad = dataclasses.replace(plan, publish=dataclasses.replace(plan.publish, parts=swapped))
     with pytest.raises(LoweringError, match="P part 1"):
         sm100.kernel_config(bad)
+
+
+@pytest.mark.parametrize("path", [m for m in MODULES if "_bwd_" not in m.name], ids=lambda p: p.stem)
+def test_the_perf_model_reads_the_shape_from_the_rendered_config(path):
+    """fp4gen perf prices a step of tile_m * q_stages rows and the module's mask: both live only
+    in FWD_CONFIG since the kernel moved into fp4gen/device (read as defaults, every sm100a
+    prediction was for 128 rows, not causal: half the throughput)."""
+    from fp4gen.lowering import perf
+
+    cfg = load(path).FWD_CONFIG
+    info = perf.fp4gen_info(str(path))
+    assert (info.tile_m, info.tile_n, info.head_dim, info.causal) == (
+        cfg.tile_m * cfg.q_stages, cfg.tile_n, cfg.head_dim, cfg.causal)
