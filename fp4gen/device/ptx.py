@@ -236,6 +236,15 @@ def warp_max_nonneg(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def red_add_f32x4(ptr, v0, v1, v2, v3, *, loc=None, ip=None):
+    """Atomic add of four consecutive fp32 at ``ptr`` (16-byte aligned) in global memory, no
+    return value (sm_90+). PTX ISA: Parallel Synchronization and Communication Instructions,
+    ``red`` (``.global.add.v4.f32``)."""
+    _asm(None, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
+         [ptr.toint(loc=loc, ip=ip)] + [Float32(v) for v in (v0, v1, v2, v3)], side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:
     """Load with acquire semantics at GPU scope (a dQ turn counter). PTX ISA: Data Movement
     and Conversion Instructions, ``ld`` (``.acquire``); Memory Consistency Model.."""

@@ -50,13 +50,13 @@ import struct
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from fp4gen.runtime.cache import tvm_ffi_available
 
 from . import ptx
+from .ptx import _asm, _i32_struct, _words
 from .layout import FP8_DS_KEY_PERM, FP8_P_KEY_PERM
 
 BLOCK = 128  # tokens per Q/K scale and keys per V^T tile (numerics contract)
@@ -78,25 +78,11 @@ TRANSPOSED_TILES = {"q": (64, FP8_P_KEY_PERM), "k": (BLOCK, FP8_DS_KEY_PERM)}
 # ------------------------------------------------------------------ PTX wrappers
 
 
-def _asm(ret_type, text, constraints, args, side_effects=False, loc=None, ip=None):
-    return llvm.inline_asm(
-        ret_type, [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def _struct(n):
-    return llvm.StructType.get_literal([T.i32()] * n)
-
-
-def _words(res, n, loc=None, ip=None):
-    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
-
-
 @dsl_user_op
 def ld_v4_pred(addr, pred, *, loc=None, ip=None):
     """16 bytes from global memory (read-only path) if ``pred`` != 0, else four zero words."""
     res = _asm(
-        _struct(4),
+        _i32_struct(4),
         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
         "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
         "@p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];\n}",
@@ -168,7 +154,7 @@ def quant8(w0, w1, w2, w3, scale, *, loc=None, ip=None):
     """8 bf16 (4 words, element 0 in the low half of w0) -> 8 e4m3 bytes (2 words)."""
     body = ("{\n" + _Q4.format(w0="$2", w1="$3", s="$6", out="$0") + "}\n{\n"
             + _Q4.format(w0="$4", w1="$5", s="$6", out="$1") + "}")
-    res = _asm(_struct(2), body, "=r,=r,r,r,r,r,f",
+    res = _asm(_i32_struct(2), body, "=r,=r,r,r,r,r,f",
                [Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3), Float32(scale)], loc=loc, ip=ip)
     return _words(res, 2, loc, ip)
 

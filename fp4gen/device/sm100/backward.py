@@ -3,8 +3,8 @@ generated sm100a backward (docs/sm100.md, "The backward"; docs/design/kernel-lib
 
 A generated module renders its backward plan's values as a ``BackwardKernelConfig``
 (fp4gen/device/sm100/config.py) and builds this class with it; the causal mask and the
-deterministic dQ order are chosen with ``cutlass.const_expr``. The global-memory reductions and
-tcgen05 fences it calls are fp4gen/device/sm100/bwd.py.
+deterministic dQ order are chosen with ``cutlass.const_expr``. The global-memory reductions it
+calls are fp4gen/device/ptx.py, its tcgen05 fences fp4gen/device/sm100/bwd.py.
 
 Comments that say "Triaged" answer a CuTe DSL checker warning at the line below them
 (fp4gen/lowering/cute_warnings.py reads them here).
@@ -19,6 +19,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
+from fp4gen.device import ptx
 from fp4gen.device.sm100 import bwd as bdev
 from fp4gen.device.sm100.config import BackwardKernelConfig
 
@@ -461,9 +462,9 @@ class AttentionBwdSm100:
                 # with the key tile) and CTAs launch in key-tile order, so the wait ends.
                 turn = mdQturn.iterator + cute.crd2idx((batch, head, m), mdQturn.layout)
                 if t == 0:
-                    seen = bdev.ld_acquire_s32(turn)
+                    seen = ptx.ld_acquire_s32(turn)
                     while seen != n_block:
-                        seen = bdev.ld_acquire_s32(turn)
+                        seen = ptx.ld_acquire_s32(turn)
                 cute.arch.barrier(barrier_id=2, number_of_threads=128)
             # 32 columns at a time (registers): load, wait, then fire-and-forget adds
             for c in cutlass.range_constexpr(D // CHUNK):
@@ -471,11 +472,11 @@ class AttentionBwdSm100:
                 cute.copy(thr_ld, src[c], r)
                 cute.arch.fence_view_async_tmem_load()
                 for v in cutlass.range_constexpr(CHUNK // 4):
-                    bdev.red_add_f32x4(row.iterator + c * CHUNK + 4 * v,
+                    ptx.red_add_f32x4(row.iterator + c * CHUNK + 4 * v,
                                        r[4 * v], r[4 * v + 1], r[4 * v + 2], r[4 * v + 3])
             hq.release()  # dQ's columns are free for the next tile's MMAs
             if const_expr(cfg.deterministic):
                 cute.arch.fence_acq_rel_gpu()  # this thread's adds are performed before the turn passes
                 cute.arch.barrier(barrier_id=2, number_of_threads=128)
                 if t == 0:
-                    bdev.red_release_add_s32(turn, 1)
+                    ptx.red_release_add_s32(turn, 1)
