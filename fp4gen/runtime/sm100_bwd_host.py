@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from fp4gen.runtime import cache
+from fp4gen.runtime import bwd_common, cache
 
 ARCH = "sm_100a"
 VARIANTS = ("bf16", "gqa")  # dK/dV written as bf16, or as fp32 per query head (GQA sums them)
@@ -111,29 +111,16 @@ class BackwardHost:
         B, Sq, H, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         scale = float(softmax_scale) if softmax_scale is not None else self.config.softmax_scale
-        f32, dev = torch.float32, q.device
+        dev = q.device
         tm = self.config.tile_m
         sqp = -(-Sq // tm) * tm
-        # preprocessing: LSE in log2 units (+inf where the forward saw no key, so P = 0) and
-        # D_i = rowsum(dO * O), both padded to whole query tiles
-        lse2 = torch.full((B, H, sqp), float("inf"), dtype=f32, device=dev)
-        l2 = lse.to(f32) * math.log2(math.e)
-        lse2[:, :, :Sq] = torch.where(torch.isneginf(l2), torch.full_like(l2, float("inf")), l2)
-        dsum = torch.zeros((B, H, sqp), dtype=f32, device=dev)
-        dsum[:, :, :Sq] = (do.to(f32) * o.to(f32)).sum(-1).permute(0, 2, 1)
-        dq_acc = torch.zeros((B, H, sqp, D), dtype=f32, device=dev)
+        # preprocessing: LSE in log2 units and D = rowsum(dO * O), padded to whole query tiles
+        lse2, dsum, dq_acc = bwd_common.preprocess_torch(o, do, lse, sqp)
         dq_turn = torch.zeros((B, H, sqp // tm), dtype=torch.int32, device=dev)
-        g = H // Hkv
-        dkv_dtype = f32 if g > 1 else k.dtype
-        dk_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-        dv_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-        launch((q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h), scale, Sk - Sq, g > 1)
+        dk_h, dv_h = bwd_common.dkv_per_query_head(k, H)
+        launch((q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h), scale, Sk - Sq, H > Hkv)
         dq = (dq_acc[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
-        if g == 1:
-            dk, dv = dk_h, dv_h
-        else:  # GQA: the query heads of a group share one key/value head
-            dk = dk_h.view(B, Sk, Hkv, g, D).sum(3).to(k.dtype)
-            dv = dv_h.view(B, Sk, Hkv, g, D).sum(3).to(v.dtype)
+        dk, dv = bwd_common.gqa_sum(dk_h, dv_h, k, v)
         return dq.contiguous(), dk, dv
 
     def launch(self, args, softmax_scale, causal_offset, gqa):

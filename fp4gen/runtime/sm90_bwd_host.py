@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from fp4gen.runtime import cache
+from fp4gen.runtime import bwd_common, cache
 
 ARCH = "sm_90a"
 GPU_ARCH_OPTION = "--gpu-arch " + ARCH  # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
@@ -169,7 +169,6 @@ class BackwardHost:
         B, Sq, H, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-        f32 = torch.float32
         dev = q.device
         sqp = -(-Sq // cfg.tile_m) * cfg.tile_m
         o = o.contiguous()
@@ -198,32 +197,20 @@ class BackwardHost:
             if q.is_cuda:
                 lse2, dsum, dq_acc = prep.preprocess(o, do, lse, sqp)
             else:
-                lse2 = torch.full((B, H, sqp), float("inf"), dtype=f32, device=dev)
-                l2 = lse.to(f32) * math.log2(math.e)
-                lse2[:, :, :Sq] = torch.where(torch.isneginf(l2), torch.full_like(l2, float("inf")), l2)
-                dsum = torch.zeros((B, H, sqp), dtype=f32, device=dev)
-                dsum[:, :, :Sq] = (do.to(f32) * o.to(f32)).sum(-1).permute(0, 2, 1)
-                dq_acc = torch.zeros((B, H, sqp, D), dtype=f32, device=dev)
+                lse2, dsum, dq_acc = bwd_common.preprocess_torch(o, do, lse, sqp)
             do_in, v_in = do, v
         if cfg.deterministic:
             fp8["dq_turn"] = torch.zeros((B, H, sqp // cfg.tile_m), dtype=torch.int32, device=dev)
-        g = H // Hkv
         # GQA: fp32 dK/dV per query head, summed over each group below; else bf16 directly
-        dkv_dtype = f32 if g > 1 else k.dtype
-        dk_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
-        dv_h = torch.empty((B, Sk, H, D), dtype=dkv_dtype, device=dev)
+        dk_h, dv_h = bwd_common.dkv_per_query_head(k, H)
         named = dict(q=q, k=k, v=v_in, do=do_in, lse2=lse2, dsum=dsum, dq_acc=dq_acc, dk=dk_h, dv=dv_h, **fp8)
         args = tuple(named[name] for name, _ in KERNEL_TENSORS if self.present(name))
-        launch(args, scale, Sk - Sq, g > 1)
+        launch(args, scale, Sk - Sq, H > Hkv)
         if q.is_cuda:
             dq = prep.postprocess(dq_acc, Sq, scale)
         else:
             dq = (prep.dq_fragments_to_rows(dq_acc)[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
-        if g == 1:
-            dk, dv = dk_h, dv_h
-        else:  # GQA: the query heads of a group share one key/value head
-            dk = dk_h.view(B, Sk, Hkv, g, D).sum(3).to(k.dtype)
-            dv = dv_h.view(B, Sk, Hkv, g, D).sum(3).to(v.dtype)
+        dk, dv = bwd_common.gqa_sum(dk_h, dv_h, k, v)
         return dq.contiguous(), dk, dv
 
     def _fp8_qk(self, q, k, prepared) -> dict:
