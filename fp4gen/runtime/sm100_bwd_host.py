@@ -11,11 +11,11 @@ library; torch and CuTe DSL are imported inside the functions that use them.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 from fp4gen.runtime import bwd_common, cache
+from fp4gen.runtime.sm100_host import pin_compile_arch
 
 ARCH = "sm_100a"
 VARIANTS = ("bf16", "gqa")  # dK/dV written as bf16, or as fp32 per query head (GQA sums them)
@@ -84,9 +84,7 @@ class BackwardHost:
         kernel = self.config.kernel_name
         if arch != ARCH:
             raise ValueError(f"{kernel} backward is a Blackwell kernel: arch must be 'sm_100a', got {arch!r}")
-        os.environ.setdefault("CUTE_DSL_ARCH", arch)
-        if os.environ["CUTE_DSL_ARCH"] != arch:
-            raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but compile_only_backward({arch!r}) was asked")
+        pin_compile_arch(arch, "compile_only_backward")
         names = []
         for variant in variants:
             if variant not in VARIANTS:

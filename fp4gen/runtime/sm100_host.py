@@ -124,6 +124,15 @@ def _heads_major(x):
     return x.transpose(1, 2).reshape(B * Hx, S, *x.shape[3:]).contiguous()
 
 
+def pin_compile_arch(arch: str, caller: str) -> None:
+    """Make ``arch`` the process's CuTe DSL target (``CUTE_DSL_ARCH``, which the sm100a
+    kernels' compile reads) for a CPU-only compile; refuses (RuntimeError) when the process
+    already targets another architecture."""
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    if os.environ["CUTE_DSL_ARCH"] != arch:
+        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {caller}({arch!r}) was asked")
+
+
 class ForwardHost:
     """The host side of one generated sm100a forward: ``config`` its constants, ``build()``
     -> ``(Kernel, cutlass, cute)`` its kernel class (CuTe DSL imported lazily by the module).
@@ -358,9 +367,7 @@ class ForwardHost:
         kernel = self.config.kernel_name
         if arch != ARCH:
             raise ValueError(f"{kernel} targets sm_100a only, not {arch!r}")
-        os.environ.setdefault("CUTE_DSL_ARCH", arch)
-        if os.environ["CUTE_DSL_ARCH"] != arch:
-            raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but compile_only({arch!r}) was asked")
+        pin_compile_arch(arch, "compile_only")
         Kernel, cutlass, cute = self.build()
         self.last_compiled = cute.compile[cute.KeepPTX](Kernel(), *self.fake_args(cutlass, cute))
         return [kernel + ".forward"], self.last_compiled
