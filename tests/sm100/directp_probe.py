@@ -1,11 +1,11 @@
 """Probe kernel: the sm100a Direct-P device helpers, compiled for sm_90a.
 
 ``fp4gen.device.sm100.direct_p``'s fast-policy helpers are FP32/integer code
-(FADD/FMUL/FMNMX, PRMT, BFI) that also runs on Hopper. This module wraps them in a
-tiny kernel that mirrors the per-row softmax loop of ``templates/sm100/fwd.py.j2``
+(FADD/FMUL/FMNMX, PRMT, IMAD) that also runs on Hopper. This module wraps them in a
+tiny kernel that mirrors the per-row softmax loop of ``fp4gen/device/sm100/forward.py``
 (one thread owns one row; 32-key blocks; per block: fmax of the scores, block
-exponent of ``bmax - m``, then per 8-key word ``fast_code`` -> ``twice_value`` ->
-``insert_code``; then ``l += twice * 0.5 * pow2_e8m0(e_B)``), so that a Hopper GPU
+exponent of ``bmax - m``, then ``fast_block``'s four nibble words and block sum, beside
+each key's ``fast_code`` result; then ``l += twice * 0.5 * pow2_e8m0(e_B)``), so that a Hopper GPU
 can check them bit for bit against ``fp4gen.numerics.directp``.
 
 The accurate policy is not probed: ``cvt.rn.satfinite.e2m1x2.f32`` is sm_100-only.
@@ -65,15 +65,18 @@ def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: c
                 bmax = cute.arch.fmax(bmax, s[blk * 32 + c])
             e_b = dp.block_exponent(bmax - m_ref)
             e_bf = Float32(e_b)
-            twice = Int32(0)
+            # the per-key helper's raw results, and the words and block sum of the block
+            # helper the kernel runs (its scalar form: f32x2 is sm_100a only)
+            for c in cutlass.range_constexpr(32):
+                r = dp.fast_code(s[blk * 32 + c], m_ref, e_bf, a, b)
+                mRaw[row, blk * 32 + c] = dp.f32_as_i32(r) - Int32(MAGIC_BITS)
+            sb = cute.make_rmem_tensor((32,), Float32)
+            for c in cutlass.range_constexpr(32):
+                sb[c] = s[blk * 32 + c]
+            wv = cute.make_rmem_tensor((4,), Int32)
+            twice = dp.fast_block(sb, m_ref, e_bf, wv, 0, a, b, False)
             for w in cutlass.range_constexpr(4):
-                word = Int32(0)
-                for c in cutlass.range_constexpr(8):
-                    r = dp.fast_code(s[blk * 32 + w * 8 + c], m_ref, e_bf, a, b)
-                    twice = twice + dp.twice_value(r)
-                    word = dp.insert_code(word, r, c)
-                    mRaw[row, blk * 32 + w * 8 + c] = dp.f32_as_i32(r) - Int32(MAGIC_BITS)
-                mWords[row, blk * 4 + w] = word
+                mWords[row, blk * 4 + w] = wv[w]
             l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)
             mE8[row, blk] = cutlass.Uint8(e_b + Int32(127))
             mTwice[row, blk] = twice

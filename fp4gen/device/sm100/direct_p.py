@@ -2,7 +2,7 @@
 
 Device helpers called from inside ``@cute.jit`` code of the generated sm100a
 forward (they trace into the caller; nothing here launches anything). The fast
-policy uses only FP32 add/FMA/min/max and integer PRMT/BFI -- no MUFU ``ex2`` --
+policy uses only FP32 add/FMA/max and integer min/IMAD/PRMT -- no MUFU ``ex2`` --
 and the conformance check counts ``ex2`` in the PTX to prove it.
 
 They mirror ``fp4gen.numerics.directp.direct_p_mxfp4`` (docs/numerics.md) for one
@@ -79,21 +79,78 @@ def fast_code(t: Float32, m: Float32, e_b: Float32, a: cutlass.Constexpr, b: cut
     return y + Float32(MAGIC)
 
 
-@dsl_user_op
-def twice_value(r, *, loc=None, ip=None) -> Int32:
-    """2 * E2M1 magnitude of the code held in ``r`` (= code + 1.5*2^23; its low 16 bits
-    are the code, so it is a valid PRMT selector as is). One PRMT, exact."""
-    return Int32(_asm(T.i32(), "{\n.reg .b32 lo, hi;\n"
-                      f"mov.b32 lo, {_TWICE_E2M1_LO:#x};\nmov.b32 hi, {_TWICE_E2M1_HI:#x};\n"
-                      "prmt.b32 $0, lo, hi, $1;\n}", "=r,r", [f32_as_i32(r, loc=loc, ip=ip)], loc=loc, ip=ip))
+# The nibble word of eight codes as one multiply-add per key: with r_k's bits = MAGIC's bits
+# (0x4B400000) + code_k, sum_k bits_k * 16^k == sum_k code_k << 4k - 0x4B400000 * 0x11111111
+# (mod 2^32), so a chain started at this bias leaves exactly the packed codes.
+_MAGIC_BITS = 0x4B400000
+_WORD_BIAS = (-(_MAGIC_BITS * 0x11111111)) % 2**32 - 2**32  # 0xC0C00000 as a signed int32
 
 
-@dsl_user_op
-def insert_code(word, r, slot: int, *, loc=None, ip=None) -> Int32:
-    """``word`` with nibble ``slot`` set to the code held in ``r`` (one BFI; key ``slot`` of 8
-    in the low nibble first)."""
-    return Int32(_asm(T.i32(), f"bfi.b32 $0, $1, $2, {4 * slot}, 4;", "=r,r,r",
-                      [f32_as_i32(r, loc=loc, ip=ip), Int32(word)], loc=loc, ip=ip))
+@cute.jit
+def byte_sum(x: Int32) -> Int32:
+    """The sum of the four bytes of ``x``, each <= 96: adjacent pairs (<= 192, no carry) in
+    bytes 0 and 2, those as 16-bit lanes, and both lanes added by one multiply (the high half
+    of z * 0x10001 is z's two halves' sum)."""
+    y = x + (x >> Int32(8))
+    z = y & Int32(0x00FF00FF)
+    return (z * Int32(0x10001)) >> Int32(16)
+
+
+@cute.jit
+def _sub2(x, y, packed: cutlass.Constexpr):
+    if cutlass.const_expr(packed):
+        return cute.arch.sub_packed_f32x2(x, y)
+    return x[0] - y[0], x[1] - y[1]
+
+
+@cute.jit
+def _add2(x, y, packed: cutlass.Constexpr):
+    if cutlass.const_expr(packed):
+        return cute.arch.add_packed_f32x2(x, y)
+    return x[0] + y[0], x[1] + y[1]
+
+
+@cute.jit
+def _fma2(x, y, z, packed: cutlass.Constexpr):
+    if cutlass.const_expr(packed):
+        return cute.arch.fma_packed_f32x2(x, y, z)
+    return x[0] * y[0] + z[0], x[1] * y[1] + z[1]  # contracted to FFMA by ptxas, as fast_code
+
+
+@cute.jit
+def fast_block(s: cute.Tensor, m: Float32, e_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
+               a: cutlass.Constexpr, b: cutlass.Constexpr, packed: cutlass.Constexpr = True) -> Int32:
+    """Fast policy for one 32-key block: the codes of ``s[0..32)`` (log2-unit scores) as four
+    nibble words ``words[w0 .. w0+4)``; returns twice the block's sum of E2M1 magnitudes.
+
+    Bit for bit ``fast_code``'s code for each key (the sm_90a probe checks both), with fewer
+    instructions: the clamp's upper half on the integer bits; the FP32 chain two keys at a time (``sub/add/fma.rn.f32x2``, PTX ISA:
+    Floating-Point Instructions; each lane rounds as the scalar FADD/FFMA, no flush to zero;
+    ``packed=False`` uses the scalar ops, for the sm_90a probe: f32x2 is sm_100a only); the
+    word as a multiply-add chain (``_WORD_BIAS``); the magnitudes by one PRMT per four codes
+    (the word's low 16 bits are four selectors; codes <= 7 leave each nibble's sign-mode bit
+    clear), summed bytewise (<= 8 * 12 per byte) and folded once per block (``byte_sum``)."""
+    l6 = (Float32(LOG2_6), Float32(LOG2_6))
+    twice_bytes = Int32(0)
+    for w in cutlass.range_constexpr(4):
+        word = Int32(_WORD_BIAS)
+        for h in cutlass.range_constexpr(4):
+            k = w * 8 + 2 * h
+            u = _sub2((s[k], s[k + 1]), (m, m), packed)
+            x = _add2(_sub2(u, (e_b, e_b), packed), l6, packed)
+            y = _fma2(x, (Float32(a), Float32(a)), (Float32(b), Float32(b)), packed)
+            # max(y, 0) in FP32 (a NaN y gives 0, as fast_code); min(., 7) on the bits after
+            # the rounding add: for y >= 0 the bits grow with y, so min(bits, bits(MAGIC + 7))
+            # is the same code, on the integer pipe beside the busier FMA pipe
+            y0 = cute.arch.fmax(y[0], Float32(0.0))
+            y1 = cute.arch.fmax(y[1], Float32(0.0))
+            r = _add2((y0, y1), (Float32(MAGIC), Float32(MAGIC)), packed)
+            c0 = min(f32_as_i32(r[0]), Int32(_MAGIC_BITS + 7))
+            c1 = min(f32_as_i32(r[1]), Int32(_MAGIC_BITS + 7))
+            word = word + c0 * Int32(16 ** (2 * h)) + c1 * Int32(16 ** (2 * h + 1))
+        words[w0 + w] = word
+        twice_bytes = twice_bytes + twice_values_pair(word) + twice_values_pair(word >> Int32(16))
+    return byte_sum(twice_bytes)
 
 
 @dsl_user_op
@@ -113,7 +170,8 @@ def accurate_pair(t0, t1, m, e_b, *, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def twice_values_pair(byte, *, loc=None, ip=None) -> Int32:
-    """Bytes {2*|E2M1(high nibble)|, 2*|E2M1(low nibble)|} of a code byte (one PRMT)."""
+    """Byte i = 2*|E2M1(nibble i)| for the codes (0..7) in the low nibbles of ``byte`` (one
+    PRMT: its selector is the low 16 bits, four codes; a code byte gives two)."""
     return Int32(_asm(T.i32(), "{\n.reg .b32 lo, hi;\n"
                       f"mov.b32 lo, {_TWICE_E2M1_LO:#x};\nmov.b32 hi, {_TWICE_E2M1_HI:#x};\n"
                       "prmt.b32 $0, lo, hi, $1;\n}", "=r,r", [Int32(byte)], loc=loc, ip=ip))

@@ -22,6 +22,8 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as bsl
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
@@ -607,188 +609,216 @@ class AttentionFwdSm100:
             r_prev = Float32(1.0)  # row factor of the previous KV tile (O_j is in its units)
         words_per_part = part_cols
         n_blocks = cfg.tile_n // 32
-        for i in cutlass.range(n_kv):
-            hs = s_cons.wait_and_advance()
-            for c in cutlass.range_constexpr(cfg.tile_n // 32):
-                cute.copy(thr_ld, tS_t[c], tS_rc[c])
-            cute.arch.fence_view_async_tmem_load()
-            hs.release()  # "S_j drained": the MMA warp may put the other stage's QK scales here
-            # scores -> log2 units t = s * scale * log2(e); masked keys -> -inf, only on the
-            # tiles that cross the sequence end or (causal) this row's diagonal
-            s_max = -Float32.inf
-            for c in cutlass.range_constexpr(cfg.tile_n):
-                tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
-            # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
-            # One compare against the column's constant per key, written in place: the old
-            # form (key = i * tile_n + c, two compares, two selects) kept the masked and the
-            # unmasked scores live at once in ptxas's if-converted code and spilled them.
-            n_valid = seqlen_k - i * cfg.tile_n
-            if const_expr(cfg.causal):
-                n_valid = cutlass.min(n_valid, diag + 1 - i * cfg.tile_n)
-            if n_valid < cfg.tile_n:
-                for c in cutlass.range_constexpr(cfg.tile_n):
-                    tS_rc[c // 32][c % 32] = Float32(cutlass.select_(
-                        Int32(c) < n_valid, tS_rc[c // 32][c % 32], -Float32.inf))
-            if const_expr(cfg.running_max):
-                for c in cutlass.range_constexpr(cfg.tile_n):
-                    s_max = cute.arch.fmax(s_max, tS_rc[c // 32][c % 32])
-            if const_expr(cfg.running_max):
-                # online max (exp / FP8 paths): O_j and l are rescaled by 2^(m_old - m_new).
-                # PV_j of the previous tile has completed (its commit precedes this S_j) and
-                # PV_j of this tile waits for P below, so O_j is ours to rescale until P_j is
-                # published (the exp path does it there, the two-level path after packing P).
-                m_new = cute.arch.fmax(m_run, s_max)
-                m_new_s = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
-                m_old_s = Float32(cutlass.select_(m_run == -Float32.inf, m_new_s, m_run))
-                alpha = cute.math.exp2(m_old_s - m_new_s, fastmath=True)
-                l_run = l_run * alpha
-                o_alpha = alpha  # O_j *= alpha where P_j is published (below)
-                m_run = m_new
-                m_ref = m_new_s
-            else:
-                m_ref = m_run
-            # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
-            p_words = cute.make_rmem_tensor((p_cols,), cutlass.Int32)
-            sfp_bytes = None
-            if const_expr(cfg.pv_block_scaled):
-                sfp_bytes = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=cutlass.Uint8), sSFP.layout)
-            if const_expr(cfg.two_level):
-                # ---- two-level P (numerics.directp.p_two_level) ----
-                # level 1: p = exp2(t - m) in place of the scores; l sums the unrounded p;
-                # the tile's row factor r = rowmax(p) / 2688 maps the row onto [0, 448*6]
-                lsum = Float32(0.0)
-                pmax = Float32(0.0)
-                for c in cutlass.range_constexpr(cfg.tile_n):
-                    pc = cute.math.exp2(tS_rc[c // 32][c % 32] - m_ref, fastmath=True)
-                    tS_rc[c // 32][c % 32] = pc
-                    lsum = lsum + pc
-                    pmax = cute.arch.fmax(pmax, pc)
-                l_run = l_run + lsum
-                r = tl.row_factor(pmax)
-                inv_r = Float32(1.0) / r
-                # level 2: NVFP4 of P2 = p / r, 16 keys per E4M3 scale s = e4m3(amax / 6)
-                for b in cutlass.range_constexpr(cfg.tile_n // cfg.pv_sf_vec):
-                    amax = Float32(0.0)
-                    for c in cutlass.range_constexpr(cfg.pv_sf_vec):
-                        k = b * cfg.pv_sf_vec + c
-                        p2 = tS_rc[k // 32][k % 32] * inv_r
-                        tS_rc[k // 32][k % 32] = p2
-                        amax = cute.arch.fmax(amax, p2)
-                    # fl32(amax / 6) without a division subroutine call (two_level.div_rn_const);
-                    # a quotient below 2^-126 has E4M3 code 0 however it is rounded
-                    sc = tl.e4m3_code(tl.div_rn_const(amax, 6.0))
-                    s_b = dpf.decode(dp.i32_as_f32(sc))
-                    inv_s = Float32(cutlass.select_(s_b > Float32(0.0), Float32(1.0) / s_b, Float32(0.0)))
-                    for w in cutlass.range_constexpr(cfg.pv_sf_vec // 8):
-                        word = Int32(0)
-                        for h in cutlass.range_constexpr(4):
-                            k = b * cfg.pv_sf_vec + w * 8 + 2 * h
-                            qb = tl.e2m1_pair(tS_rc[k // 32][k % 32] * inv_s, tS_rc[(k + 1) // 32][(k + 1) % 32] * inv_s)
-                            word = word | (qb << Int32(8 * h))
-                        p_words[b * (cfg.pv_sf_vec // 8) + w] = word
-                    # scale-factor atom coordinate of (row t, 16-key block b) in stage j's buffer:
-                    # (((row % 32, row // 32), 0), (vec, b % 4)), MMA_M 0, K64 step b // 4, stage j
-                    sfp_bytes[(((t % 32, t // 32), 0), (0, b % 4)), 0, b // 4, j] = cutlass.Uint8(sc)
-                # O_j holds O / r_prev (the previous tile's units); PV adds deq(P2) V, so bring O_j
-                # to this tile's units: O_j *= alpha * r_prev / r (O_true = O_j * r, exactly as
-                # the reference's deq(P2) * r). The last r is applied in the epilogue.
-                # fl32(r_prev / r) by two_level.div_rn: both in [2^-64, 1], the quotient normal
-                o_fac = Float32(cutlass.select_(i == 0, Float32(1.0), o_alpha * tl.div_rn(r_prev, r)))
-                # tcgen05.ld/st are .sync.aligned: the whole warp takes the branch when any of
-                # its rows needs it (o_fac = 1 leaves a row exact), never part of it (PTX ISA
-                # 9.7.16.8.3/4). Found by the emulator (strict_aligned).
-                if cute.arch.vote_any_sync(o_fac != Float32(1.0)):
-                    for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
-                        src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                        reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                        cute.copy(thr_old, src, reg)
-                        cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
-                        for e in cutlass.range_constexpr(32):
-                            reg[e] = reg[e] * o_fac
-                        cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
-                r_prev = r
-            else:
-                for b in cutlass.range_constexpr(n_blocks):
-                    lsum = Float32(0.0)
-                    if const_expr(cfg.direct_p):
-                        bmax = -Float32.inf
-                        for c in cutlass.range_constexpr(32):
-                            bmax = cute.arch.fmax(bmax, tS_rc[b][c])
-                        e_b = dp.block_exponent(bmax - m_ref)
-                        e_bf = Float32(e_b)
-                        twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
-                        if const_expr(cfg.p_policy == "fast"):
-                            for w in cutlass.range_constexpr(4):
-                                word = Int32(0)
-                                for c in cutlass.range_constexpr(8):
-                                    r = dp.fast_code(tS_rc[b][w * 8 + c], m_ref, e_bf, cfg.direct_p_a, cfg.direct_p_b)
-                                    twice = twice + dp.twice_value(r)
-                                    word = dp.insert_code(word, r, c)
-                                p_words[b * 4 + w] = word
-                        else:
-                            # two codes per hardware conversion; the PRMT lookup yields both magnitudes
-                            # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block
-                            twice2 = Int32(0)
-                            for w in cutlass.range_constexpr(4):
-                                word = Int32(0)
-                                for h in cutlass.range_constexpr(4):
-                                    q = dp.accurate_pair(tS_rc[b][w * 8 + 2 * h], tS_rc[b][w * 8 + 2 * h + 1], m_ref, e_bf)
-                                    twice2 = twice2 + dp.twice_values_pair(q)
-                                    word = word | (q << Int32(8 * h))
-                                p_words[b * 4 + w] = word
-                            twice = (twice2 & Int32(0xFF)) + ((twice2 >> Int32(8)) & Int32(0xFF))
-                        l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)
-                        # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
-                        # (((row % 32, row // 32), 0), (vec, b % 2)), MMA_M 0, K64 step b // 2, stage j
-                        sfp_bytes[(((t % 32, t // 32), 0), (0, b % 2)), 0, b // 2, j] = cutlass.Uint8(e_b + Int32(127))
-                    else:
-                        pf = cute.make_rmem_tensor((32,), Float32)
-                        for c in cutlass.range_constexpr(32):
-                            pf[c] = cute.math.exp2(tS_rc[(b * 32 + c) // 32][(b * 32 + c) % 32] - m_ref, fastmath=True)
-                            lsum = lsum + pf[c]
-                        p8 = cute.recast_tensor(cute.make_tensor(p_words.iterator + b * 8, cute.make_layout(8)), E4M3)
-                        p8.store((pf.load() * Float32(cfg.p_fp8_scale)).to(E4M3))
-                        l_run = l_run + lsum  # the exp path sums unrounded p (as the reference)
-            # ---- publish P (whole or halves) ----
-            for part in cutlass.range_constexpr(self.p_parts):
-                hp = p_prod.acquire_and_advance()
-                if const_expr(cfg.p_smem):
-                    # p_source smem: this part's 16-byte chunks of row t at their swizzled places
-                    # (st.shared; fence.proxy.async below hands them to the MMA's async proxy)
-                    for cc in cutlass.range_constexpr(words_per_part // 4):
-                        c = part * (words_per_part // 4) + cc
-                        dst = cute.make_tensor(p_row + ((Int32(c) ^ p_sw) * Int32(4)), cute.make_layout(4))
-                        for e in cutlass.range_constexpr(4):
-                            dst[e] = p_words[c * 4 + e]
+        # Direct-P: two copies of the tile loop, as FA4's: first the tiles that every row of
+        # this stage sees whole (no key past the sequence end or, causal, past the stage's
+        # first row's diagonal), without the masking code; then the rest, with it. In one loop
+        # ptxas if-converts the masking (a compare, a select and a move per key) and every
+        # tile issues it. The exp and two-level paths keep one loop: split, the two-level
+        # kernel spilled 4 bytes (not yet worked out), and neither is issue-bound on this.
+        row0 = (m_block * cfg.q_stages + j) * cfg.tile_m
+        n_whole = seqlen_k // cfg.tile_n
+        if const_expr(cfg.causal):
+            n_whole = cutlass.min(n_whole, cutlass.max(row0 + seqlen_k - seqlen_q + 1, 0) // cfg.tile_n)
+        n_whole = cutlass.min(n_whole, n_kv)
+        # (plain int arithmetic: the DSL's preprocessor rewrites `x if c else y` and `or`)
+        for phase in cutlass.range_constexpr(1 + int(cfg.direct_p)):
+            masked = phase + int(cfg.direct_p) != 1  # a Python bool: each copy traces its own variant
+            lo = Int32(0)
+            hi = n_whole
+            if const_expr(masked):
+                lo = n_whole
+                hi = n_kv
+                if const_expr(cfg.running_max):  # exp / two-level: the one loop takes every tile
+                    lo = Int32(0)
+            for i in cutlass.range(lo, hi):
+                hs = s_cons.wait_and_advance()
+                for c in cutlass.range_constexpr(cfg.tile_n // 32):
+                    cute.copy(thr_ld, tS_t[c], tS_rc[c])
+                cute.arch.fence_view_async_tmem_load()
+                hs.release()  # "S_j drained": the MMA warp may put the other stage's QK scales here
+                # scores -> log2 units t = s * scale * log2(e); masked keys -> -inf, only on the
+                # tiles that cross the sequence end or (causal) this row's diagonal
+                s_max = -Float32.inf
+                if const_expr(cfg.direct_p):
+                    # two scores per mul.rn.f32x2 (PTX ISA: Floating-Point Instructions, mul; each
+                    # lane rounds as the scalar FMUL does, no flush to zero)
+                    for c in cutlass.range_constexpr(0, cfg.tile_n, 2):
+                        tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1] = cute.arch.mul_packed_f32x2(
+                            (tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1]), (scale_log2, scale_log2))
                 else:
-                    dst = thr_st.partition_D(tStP_parts[part])
-                    # register side shaped by partition_S of the tile (not by dst, which spans lanes)
-                    src = cute.make_rmem_tensor(
-                        thr_st.partition_S(cute.make_identity_tensor((cfg.tile_m, part_cols))).shape, Float32)
-                    src_i = cute.recast_tensor(src, cutlass.Int32)
-                    for w in cutlass.range_constexpr(words_per_part):
-                        src_i[w] = p_words[part * words_per_part + w]
-                    cute.copy(thr_st, src, dst)
-                if const_expr(cfg.exp_fp8):
-                    if const_expr(part == 0):
-                        # O_j *= alpha between P's first store and its first arrive (PV_j of this
-                        # tile waits for that arrive). Done before P, O's 32-column chunk sat
-                        # beside the 128 values of p (ptxas hoists P's ex2 above the branch) and
-                        # spilled; here the scores are dead and at most half of P is in registers.
-                        # the whole warp or none of it: tcgen05.ld/st are .sync.aligned (PTX ISA
-                        # 9.7.16.8.3/4); alpha = 1 leaves a row exact. Found by the emulator.
-                        if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
-                            for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
-                                o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                                reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                                cute.copy(thr_old, o_src, reg)
-                                cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
-                                for e in cutlass.range_constexpr(32):
-                                    reg[e] = reg[e] * o_alpha
-                                cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
-                cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
-                cute.arch.fence_proxy("async.shared", space="cta")
-                hp.commit()
+                    for c in cutlass.range_constexpr(cfg.tile_n):
+                        tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
+                if const_expr(masked):
+                    # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
+                    # One compare against the column's constant per key, written in place: the old
+                    # form (key = i * tile_n + c, two compares, two selects) kept the masked and the
+                    # unmasked scores live at once in ptxas's if-converted code and spilled them.
+                    n_valid = seqlen_k - i * cfg.tile_n
+                    if const_expr(cfg.causal):
+                        n_valid = cutlass.min(n_valid, diag + 1 - i * cfg.tile_n)
+                    if n_valid < cfg.tile_n:
+                        for c in cutlass.range_constexpr(cfg.tile_n):
+                            tS_rc[c // 32][c % 32] = Float32(cutlass.select_(
+                                Int32(c) < n_valid, tS_rc[c // 32][c % 32], -Float32.inf))
+                if const_expr(cfg.running_max):
+                    for c in cutlass.range_constexpr(cfg.tile_n):
+                        s_max = cute.arch.fmax(s_max, tS_rc[c // 32][c % 32])
+                if const_expr(cfg.running_max):
+                    # online max (exp / FP8 paths): O_j and l are rescaled by 2^(m_old - m_new).
+                    # PV_j of the previous tile has completed (its commit precedes this S_j) and
+                    # PV_j of this tile waits for P below, so O_j is ours to rescale until P_j is
+                    # published (the exp path does it there, the two-level path after packing P).
+                    m_new = cute.arch.fmax(m_run, s_max)
+                    m_new_s = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
+                    m_old_s = Float32(cutlass.select_(m_run == -Float32.inf, m_new_s, m_run))
+                    alpha = cute.math.exp2(m_old_s - m_new_s, fastmath=True)
+                    l_run = l_run * alpha
+                    o_alpha = alpha  # O_j *= alpha where P_j is published (below)
+                    m_run = m_new
+                    m_ref = m_new_s
+                else:
+                    m_ref = m_run
+                # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
+                # the row of the scale bytes' addresses, read again here: carried from the
+                # prologue through both tile loops, ptxas spilled it (4 bytes) in the masked one
+                t_sf = t
+                if const_expr(cfg.direct_p):
+                    t_sf = row_in_warpgroup()
+                p_words = cute.make_rmem_tensor((p_cols,), cutlass.Int32)
+                sfp_bytes = None
+                if const_expr(cfg.pv_block_scaled):
+                    sfp_bytes = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=cutlass.Uint8), sSFP.layout)
+                if const_expr(cfg.two_level):
+                    # ---- two-level P (numerics.directp.p_two_level) ----
+                    # level 1: p = exp2(t - m) in place of the scores; l sums the unrounded p;
+                    # the tile's row factor r = rowmax(p) / 2688 maps the row onto [0, 448*6]
+                    lsum = Float32(0.0)
+                    pmax = Float32(0.0)
+                    for c in cutlass.range_constexpr(cfg.tile_n):
+                        pc = cute.math.exp2(tS_rc[c // 32][c % 32] - m_ref, fastmath=True)
+                        tS_rc[c // 32][c % 32] = pc
+                        lsum = lsum + pc
+                        pmax = cute.arch.fmax(pmax, pc)
+                    l_run = l_run + lsum
+                    r = tl.row_factor(pmax)
+                    inv_r = Float32(1.0) / r
+                    # level 2: NVFP4 of P2 = p / r, 16 keys per E4M3 scale s = e4m3(amax / 6)
+                    for b in cutlass.range_constexpr(cfg.tile_n // cfg.pv_sf_vec):
+                        amax = Float32(0.0)
+                        for c in cutlass.range_constexpr(cfg.pv_sf_vec):
+                            k = b * cfg.pv_sf_vec + c
+                            p2 = tS_rc[k // 32][k % 32] * inv_r
+                            tS_rc[k // 32][k % 32] = p2
+                            amax = cute.arch.fmax(amax, p2)
+                        # fl32(amax / 6) without a division subroutine call (two_level.div_rn_const);
+                        # a quotient below 2^-126 has E4M3 code 0 however it is rounded
+                        sc = tl.e4m3_code(tl.div_rn_const(amax, 6.0))
+                        s_b = dpf.decode(dp.i32_as_f32(sc))
+                        inv_s = Float32(cutlass.select_(s_b > Float32(0.0), Float32(1.0) / s_b, Float32(0.0)))
+                        for w in cutlass.range_constexpr(cfg.pv_sf_vec // 8):
+                            word = Int32(0)
+                            for h in cutlass.range_constexpr(4):
+                                k = b * cfg.pv_sf_vec + w * 8 + 2 * h
+                                qb = tl.e2m1_pair(tS_rc[k // 32][k % 32] * inv_s, tS_rc[(k + 1) // 32][(k + 1) % 32] * inv_s)
+                                word = word | (qb << Int32(8 * h))
+                            p_words[b * (cfg.pv_sf_vec // 8) + w] = word
+                        # scale-factor atom coordinate of (row t, 16-key block b) in stage j's buffer:
+                        # (((row % 32, row // 32), 0), (vec, b % 4)), MMA_M 0, K64 step b // 4, stage j
+                        sfp_bytes[(((t % 32, t // 32), 0), (0, b % 4)), 0, b // 4, j] = cutlass.Uint8(sc)
+                    # O_j holds O / r_prev (the previous tile's units); PV adds deq(P2) V, so bring O_j
+                    # to this tile's units: O_j *= alpha * r_prev / r (O_true = O_j * r, exactly as
+                    # the reference's deq(P2) * r). The last r is applied in the epilogue.
+                    # fl32(r_prev / r) by two_level.div_rn: both in [2^-64, 1], the quotient normal
+                    o_fac = Float32(cutlass.select_(i == 0, Float32(1.0), o_alpha * tl.div_rn(r_prev, r)))
+                    # tcgen05.ld/st are .sync.aligned: the whole warp takes the branch when any of
+                    # its rows needs it (o_fac = 1 leaves a row exact), never part of it (PTX ISA
+                    # 9.7.16.8.3/4). Found by the emulator (strict_aligned).
+                    if cute.arch.vote_any_sync(o_fac != Float32(1.0)):
+                        for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
+                            src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
+                            reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
+                            cute.copy(thr_old, src, reg)
+                            cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
+                            for e in cutlass.range_constexpr(32):
+                                reg[e] = reg[e] * o_fac
+                            cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                    r_prev = r
+                else:
+                    for b in cutlass.range_constexpr(n_blocks):
+                        lsum = Float32(0.0)
+                        if const_expr(cfg.direct_p):
+                            bmax = -Float32.inf
+                            for c in cutlass.range_constexpr(32):
+                                bmax = cute.arch.fmax(bmax, tS_rc[b][c])
+                            e_b = dp.block_exponent(bmax - m_ref)
+                            e_bf = Float32(e_b)
+                            twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
+                            if const_expr(cfg.p_policy == "fast"):
+                                twice = dp.fast_block(tS_rc[b], m_ref, e_bf, p_words, b * 4, cfg.direct_p_a, cfg.direct_p_b)
+                            else:
+                                # two codes per hardware conversion; the PRMT lookup yields both magnitudes
+                                # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block
+                                twice2 = Int32(0)
+                                for w in cutlass.range_constexpr(4):
+                                    word = Int32(0)
+                                    for h in cutlass.range_constexpr(4):
+                                        q = dp.accurate_pair(tS_rc[b][w * 8 + 2 * h], tS_rc[b][w * 8 + 2 * h + 1], m_ref, e_bf)
+                                        twice2 = twice2 + dp.twice_values_pair(q)
+                                        word = word | (q << Int32(8 * h))
+                                    p_words[b * 4 + w] = word
+                                twice = (twice2 & Int32(0xFF)) + ((twice2 >> Int32(8)) & Int32(0xFF))
+                            l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)
+                            # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
+                            # (((row % 32, row // 32), 0), (vec, b % 2)), MMA_M 0, K64 step b // 2, stage j
+                            sfp_bytes[(((t_sf % 32, t_sf // 32), 0), (0, b % 2)), 0, b // 2, j] = cutlass.Uint8(e_b + Int32(127))
+                        else:
+                            pf = cute.make_rmem_tensor((32,), Float32)
+                            for c in cutlass.range_constexpr(32):
+                                pf[c] = cute.math.exp2(tS_rc[(b * 32 + c) // 32][(b * 32 + c) % 32] - m_ref, fastmath=True)
+                                lsum = lsum + pf[c]
+                            p8 = cute.recast_tensor(cute.make_tensor(p_words.iterator + b * 8, cute.make_layout(8)), E4M3)
+                            p8.store((pf.load() * Float32(cfg.p_fp8_scale)).to(E4M3))
+                            l_run = l_run + lsum  # the exp path sums unrounded p (as the reference)
+                # ---- publish P (whole or halves) ----
+                for part in cutlass.range_constexpr(self.p_parts):
+                    hp = p_prod.acquire_and_advance()
+                    if const_expr(cfg.p_smem):
+                        # p_source smem: this part's 16-byte chunks of row t at their swizzled places
+                        # (st.shared; fence.proxy.async below hands them to the MMA's async proxy)
+                        for cc in cutlass.range_constexpr(words_per_part // 4):
+                            c = part * (words_per_part // 4) + cc
+                            dst = cute.make_tensor(p_row + ((Int32(c) ^ p_sw) * Int32(4)), cute.make_layout(4))
+                            for e in cutlass.range_constexpr(4):
+                                dst[e] = p_words[c * 4 + e]
+                    else:
+                        dst = thr_st.partition_D(tStP_parts[part])
+                        # register side shaped by partition_S of the tile (not by dst, which spans lanes)
+                        src = cute.make_rmem_tensor(
+                            thr_st.partition_S(cute.make_identity_tensor((cfg.tile_m, part_cols))).shape, Float32)
+                        src_i = cute.recast_tensor(src, cutlass.Int32)
+                        for w in cutlass.range_constexpr(words_per_part):
+                            src_i[w] = p_words[part * words_per_part + w]
+                        cute.copy(thr_st, src, dst)
+                    if const_expr(cfg.exp_fp8):
+                        if const_expr(part == 0):
+                            # O_j *= alpha between P's first store and its first arrive (PV_j of this
+                            # tile waits for that arrive). Done before P, O's 32-column chunk sat
+                            # beside the 128 values of p (ptxas hoists P's ex2 above the branch) and
+                            # spilled; here the scores are dead and at most half of P is in registers.
+                            # the whole warp or none of it: tcgen05.ld/st are .sync.aligned (PTX ISA
+                            # 9.7.16.8.3/4); alpha = 1 leaves a row exact. Found by the emulator.
+                            if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
+                                for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
+                                    o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
+                                    reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
+                                    cute.copy(thr_old, o_src, reg)
+                                    cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
+                                    for e in cutlass.range_constexpr(32):
+                                        reg[e] = reg[e] * o_alpha
+                                    cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                    cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    hp.commit()
         # final statistics for the epilogue
         hst = st_prod.acquire_and_advance()
         rs = cute.make_tensor(row_sum_ptr + j * cfg.tile_m, cute.make_layout(cfg.tile_m))
@@ -838,6 +868,15 @@ class AttentionFwdSm100:
             lse2 = m + cute.math.log2(l, fastmath=True) - Float32(cfg.lse_shift)
             mLSE[row, bh] = Float32(cutlass.select_(l > Float32(0.0), lse2 * Float32(math.log(2.0)), -Float32.inf))
         ho.release()
+
+
+@dsl_user_op
+def row_in_warpgroup(*, loc=None, ip=None) -> Int32:
+    """%tid.x mod 128 read where it is used (a side-effecting read is not hoisted; PTX ISA:
+    Special Registers, %tid)."""
+    tid = Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return tid & Int32(127)
 
 
 def slice0l(layout):

@@ -1,0 +1,44 @@
+"""The fast Direct-P softmax's issue count per KV tile, read from the compiled SASS by the
+performance model (fp4gen/lowering/perf.py): it bounds the predicted speed (issue-bound on the
+softmax warps), so a change that adds instructions to the steady-state tile fails here.
+
+Measured when the bounds were set (fa4_fp4_d128): 1048 / 1050 instructions per row per
+unmasked tile for the two softmax warpgroups, 1349 / 1377 for a masked one (before the f32x2
+chain, the multiply-add word and the split tile loop: 2134 / 2139, masked alike).
+"""
+from __future__ import annotations
+
+import pytest
+
+MAIN_BOUND = 1100  # instructions per row per unmasked tile, each softmax warpgroup
+MASKED_BOUND = 1450
+MASK_COMPARES = 16  # ISETP on the unmasked path: none per key (the masked copy has ~128)
+
+
+@pytest.fixture(scope="module")
+def softmax_roles(tmp_path_factory):
+    from fp4gen.frontend import parse_file
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.lowering import conformance as C
+    from fp4gen.lowering import perf, sm100
+
+    from test_sm100_lowering import EXAMPLES
+
+    plan = plan_kernel(parse_file(EXAMPLES / "fa4_fp4_d128.attn")[0])
+    art = C.compile_artifacts(sm100.render(plan), str(tmp_path_factory.mktemp("count")))
+    info = perf.KernelInfo(name="fa4_fp4_d128", arch="sm_100a", causal=True, tile_m=256, tile_n=128,
+                           head_dim=128, warps_by_registers={}, groups=2, persistent=False)
+    an = perf.analyse(perf.KernelArtifacts(info, art.ptx, perf.sass_cached(art.ptx)))
+    softmax = next(r.registers for r in plan.pipeline.roles if r.name.startswith("softmax"))
+    return [r for r in an["roles"] if r["registers"] == softmax]
+
+
+@pytest.mark.slow
+def test_the_fast_direct_p_tile_stays_under_its_instruction_bound(softmax_roles):
+    assert len(softmax_roles) == 2  # one per query stage
+    for r in softmax_roles:
+        assert r["loops"] == 2, "the unmasked and the masked tile loop"
+        assert r["main"]["instructions"] <= MAIN_BOUND, r["main"]["opcodes"]
+        assert r["masked"]["instructions"] <= MASKED_BOUND, r["masked"]["opcodes"]
+        assert r["main"]["opcodes"].get("ISETP", 0) <= MASK_COMPARES, r["main"]["opcodes"]
+        assert r["main"]["ffma2"] >= 64 * 3  # the f32x2 chain: two keys per FP32 instruction
