@@ -330,7 +330,7 @@ class ForwardKernel:
                     cute.copy(tma_atom_K, tKgK[None, self.kv_tile(n_block_min, i + 1)], tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(kv_state)
-                    cute.copy(tma_atom_V, tVgV[None, i + 1], tVsV[None, kv_state.index],
+                    cute.copy(tma_atom_V, tVgV[None, self.kv_tile(n_block_min, i + 1)], tVsV[None, kv_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
 
