@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fp4gen.runtime import cache
-from fp4gen.runtime.cache import module_source  # noqa: F401  (sm90_host imports it from here)
 
 ARCH = "sm_100a"
 NVFP4_BLOCK = 16  # Q, K: 16 elements along D share one E4M3 scale (kind::mxf4nvf4 ... block16)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from fp4gen.runtime.sm100_host import module_source
 
 ARCH = "sm_90a"
 
@@ -87,10 +86,9 @@ class ForwardHost:
                 return cute.compile(self.build(), *self.fake_args(), stream, options=opts)
 
             if arch is None:
-                source = module_source(self.build)
-                self._compiled[tvm_ffi] = cache.compiled_kernel(
-                    "forward", f"arch={ARCH},tvm_ffi={tvm_ffi}", build, module_source=source,
-                    persist=bool(source), enable_tvm_ffi=tvm_ffi)
+                self._compiled[tvm_ffi] = cache.module_kernel(
+                    "forward", f"arch={ARCH},tvm_ffi={tvm_ffi}", build, cache.module_source(self.build),
+                    enable_tvm_ffi=tvm_ffi)
             else:
                 self._compiled[tvm_ffi] = build()
         return self._compiled[tvm_ffi]
