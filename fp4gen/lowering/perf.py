@@ -231,20 +231,15 @@ def _run(args, env, cwd, timeout):
         raise RuntimeError(f"compile failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
 
-def _library_digest() -> str:
-    """sha256 over the sources a generated module imports its kernel and host from."""
-    root = Path(__file__).resolve().parents[1]
-    files = sorted(f for d in ("device", "runtime", "numerics") for f in (root / d).rglob("*.py"))
-    return _sha("".join(f"{f.relative_to(root)}\n{f.read_text()}" for f in files))
-
-
 def fp4gen_ptx(path: str, timeout: int = 1800) -> str:
     """The PTX of a generated fp4gen module (its forward), cached by the sha256 of its source and
-    of the kernel library it builds (fp4gen/device, fp4gen/runtime, fp4gen/numerics): a module
-    renders only a config, so a kernel change leaves the module's text as it was."""
+    the fingerprint of the kernel library it builds (``runtime.cache.kernel_deps_version``): a
+    module renders only a config, so a kernel change leaves the module's text as it was."""
+    from fp4gen.runtime.cache import kernel_deps_version
+
     source = Path(path).read_text()
     target = "sm_100a" if "sm100a" in Path(path).name or 'TARGET = "sm100a"' in source else "sm_90a"
-    key = cache_dir() / f"fp4gen-{_sha(source + _library_digest())[:24]}-{target}.ptx"
+    key = cache_dir() / f"fp4gen-{_sha(source + kernel_deps_version())[:24]}-{target}.ptx"
     if key.is_file():
         return key.read_text()
     if target == "sm_100a":

@@ -2,15 +2,16 @@
 performance model (fp4gen/lowering/perf.py): it bounds the predicted speed (issue-bound on the
 softmax warps), so a change that adds instructions to the steady-state tile fails here.
 
-Measured when the bounds were set (fa4_fp4_d128): 1048 / 1050 instructions per row per
-unmasked tile for the two softmax warpgroups, 1349 / 1377 for a masked one (before the f32x2
-chain, the multiply-add word and the split tile loop: 2134 / 2139, masked alike).
+Measured when the bounds were set (fa4_fp4_d128): 982 instructions per row per unmasked tile
+of an unguarded stage (m = 0: no subtraction of m) for both softmax warpgroups, 1048 for a
+guarded one, 1353 / 1386 for a masked guarded tile (before the f32x2 chain, the multiply-add
+word and the split tile loops: 2134 / 2139, masked alike).
 """
 from __future__ import annotations
 
 import pytest
 
-MAIN_BOUND = 1100  # instructions per row per unmasked tile, each softmax warpgroup
+MAIN_BOUND = 1030  # instructions per row per unmasked, unguarded tile, each softmax warpgroup
 MASKED_BOUND = 1450
 MASK_COMPARES = 16  # ISETP on the unmasked path: none per key (the masked copy has ~128)
 
@@ -37,7 +38,7 @@ def softmax_roles(tmp_path_factory):
 def test_the_fast_direct_p_tile_stays_under_its_instruction_bound(softmax_roles):
     assert len(softmax_roles) == 2  # one per query stage
     for r in softmax_roles:
-        assert r["loops"] == 2, "the unmasked and the masked tile loop"
+        assert r["loops"] == 4, "unmasked and masked, each for an unguarded and a guarded stage"
         assert r["main"]["instructions"] <= MAIN_BOUND, r["main"]["opcodes"]
         assert r["masked"]["instructions"] <= MASKED_BOUND, r["masked"]["opcodes"]
         assert r["main"]["opcodes"].get("ISETP", 0) <= MASK_COMPARES, r["main"]["opcodes"]

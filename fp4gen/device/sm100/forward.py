@@ -64,6 +64,13 @@ class AttentionFwdSm100:
         self.pv_sf = E4M3 if cfg.pv_sf_vec == 16 else E8M0  # P/V block-scale type of a block-scaled PV
         self.pv_dtype = E4M3 if cfg.pv_fp8 else F4
         self.p_source = tcgen05.OperandSource.SMEM if cfg.p_smem else tcgen05.OperandSource.TMEM
+        # the softmax's copies of its tile loop, (masked, subtract m) each, in the order they run
+        # (softmax(): the unmasked tiles first on Direct-P; with the fast guard, a copy for the
+        # unguarded stage, whose m = 0 needs no subtraction, and one for a guarded stage)
+        masks = (False, True) if cfg.direct_p else (True,)
+        # (not with P in SMEM: its four copies spilled 20 bytes)
+        sub_m = (True, False) if cfg.guard and cfg.direct_p and cfg.p_policy == "fast" and not cfg.p_smem else (True,)
+        self.tile_loops = tuple((mk, sm) for mk in masks for sm in sub_m)
 
     @cute.jit
     def __call__(
@@ -603,7 +610,8 @@ class AttentionFwdSm100:
                 if cute.math.abs(m_hat) > Float32(cfg.guard_m):
                     flag[0] = Int32(1)
                 cute.arch.barrier(barrier_id=3 + j, number_of_threads=128)
-                m_run = Float32(cutlass.select_(flag[0] != Int32(0), m_hat, Float32(0.0)))
+                guard_on = flag[0]
+                m_run = Float32(cutlass.select_(guard_on != Int32(0), m_hat, Float32(0.0)))
         l_run = Float32(0.0)
         if const_expr(cfg.two_level):
             r_prev = Float32(1.0)  # row factor of the previous KV tile (O_j is in its units)
@@ -621,8 +629,8 @@ class AttentionFwdSm100:
             n_whole = cutlass.min(n_whole, cutlass.max(row0 + seqlen_k - seqlen_q + 1, 0) // cfg.tile_n)
         n_whole = cutlass.min(n_whole, n_kv)
         # (plain int arithmetic: the DSL's preprocessor rewrites `x if c else y` and `or`)
-        for phase in cutlass.range_constexpr(1 + int(cfg.direct_p)):
-            masked = phase + int(cfg.direct_p) != 1  # a Python bool: each copy traces its own variant
+        for copy in cutlass.range_constexpr(len(self.tile_loops)):
+            masked, subtract_m = self.tile_loops[copy]  # Python bools: each copy traces its own variant
             lo = Int32(0)
             hi = n_whole
             if const_expr(masked):
@@ -630,6 +638,13 @@ class AttentionFwdSm100:
                 hi = n_kv
                 if const_expr(cfg.running_max):  # exp / two-level: the one loop takes every tile
                     lo = Int32(0)
+            if const_expr(len(self.tile_loops) == 4):
+                # the guarded stage runs the general copies, the unguarded one the m = 0 copies
+                # (guard_on is the stage's vote: uniform over its 128 threads)
+                if const_expr(subtract_m):
+                    hi = Int32(cutlass.select_(guard_on != Int32(0), hi, lo))
+                else:
+                    hi = Int32(cutlass.select_(guard_on != Int32(0), lo, hi))
             for i in cutlass.range(lo, hi):
                 hs = s_cons.wait_and_advance()
                 for c in cutlass.range_constexpr(cfg.tile_n // 32):
@@ -754,7 +769,8 @@ class AttentionFwdSm100:
                             e_bf = Float32(e_b)
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
-                                twice = dp.fast_block(tS_rc[b], m_ref, e_bf, p_words, b * 4, cfg.direct_p_a, cfg.direct_p_b)
+                                twice = dp.fast_block(tS_rc[b], m_ref, e_bf, p_words, b * 4, cfg.direct_p_a, cfg.direct_p_b,
+                                                      True, subtract_m)
                             else:
                                 # two codes per hardware conversion; the PRMT lookup yields both magnitudes
                                 # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block
