@@ -236,7 +236,7 @@ def test_variations_of_the_examples_plan_or_diagnose(example, mask, head_dim, gu
     start = text.index(f"attention {name} ")
     end = text.index("\nattention ", start + 1) if "\nattention " in text[start + 1:] else len(text)
     src = text[start:end]
-    src = re.sub(r"\bmask\s+\w+", f"mask {mask}", src) if "mask" in src else src
+    src = re.sub(r"\bmask\s+\w+(\([^)]*\))?", f"mask {mask}", src) if "mask" in src else src
     src = re.sub(r"\bhead_dim\s+\d+", f"head_dim {head_dim}", src)
     if guard:
         src = re.sub(r"\bguard [^\n;}]*", "", src)
