@@ -212,6 +212,10 @@ FAULTS = {"a_nibble_order": swap_p_nibbles, "b_sf_id": wrong_pv_sf_id, "c_p_part
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_planted_fault_makes_o_mismatch(fault):
+    if fault == "a_nibble_order":
+        # not a pass: the fault rewrote bfi packing, which b503461 replaced by integer
+        # multiply-adds; it must be rewritten for that packing (NOTES.md, issue 16)
+        pytest.skip("planted nibble-order fault predates the multiply-add packing of b503461")
     good = _emulate("fa4_fp4_d128", 448)
     assert good.max_abs_err <= _tolerance(good)
     bad = _emulate("fa4_fp4_d128", 448, ptx_mutation=FAULTS[fault])
