@@ -183,13 +183,18 @@ def pv_reads_p_part2(ptx):
 
 def swap_sfp_coords(ptx):
     """(d) stage 0's P scale bytes stored at b//2 + 2*(b%2) instead of b%2 + 2*(b//2): blocks 1
-    and 2 trade places (their shared-memory byte offsets)."""
+    and 2 trade places (their shared-memory byte offsets), in every copy of the tile loop that
+    stores them (52c95a4 runs guarded and unguarded stages in separate copies)."""
     ls = _lines(ptx)
     st = [i for i, s in enumerate(ls) if "st.shared.b8" in s]
-    offs = [int(re.search(r"\+(\d+)\]", ls[i]).group(1)) for i in st[:4]]
-    assert offs == [offs[0] + k for k in range(4)], offs
-    ls[st[1]] = ls[st[1]].replace(f"+{offs[1]}]", f"+{offs[2]}]")
-    ls[st[2]] = ls[st[2]].replace(f"+{offs[2]}]", f"+{offs[1]}]")
+    off = {i: int(re.search(r"\+(\d+)\]", ls[i]).group(1)) for i in st}
+    first = off[st[0]]
+    groups = [st[j:j + 4] for j in range(len(st) - 3)
+              if [off[i] for i in st[j:j + 4]] == [first + k for k in range(4)]]
+    assert groups, "no run of four stage-0 scale-byte stores"
+    for g in groups:
+        ls[g[1]] = ls[g[1]].replace(f"+{first + 1}]", f"+{first + 2}]")
+        ls[g[2]] = ls[g[2]].replace(f"+{first + 2}]", f"+{first + 1}]")
     return "\n".join(ls)
 
 
