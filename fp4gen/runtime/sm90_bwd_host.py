@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from fp4gen.runtime import bwd_common, cache
+from fp4gen.runtime import bwd_common, cache, dlpack
 
 ARCH = "sm_90a"
 GPU_ARCH_OPTION = "--gpu-arch " + ARCH  # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
@@ -278,16 +278,7 @@ def _fp8_bytes(t: Any):
 
 
 def _cute_tensor(t: Any):
-    """A torch tensor as a CuTe tensor with a dynamic layout (float8 through its bytes); None stays None."""
-    if t is None:
-        return None
-    import cutlass
+    """The backward's arguments for the CuTe-ABI launch: its int32 turn counters are 4-byte aligned."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
-    if t.dtype == torch.float8_e4m3fn:
-        ct = from_dlpack(t.view(torch.uint8), assumed_align=16)
-        ct.element_type = cutlass.Float8E4M3FN
-    else:
-        ct = from_dlpack(t, assumed_align=16 if t.dtype != torch.int32 else 4)
-    return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return dlpack.cute_tensor(t, align4=(torch.int32,))

@@ -248,17 +248,12 @@ class ForwardHost:
                 kern(*args, o, lse, *scalars)
             else:
                 import cuda.bindings.driver as cuda
-                import cutlass
                 from cutlass import Float32, Int32
-                from cutlass.cute.runtime import from_dlpack
 
-                def conv(t):
-                    if t.dtype == torch.float8_e4m3fn:
-                        ct = from_dlpack(t.view(torch.uint8), assumed_align=16)
-                        ct.element_type = cutlass.Float8E4M3FN
-                    else:
-                        ct = from_dlpack(t, assumed_align=16 if t.dtype != torch.float32 else 4)
-                    return ct.mark_layout_dynamic(leading_dim=t.dim() - 1)
+                from fp4gen.runtime.dlpack import cute_tensor
+
+                def conv(t):  # the fp32 LSE and scale vectors are 4-byte aligned
+                    return cute_tensor(t, align4=(torch.float32,))
 
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
                 kern(*[conv(t) for t in ins], conv(o), conv(lse), Int32(scalars[0]), Float32(scalars[1]),
