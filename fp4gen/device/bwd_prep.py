@@ -45,8 +45,8 @@ from fp4gen.runtime import cache
 from . import quantize as _quantize
 from .layout import FP8_P_KEY_PERM
 from .ptx import bf16x2_to_f32, e4m3x4_to_f32, f32x2_to_bf16x2, ld_v4_f32, st_v4_pred
-from .quantize import (BLOCK, _block_max, keep_if, launch, ld_v4_pred, quant8, scale_from_amax_bits, st_v2_pred,
-                       store_transposed_tile, transpose_tile_setup, umax)
+from .quantize import (BLOCK, _block_max, chunk_of_thread, keep_if, launch, ld_v4_pred, load_rows, quant8,
+                       scale_from_amax_bits, st_v2_pred, store_transposed_tile, transpose_tile_setup, umax)
 
 THREADS = 256
 DQ_TILE_M = 64  # query rows per tile of the dQ accumulator (the backward kernel's tile_m)
@@ -132,8 +132,7 @@ class _Pre(_Rows):
         blk, head, batch = cute.arch.block_idx()
         Sq = mO.shape[1]
         H = mO.shape[2]
-        row = tidx // self.vpr
-        col = tidx % self.vpr
+        row, col = chunk_of_thread(tidx, self.d)
         s = blk * self.rpc + row
         valid = s < Sq
         tok = (Int64(batch) * Sq + s) * H + head  # token row in (B, S, H)
@@ -199,20 +198,11 @@ class _PreFp8(_RowTiles):  # ROWS == DQ_TILE_M: a CTA writes one dO^T tile
         Sq = mO.shape[1]
         H = mO.shape[2]
         nb = mA.shape[2]
-        row = tidx // self.vpr
-        col = tidx % self.vpr
+        row, col = chunk_of_thread(tidx, d)
 
         # the tile's loads first; the scale reduction runs while they are in flight
-        vdo = cute.make_rmem_tensor((self.iters * 4,), Uint32)
-        vo = cute.make_rmem_tensor((self.iters * 4,), Uint32)
-        for it in cutlass.range_constexpr(self.iters):
-            s = tile * self.ROWS + it * self.rpc + row
-            tok = (Int64(batch) * Sq + s) * H + head
-            wd = ld_v4_pred(mdO.iterator.toint() + tok * (d * 2) + col * 16, s < Sq)
-            wo = ld_v4_pred(mO.iterator.toint() + tok * (d * 2) + col * 16, s < Sq)
-            for j in cutlass.range_constexpr(4):
-                vdo[it * 4 + j] = wd[j]
-                vo[it * 4 + j] = wo[j]
+        vdo, vo = load_rows([mdO.iterator.toint(), mO.iterator.toint()], d, Sq, H, batch, head, tile * self.ROWS,
+                            self.rpc, self.iters, row, col)
         m = Uint32(0)
         for i in cutlass.range(tidx, nb, THREADS, unroll=1):
             m = umax(m, Uint32(mA[batch, head, i]))
@@ -313,15 +303,9 @@ class _ScaleQuant(_RowTiles):
         blk, head, batch = cute.arch.block_idx()
         S = mX.shape[1]
         H = mX.shape[2]
-        row = tidx // self.vpr
-        col = tidx % self.vpr
-        w = cute.make_rmem_tensor((self.iters * 4,), Uint32)
-        for it in cutlass.range_constexpr(self.iters):
-            s = blk * self.ROWS + it * self.rpc + row
-            tok = (Int64(batch) * S + s) * H + head
-            v = ld_v4_pred(mX.iterator.toint() + tok * (self.d * 2) + col * 16, s < S)
-            for j in cutlass.range_constexpr(4):
-                w[it * 4 + j] = v[j]
+        row, col = chunk_of_thread(tidx, self.d)
+        (w,) = load_rows([mX.iterator.toint()], self.d, S, H, batch, head, blk * self.ROWS, self.rpc, self.iters,
+                         row, col)
         scale = mScale[batch, head]
         for it in cutlass.range_constexpr(self.iters):
             s = blk * self.ROWS + it * self.rpc + row

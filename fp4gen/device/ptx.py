@@ -51,44 +51,31 @@ def prmt(a, b, sel: int, *, loc=None, ip=None) -> Uint32:
     )
 
 
+def _four_to_word(half: str, body: str, kind: str, args, loc, ip) -> Uint32:
+    """One 32-bit word from four inputs ($1..$4, asm constraint ``kind``) built as two halves
+    ``lo``, ``hi`` (registers of PTX type ``half``) that ``body`` computes and joins into $0."""
+    return Uint32(_asm(T.i32(), "{\n.reg ." + half + " lo, hi;\n" + body + "\n}", "=r" + ("," + kind) * 4,
+                       args, loc=loc, ip=ip))
+
+
 @dsl_user_op
 def pack_low_bytes4(y0, y1, y2, y3, *, loc=None, ip=None) -> Uint32:
     """Pack the low byte of four 32-bit words into one word (byte i = y_i & 0xff).
 
     Three PRMTs: two gather pairs, one joins the halves (``prmt``, as above).
     """
-    return Uint32(
-        _asm(
-            T.i32(),
-            "{\n.reg .b32 lo, hi;\n"
-            "prmt.b32 lo, $1, $2, 0x0040;\n"
-            "prmt.b32 hi, $3, $4, 0x0040;\n"
-            "prmt.b32 $0, lo, hi, 0x5410;\n}",
-            "=r,r,r,r,r",
-            [Uint32(y0), Uint32(y1), Uint32(y2), Uint32(y3)],
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _four_to_word("b32", "prmt.b32 lo, $1, $2, 0x0040;\nprmt.b32 hi, $3, $4, 0x0040;\n"
+                         "prmt.b32 $0, lo, hi, 0x5410;", "r", [Uint32(y0), Uint32(y1), Uint32(y2), Uint32(y3)],
+                         loc, ip)
 
 
 @dsl_user_op
 def cvt_e4m3x4(p0, p1, p2, p3, *, loc=None, ip=None) -> Uint32:
     """Four fp32 -> four E4M3 (round to nearest even, saturating), byte i = p_i. PTX ISA: Data
     Movement and Conversion Instructions, ``cvt`` (``.e4m3x2.f32``)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            "{\n.reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi};\n}",
-            "=r,f,f,f,f",
-            [Float32(p0), Float32(p1), Float32(p2), Float32(p3)],
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _four_to_word("b16", "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\ncvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+                         "mov.b32 $0, {lo, hi};", "f", [Float32(p0), Float32(p1), Float32(p2), Float32(p3)],
+                         loc, ip)
 
 
 @dsl_user_op

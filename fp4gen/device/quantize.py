@@ -117,6 +117,34 @@ def umax(a, b, *, loc=None, ip=None) -> Uint32:
     return Uint32(_asm(T.i32(), "max.u32 $0, $1, $2;", "=r,r,r", [Uint32(a), Uint32(b)], loc=loc, ip=ip))
 
 
+def chunk_of_thread(tidx, d: int):
+    """(token row in the pass, 16-byte chunk of the row) of thread ``tidx`` when a row of ``d``
+    bf16 is split over d / 8 threads: the map of every row-wise kernel here and in ``bwd_prep``."""
+    vpr = d // 8
+    return tidx // vpr, tidx % vpr
+
+
+def load_rows(bases, d: int, S, H, batch, head, first, rows_per_pass: int, iters: int, row, col,
+              absmax: bool = False):
+    """This thread's chunk of ``iters`` token rows (``first`` + it * ``rows_per_pass`` + ``row``)
+    of one (batch, head) of (B, S, H, d) bf16 tensors at base addresses ``bases``: one
+    (iters * 4,) Uint32 register tensor per base, zeros past S, every load issued before any
+    use. ``absmax``: also returns max |x| over the first tensor's words as two 16-bit lanes
+    (``absmax_bf16x2``), folded in as the words arrive. A trace-time helper (it inlines)."""
+    vals = [cute.make_rmem_tensor((iters * 4,), Uint32) for _ in bases]
+    m = Uint32(0)
+    for it in range(iters):
+        s = first + it * rows_per_pass + row
+        tok = (Int64(batch) * S + s) * H + head  # token row index in (B, S, H)
+        ws = [ld_v4_pred(b + tok * (d * 2) + col * 16, s < S) for b in bases]
+        for j in range(4):
+            for v, w in zip(vals, ws):
+                v[it * 4 + j] = w[j]
+            if absmax:
+                m = absmax_bf16x2(m, ws[0][j])
+    return (vals, m) if absmax else vals
+
+
 @dsl_user_op
 def scale_from_amax_bits(bits, *, loc=None, ip=None) -> Float32:
     """bf16 |amax| bit pattern (low 16 bits) -> scale: 1 if 0, else fl32(amax * fl32(1/448))
@@ -277,18 +305,9 @@ class _BlockQuant:
 
         S = mX.shape[1]
         H = mX.shape[2]
-        row = tidx // self.vpr
-        col = tidx % self.vpr
-        x_base = mX.iterator.toint()
-        vals = cute.make_rmem_tensor((self.iters * 4,), Uint32)
-        m = Uint32(0)
-        for it in cutlass.range_constexpr(self.iters):
-            s = blk * BLOCK + it * self.rpi + row
-            tok = (Int64(batch) * S + s) * H + head  # token row index in (B, S, H)
-            w = ld_v4_pred(x_base + tok * (self.d * 2) + col * 16, s < S)
-            for j in cutlass.range_constexpr(4):
-                vals[it * 4 + j] = w[j]
-                m = absmax_bf16x2(m, w[j])
+        row, col = chunk_of_thread(tidx, self.d)
+        (vals,), m = load_rows([mX.iterator.toint()], self.d, S, H, batch, head, blk * BLOCK, self.rpi, self.iters,
+                               row, col, absmax=True)
         m = umax(m & Uint32(0xFFFF), m >> Uint32(16))
         amax = _block_max(m, red, tidx)
 
@@ -355,16 +374,9 @@ class _VTranspose:
         skp = mVt.shape[3]
 
         # issue the tile's loads first; the scale reduction runs while they are in flight
-        row = tidx // self.vpr
-        col = tidx % self.vpr
-        x_base = mX.iterator.toint()
-        vals = cute.make_rmem_tensor((self.iters * 4,), Uint32)
-        for it in cutlass.range_constexpr(self.iters):
-            s = tile * BLOCK + it * self.rpi + row
-            tok = (Int64(batch) * S + s) * H + head
-            w = ld_v4_pred(x_base + tok * (self.d * 2) + col * 16, s < S)
-            for j in cutlass.range_constexpr(4):
-                vals[it * 4 + j] = w[j]
+        row, col = chunk_of_thread(tidx, self.d)
+        (vals,) = load_rows([mX.iterator.toint()], self.d, S, H, batch, head, tile * BLOCK, self.rpi, self.iters,
+                            row, col)
 
         m = Uint32(0)
         for i in cutlass.range(tidx, nb, THREADS, unroll=1):
