@@ -275,14 +275,15 @@ class Backward:
         self.shared_storage = self.shared_storage_type(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
                                                        sQ8_layout, sK8_layout, sdOt_layout)
         grid = (cute.ceil_div(cute.size(mK.shape[0]), bn), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        # the kernel's arguments in groups (flattened in this order into its parameters)
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_Q8, tma_Q8, tma_atom_K8, tma_K8, mScaleQ, mScaleK,
-            tma_atom_dOt, tma_dOt, mScaleV, mScaledO,
-            mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV,
-            mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1],
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-            sQ8_layout, sK8_layout, sdOt_layout, softmax_scale_log2, softmax_scale, causal_offset,
+            (tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V),
+            (tma_atom_Q8, tma_Q8, tma_atom_K8, tma_K8, mScaleQ, mScaleK),
+            (tma_atom_dOt, tma_dOt, mScaleV, mScaledO),
+            (mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV),
+            (mma_s[0], mma_s[1], mma_dp[0], mma_dp[1], mma_dv, mma_dk, mma_dq[0], mma_dq[1]),
+            (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sQ8_layout, sK8_layout, sdOt_layout),
+            softmax_scale_log2, softmax_scale, causal_offset,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def shared_storage_type(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sQ8_layout, sK8_layout,
@@ -318,50 +319,22 @@ class Backward:
     @cute.kernel
     def kernel(
         self,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
-        tma_atom_dO: cute.CopyAtom,
-        mdO: cute.Tensor,
-        tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,
-        tma_atom_Q8: Optional[cute.CopyAtom],
-        mQ8: Optional[cute.Tensor],
-        tma_atom_K8: Optional[cute.CopyAtom],
-        mK8: Optional[cute.Tensor],
-        mScaleQ: Optional[cute.Tensor],
-        mScaleK: Optional[cute.Tensor],
-        tma_atom_dOt: Optional[cute.CopyAtom],
-        mdOt: Optional[cute.Tensor],
-        mScaleV: Optional[cute.Tensor],
-        mScaledO: Optional[cute.Tensor],
-        mLSE2: cute.Tensor,
-        mDsum: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mdQturn: Optional[cute.Tensor],
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mma_s0: cute.TiledMma,
-        mma_s1: cute.TiledMma,
-        mma_dp0: cute.TiledMma,
-        mma_dp1: cute.TiledMma,
-        mma_dv: cute.TiledMma,
-        mma_dk: cute.TiledMma,
-        mma_q0: cute.TiledMma,
-        mma_q1: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sQ8_layout: Optional[cute.ComposedLayout],
-        sK8_layout: Optional[cute.ComposedLayout],
-        sdOt_layout: Optional[cute.ComposedLayout],
+        loads: tuple,  # (TMA atom, tensor) of Q, dO, K, V (Q^T / K^T copies with ds_fp8)
+        fp8_s: tuple,  # s_fp8: (atom, tensor) of Q8, K8, then the Q and K block scales; else Nones
+        fp8_do: tuple,  # do_fp8: (atom, tensor) of dO^T, then the V and dO scales; else Nones
+        gmem: tuple,  # LSE2, D, the dQ accumulator, its turn counters (deterministic), dK, dV
+        mmas: tuple,  # S (first, rest), dP (first, rest), dV, dK, dQ (first, rest)
+        layouts: tuple,  # SMEM layouts of Q, dO, K, V, dS, Q8, K8, dO^T
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
         causal_offset: Int32,
     ):
+        tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV = loads
+        tma_atom_Q8, mQ8, tma_atom_K8, mK8, mScaleQ, mScaleK = fp8_s
+        tma_atom_dOt, mdOt, mScaleV, mScaledO = fp8_do
+        mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV = gmem
+        mma_s0, mma_s1, mma_dp0, mma_dp1, mma_dv, mma_dk, mma_q0, mma_q1 = mmas
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sQ8_layout, sK8_layout, sdOt_layout = layouts
         cfg = self.config
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
