@@ -35,8 +35,9 @@ from typing import Any, Mapping, Optional
 
 from .plan import KernelPlan
 from .spec import (
-    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Layout, Mask, OperandFormat, PKind,
-    PProduction, PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest,
+    Backward, CacheFormat, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, KvCache, KvStorage, Layout, Mask,
+    OperandFormat, PKind, PProduction, PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target,
+    TmemRegionRequest,
 )
 
 SPEC_SCHEMA = 1
@@ -60,8 +61,22 @@ def _fmt_from(d: dict) -> OperandFormat:
                          Format(d["scale"]) if d["scale"] is not None else None)
 
 
+def _kv_cache_to(c: KvCache) -> dict[str, Any]:
+    return {"storage": c.storage.value, "page_size": c.page_size,
+            "format": {"format": c.format.format.value, "granularity": c.format.granularity.value,
+                       "tensor_scale": c.format.tensor_scale},
+            "q_tokens": c.q_tokens, "gqa": c.gqa}
+
+
+def _kv_cache_from(d: Mapping[str, Any]) -> KvCache:
+    f = d["format"]
+    return KvCache(storage=KvStorage(d["storage"]), page_size=d["page_size"],
+                   format=CacheFormat(Format(f["format"]), ScaleGranularity(f["granularity"]), bool(f["tensor_scale"])),
+                   q_tokens=int(d["q_tokens"]), gqa=int(d["gqa"]))
+
+
 def _extensions_to(spec: KernelSpec) -> dict[str, Any]:
-    """The fields beyond dense none/causal attention (window, softcap, sinks, layout), each
+    """The fields beyond dense none/causal attention (window, softcap, sinks, layout, kv_cache), each
     written only when it is not the default: a spec that does not use them serializes byte for
     byte as before they existed (the goldens, every committed PLAN_JSON, the torch_ops keys)."""
     d: dict[str, Any] = {}
@@ -73,6 +88,8 @@ def _extensions_to(spec: KernelSpec) -> dict[str, Any]:
         d["sinks"] = spec.sinks.value
     if spec.layout is not Layout.DENSE:
         d["layout"] = spec.layout.value
+    if spec.kv_cache is not None:
+        d["kv_cache"] = _kv_cache_to(spec.kv_cache)
     return d
 
 
@@ -82,7 +99,8 @@ def _extensions_from(d: Mapping[str, Any]) -> dict[str, Any]:
     if (d["mask"] == Mask.WINDOW.value) != (w is not None):
         raise ValueError(f"mask {d['mask']!r} with window {w!r}: a window mask and its sizes come together")
     return {"window": None if w is None else (int(w[0]), int(w[1])), "softcap": float(d.get("softcap", 0.0)),
-            "sinks": Sinks(d.get("sinks", "none")), "layout": Layout(d.get("layout", "dense"))}
+            "sinks": Sinks(d.get("sinks", "none")), "layout": Layout(d.get("layout", "dense")),
+            "kv_cache": None if d.get("kv_cache") is None else _kv_cache_from(d["kv_cache"])}
 
 
 def spec_to_dict(spec: KernelSpec, *, with_source: bool = True) -> dict[str, Any]:

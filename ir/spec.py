@@ -188,6 +188,77 @@ def mask_for_window(left: int, right: int) -> "tuple[Mask, Optional[tuple[int, i
     return Mask.WINDOW, (left, right)
 
 
+class KvStorage(str, Enum):
+    """How a KV cache holds each sequence's tokens: ``CONTIGUOUS`` (one row of
+    ``seqlen_cache`` slots per sequence, flash_attn's ``(batch, seqlen_cache, Hkv, D)``) or
+    ``PAGED`` (pages of ``page_size`` tokens, ``(num_pages, page_size, Hkv, D)``, found through
+    a ``page_table`` (batch, pages_per_sequence) of page indices in any order)."""
+
+    CONTIGUOUS = "contiguous"
+    PAGED = "paged"
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """How K or V is stored in a KV cache, one token at a time (so every scale is fixed when
+    the token is written; nothing is re-quantized when later tokens arrive):
+
+    - ``bf16``: unscaled.
+    - ``fp8e4m3`` with ``granularity`` ``TENSOR``: one fp32 scale per KV head for the whole
+      cache, fixed when it is allocated (appended tokens saturate at +-448 x scale); ``TOKEN``:
+      one fp32 scale per (token, KV head) over the head dim, taken when the token is written.
+    - ``nvfp4``: E2M1 codes, one E4M3 scale per 16 elements along the head dim (for V too: the
+      blocks run along D, not along the keys as a prefill's V does), and with ``tensor_scale``
+      a power-of-two fp32 scale per KV head under the block scales (two-level), fixed at
+      allocation. Definitions and layouts: ``fp4gen.numerics.kvcache``, docs/decode.md.
+    """
+
+    format: Format = Format.BF16
+    granularity: ScaleGranularity = ScaleGranularity.NONE
+    tensor_scale: bool = False
+
+    def __str__(self) -> str:
+        if self.format is Format.FP8E4M3:
+            return f"fp8e4m3(scale={self.granularity.value})"
+        if self.format is Format.NVFP4:
+            return "nvfp4(block=16, scale=e4m3" + (", tensor_scale=fp32)" if self.tensor_scale else ")")
+        return self.format.value
+
+    @property
+    def bits_per_element(self) -> float:
+        """Bytes moved per cached element, scales included, x 8 (head dim 128 for the
+        per-token fp8 scale): what a memory-bound decode reads."""
+        if self.format is Format.NVFP4:
+            return 4 + 8 / 16
+        if self.format is Format.FP8E4M3:
+            return 8 + (32 / 128 if self.granularity is ScaleGranularity.TOKEN else 0)
+        return 16
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """The ``kv_cache { ... }`` block: decode against a cache (issue 22). ``q_tokens``: query
+    tokens per sequence per step, at most (1 = decode, up to 8 for speculative decoding);
+    ``gqa``: query heads per KV head (the group a decode kernel packs into one tile's rows)."""
+
+    storage: KvStorage = KvStorage.CONTIGUOUS
+    page_size: Optional[int] = None  # PAGED only
+    format: CacheFormat = CacheFormat()
+    q_tokens: int = 1
+    gqa: int = 1
+
+    def __str__(self) -> str:
+        st = f"paged(page_size={self.page_size})" if self.storage is KvStorage.PAGED else "contiguous"
+        return f"kv_cache {st}, {self.format}, q_tokens {self.q_tokens}, gqa {self.gqa}"
+
+
+KV_CACHE_FORMATS = (Format.BF16, Format.FP8E4M3, Format.NVFP4)
+# page_size: a power of two; at least one PV MMA K-step of 16 keys, at most 8192 tokens
+KV_PAGE_SIZES = tuple(1 << i for i in range(4, 14))
+KV_Q_TOKENS_RANGE = range(1, 9)  # decode (1) to speculative decoding's drafts (8)
+KV_GQA_RANGE = range(1, 129)  # query heads per KV head: 1 (MHA) .. 128 (MQA of 128 heads)
+
+
 class PPublish(str, Enum):
     WHOLE = "whole"
     HALVES = "halves"
@@ -292,6 +363,7 @@ class KernelSpec:
     guard: Guard = Guard()
     schedule: Schedule = Schedule()
     backward: Optional[Backward] = None
+    kv_cache: Optional[KvCache] = None  # decode against a KV cache (the kv_cache block)
     # where each field came from (dotted path -> location); see module docstring
     locs: Mapping[str, SourceLoc] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     source_file: str = "<spec>"
@@ -315,7 +387,8 @@ class KernelSpec:
     @property
     def uses_extensions(self) -> tuple[str, ...]:
         """The spec fields beyond dense none/causal attention that it sets (field paths of
-        ``locs``: "mask", "softcap", "sinks", "layout"), for the targets that refuse them."""
+        ``locs``: "mask", "softcap", "sinks", "layout"), for the targets that refuse them. A
+        ``kv_cache`` block is not among them: the decode pass (``ir/passes/decode.py``) plans it."""
         out = []
         if self.mask is Mask.WINDOW:
             out.append("mask")

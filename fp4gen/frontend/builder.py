@@ -18,9 +18,11 @@ from lark import Token, Tree
 from fp4gen.ir.plan import TMEM_COLUMNS
 from fp4gen.ir.spec import (
     BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, FORWARD_OPERANDS, FP8_TOKEN_BLOCKS,
-    GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTCAP_RANGE,
-    SOFTMAX_SCALE_RANGE, TILE_RANGE, WINDOW_RANGE,
-    Backward, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, Layout, Mask, OperandFormat, PKind, PProduction,
+    GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_CACHE_FORMATS, KV_GQA_RANGE, KV_PAGE_SIZES, KV_Q_TOKENS_RANGE,
+    KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTCAP_RANGE, SOFTMAX_SCALE_RANGE, TILE_RANGE,
+    WINDOW_RANGE,
+    Backward, CacheFormat, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, KvCache, KvStorage, Layout, Mask,
+    OperandFormat, PKind, PProduction,
     PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest, bound_text,
     default_operand_format, mask_for_window,
 )
@@ -41,10 +43,14 @@ GUARDS = tuple(g.value for g in GuardKind)
 SCALE_WORDS = ("tensor", "token", "none", "fp32", "e8m0", "e4m3")
 
 KERNEL_KEYWORDS = ("target", "head_dim", "mask", "softcap", "sinks", "layout", "scale", "guard", "schedule",
-                   "backward")
+                   "backward", "kv_cache")
 SCHEDULE_KEYWORDS = ("tile", "q_stages", "kv_stages", "p_publish", "p_source", "tmem")
 BACKWARD_KEYWORDS = ("reuse", "deterministic")
-BLOCK_HOME = {**{k: "schedule" for k in SCHEDULE_KEYWORDS}, **{k: "backward" for k in BACKWARD_KEYWORDS}}
+KV_CACHE_KEYWORDS = ("storage", "format", "q_tokens", "gqa")
+BLOCK_HOME = {**{k: "schedule" for k in SCHEDULE_KEYWORDS}, **{k: "backward" for k in BACKWARD_KEYWORDS},
+              **{k: "kv_cache" for k in KV_CACHE_KEYWORDS}}
+KV_STORAGES = tuple(x.value for x in KvStorage)
+KV_FORMATS = tuple(f.value for f in KV_CACHE_FORMATS)
 
 EXAMPLE_FORMAT = {"bf16": "bf16", "fp8": "fp8e4m3(scale=tensor)"}
 
@@ -229,6 +235,7 @@ class KernelBuilder:
         p_via: Optional[tuple[Tree, PProduction]] = None
         schedule = None
         backward = None
+        kv_cache = None
 
         for st in _trees(self.tree):
             kind = st.data
@@ -318,6 +325,10 @@ class KernelBuilder:
                 if self.first_time("backward", st, "the backward block"):
                     self.locs["backward"] = self.err.loc(st)
                     backward = self.backward(st)
+            elif kind == "kv_cache_block":
+                if self.first_time("kv_cache", st, "the kv_cache block"):
+                    self.locs["kv_cache"] = self.err.loc(st)
+                    kv_cache = self.kv_cache(st)
             elif kind in ("unknown_stmt", "unknown_block"):
                 self.unknown(st, KERNEL_KEYWORDS, FORWARD_OPERANDS, "kernel")
             else:  # pragma: no cover - grammar and builder out of sync
@@ -335,6 +346,9 @@ class KernelBuilder:
                            hint="make P nvfp4 or mxfp4, or use 'via exp'")
             f["p_production"] = prod
 
+        if "kv_cache" in self.seen:
+            self.kv_cache_conflicts()
+
         missing = [(r, ex) for r, ex in (("target", "target sm100a"), ("head_dim", "head_dim 128"))
                    if r not in self.seen]
         if missing and not self.had_unknown:  # a misspelled 'targt' already said it
@@ -348,6 +362,8 @@ class KernelBuilder:
             f["schedule"] = schedule
         if backward is not None:
             f["backward"] = backward
+        if kv_cache is not None:
+            f["kv_cache"] = kv_cache
         return KernelSpec(
             name=str(name_tok), locs=MappingProxyType(dict(self.locs)),
             source_file=self.err.filename, source_lines=self.lines, **f)
@@ -377,12 +393,17 @@ class KernelBuilder:
         if word in FORWARD_OPERANDS and where == "backward":
             self.error(tok, f"forward operand '{word}' belongs directly in the attention block")
             return
+        if where == "kv_cache" and word in FORWARD_OPERANDS:
+            self.error(tok, f"the cache's format is one 'format' line for K and V, not '{word} :'",
+                       hint="write e.g. 'format fp8e4m3(scale=token)'")
+            return
         if where == "schedule" and word == "tmem":
             self.error(tok, "tmem takes 'auto' or a block of regions like 'tmem { S0 cols 0..127 }'")
             return
         choices = list(keywords) + list(operands)
         what = "block" if is_block else "statement"
-        blocks = {"kernel": "attention", "schedule": "schedule", "backward": "backward"}.get(where, where)
+        blocks = {"kernel": "attention", "schedule": "schedule", "backward": "backward",
+                  "kv_cache": "kv_cache"}.get(where, where)
         self.error(tok, f"unknown {what} '{word}' in {blocks} block",
                    hint=did_you_mean(word, choices) or f"expected {one_of(choices)}")
 
@@ -709,6 +730,136 @@ class KernelBuilder:
         ordered = {n: formats[n] for n in BACKWARD_OPERANDS if n in formats}
         return Backward(formats=MappingProxyType(ordered), **kw)
 
+
+    # ---- kv_cache { ... } ------------------------------------------------------------------
+    def kv_cache(self, block: Tree) -> Optional[KvCache]:
+        """The kv_cache block: storage, the cache's format (for K and V), q_tokens, gqa."""
+        ok = self.ok
+        self.ok = True
+        kw: dict[str, object] = {}
+        for st in _trees(block):
+            kind = st.data
+            if kind == "storage_stmt":
+                if self.first_time("kv_cache.storage", st, "the cache storage"):
+                    res = self.kv_storage(st)
+                    if res is not None:
+                        kw["storage"], kw["page_size"] = res
+                        self.locs["kv_cache.storage"] = self.err.loc(st.children[0])
+            elif kind == "cache_format_stmt":
+                if self.first_time("kv_cache.format", st, "the cache format"):
+                    fmt = self.cache_format(st)
+                    if fmt is not None:
+                        kw["format"] = fmt
+                        self.locs["kv_cache.format"] = self.err.loc(st.children[0])
+            elif kind in ("q_tokens_stmt", "gqa_stmt"):
+                field = kind[: -len("_stmt")]
+                if self.first_time(f"kv_cache.{field}", st, field):
+                    (tok,) = st.children
+                    allowed = KV_Q_TOKENS_RANGE if field == "q_tokens" else KV_GQA_RANGE
+                    what = ("q_tokens (query tokens per sequence per step)" if field == "q_tokens"
+                            else "gqa (query heads per KV head)")
+                    v = self.integer(tok, what, allowed)
+                    if v is not None:
+                        kw[field] = v
+                        self.locs[f"kv_cache.{field}"] = self.err.loc(tok)
+            elif kind == "operand_stmt":
+                name = st.children[0]
+                self.error(name, f"the cache's format is one 'format' line for K and V, not '{name} :'",
+                           hint="write e.g. 'format fp8e4m3(scale=token)'")
+            else:
+                self.unknown(st, KV_CACHE_KEYWORDS, (), "kv_cache")
+        good = self.ok
+        self.ok = ok and good
+        return KvCache(**kw) if good else None
+
+    def kv_storage(self, st: Tree) -> Optional[tuple[KvStorage, Optional[int]]]:
+        tok = st.children[0]
+        kind = self.word(tok, KV_STORAGES, "cache storage")
+        if kind is None:
+            return None
+        if kind == "contiguous":
+            return (KvStorage.CONTIGUOUS, None) if self.args(st, (), "contiguous") is not None else None
+        args = self.args(st, ("page_size",), "paged")
+        if args is None:
+            return None
+        if "page_size" not in args:
+            self.error(tok, "paged needs page_size", hint="e.g. 'storage paged(page_size=64)'")
+            return None
+        a = args["page_size"]
+        v = self.whole(a.value, "page_size")
+        if v is None:
+            return None
+        if v not in KV_PAGE_SIZES:
+            why = ("not a power of two" if v > 0 and v & (v - 1) else
+                   f"a page holds at least one 16-key step of the PV MMA" if v < KV_PAGE_SIZES[0]
+                   else "larger pages would only waste the tail of each sequence's last one")
+            self.error(a.value, f"page_size must be a power of two from {KV_PAGE_SIZES[0]} to {KV_PAGE_SIZES[-1]}, "
+                                f"got {v} ({why})")
+            return None
+        self.locs["kv_cache.page_size"] = self.err.loc(a.key)
+        return KvStorage.PAGED, v
+
+    def cache_format(self, st: Tree) -> Optional[CacheFormat]:
+        """bf16 | fp8e4m3(scale=tensor|token) | nvfp4(block=16, scale=e4m3, tensor_scale=fp32|none):
+        formats whose scales are fixed when a token is written (CacheFormat)."""
+        tok = st.children[0]
+        if tok in ELEMENT_FORMATS and tok not in KV_FORMATS:
+            self.error(tok, f"a KV cache holds {one_of(KV_FORMATS)}, not {tok}")
+            return None
+        name = self.word(tok, KV_FORMATS, "cache format")
+        if name is None:
+            return None
+        fmt = Format(name)
+        if fmt is Format.BF16:
+            return CacheFormat() if self.args(st, (), "bf16") is not None else None
+        if fmt is Format.FP8E4M3:
+            args = self.args(st, ("scale", "block"), "fp8e4m3 in a cache")
+            if args is None:
+                return None
+            if "block" in args:
+                self.error(args["block"].key, "a KV cache's fp8 scale cannot cover a block of tokens: it would "
+                                              "change as tokens are appended",
+                           hint="write scale=token (one fp32 scale per token and KV head) or scale=tensor "
+                                "(one per KV head, fixed at allocation)")
+                return None
+            g = "tensor"
+            if "scale" in args:
+                g = self.name_arg(args["scale"], ("tensor", "token"), "fp8e4m3 cache scale")
+                if g is None:
+                    return None
+            return CacheFormat(fmt, ScaleGranularity(g))
+        args = self.args(st, ("block", "scale", "tensor_scale"), "nvfp4 in a cache")
+        if args is None:
+            return None
+        if "block" in args and self.integer(args["block"].value, "the block of nvfp4", (16,)) is None:
+            return None
+        if "scale" in args and self.name_arg(args["scale"], ("e4m3",), "nvfp4 block scale") is None:
+            return None
+        two = False
+        if "tensor_scale" in args:
+            w = self.name_arg(args["tensor_scale"], ("fp32", "none"), "nvfp4 tensor_scale")
+            if w is None:
+                return None
+            two = w == "fp32"
+        return CacheFormat(fmt, ScaleGranularity.BLOCK, two)
+
+    def kv_cache_conflicts(self) -> None:
+        """What a kv_cache block rules out in the rest of the kernel: K and V are the cache's (its
+        format line), the batch is the cache's sequences (not layout varlen), decode is inference
+        (no backward block)."""
+        for name in ("K", "V"):
+            if name in self.seen:
+                self.error(self.seen[name], f"with a kv_cache block, {name} is read from the cache in its format",
+                           hint=f"drop the '{name} :' line; set the cache's format with 'format ...' in kv_cache")
+        if "layout" in self.seen and self.locs.get("layout") is not None:
+            lay = self.seen["layout"].children[0]
+            if str(lay) == Layout.VARLEN.value:
+                self.error(lay, "layout varlen with a kv_cache block: the batch is the cache's sequences "
+                                "(cache_seqlens, page_table), not packed cu_seqlens",
+                           hint="drop the layout line")
+        if "backward" in self.seen:
+            self.error(self.seen["backward"], "a kv_cache spec is decode (inference): it has no backward",
+                       hint="drop the backward block")
 
 def build_specs(tree: Tree, filename: str, source_lines: tuple[str, ...], skip_lines=frozenset()):
     """All kernels of a parsed file -> (specs, diagnostics).
