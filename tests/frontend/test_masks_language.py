@@ -110,8 +110,8 @@ GPU_REFUSALS = [
     ("  sinks learned", "sinks", "without sinks"),
     ("  layout varlen", "layout", "dense (B, S, H, D) layout only"),
 ]
-# the sm90a forward implements window and softcap (c593e12); its backward does not
-SM90_FORWARD_TAKES = {"mask", "softcap"}
+# the sm90a forward implements window and softcap (c593e12), sinks and varlen (BF16); its backward none
+SM90_FORWARD_TAKES = {"mask", "softcap", "sinks", "layout"}
 
 
 @pytest.mark.parametrize("target, body, field, words",
@@ -127,7 +127,7 @@ def test_gpu_targets_refuse_at_the_field(target, body, field, words):
     plan_kernel(k.with_target(Target.REFERENCE))  # the reference plans it
 
 
-@pytest.mark.parametrize("body", ["  mask window(256, 0)", "  softcap 30"])
+@pytest.mark.parametrize("body", ["  mask window(256, 0)", "  softcap 30", "  sinks learned", "  layout varlen"])
 def test_the_sm90a_forward_plans_window_and_softcap(body):
     plan_kernel(one(body, "sm90a"))
 
