@@ -231,15 +231,18 @@ def _check_shape(spec: KernelSpec) -> None:
         raise PlanError(f"{t.value} has no tensor memory; drop the tmem block", _loc(spec, "schedule.tmem", "schedule"))
 
 
-# the extensions each target's forward implements (the reference implements all of them);
-# no target's backward implements any yet (issue 19). sm90a varlen: BF16 only (lowering/sm90.py)
+# the extensions each target's forward implements (the reference implements all of them).
+# sm90a varlen: BF16 only (lowering/sm90.py)
 FORWARD_EXTENSIONS = {Target.SM90A: ("mask", "softcap", "sinks", "layout"), Target.SM100A: ()}
+# the extensions each target's backward implements: sm90a window(l, r) and softcap (dS through
+# 1 - tanh^2), every backward recipe (device/sm90/backward.py)
+BACKWARD_EXTENSIONS = {Target.SM90A: ("mask", "softcap"), Target.SM100A: ()}
 
 
 def _check_extensions(spec: KernelSpec) -> None:
     """sm100a implements dense attention with mask none or causal; the sm90a forward adds
-    window(l, r) and softcap, its backward none of them. A window, softcap, sinks or the varlen
-    layout a kernel lacks is refused at its spec line (only the reference target runs them
+    window(l, r), softcap, sinks and varlen, its backward window and softcap. A window,
+    softcap, sinks or the varlen layout a kernel lacks is refused at its spec line (only the reference target runs them
     all), here in the first planning pass, so that ``fp4gen check`` and ``fp4gen compile``
     refuse it alike."""
     t = spec.target
@@ -250,8 +253,9 @@ def _check_extensions(spec: KernelSpec) -> None:
         return
     forward_ok = FORWARD_EXTENSIONS.get(t, ())
     missing = [f for f in used if f not in forward_ok]
-    if not missing and spec.backward is not None:
-        field = used[0]
+    bwd_missing = [f for f in used if f not in BACKWARD_EXTENSIONS.get(t, ())]
+    if not missing and spec.backward is not None and bwd_missing:
+        field = bwd_missing[0]
         raise PlanError(f"{_extension_text(spec, field)}: the {t.value} forward implements it, its backward "
                         "does not", spec.loc(field),
                         ["drop the backward block (a forward-only kernel), or target reference, which "

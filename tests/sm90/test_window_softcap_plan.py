@@ -48,8 +48,8 @@ def test_sm90a_forward_plans_and_lowers_window_and_softcap(lines, window, softca
 
 
 @pytest.mark.parametrize("lines, field", [
-    ("  mask window(255, 0)", "mask"),
-    ("  mask causal\n  softcap 30", "softcap"),
+    ("  sinks learned", "sinks"),
+    ("  mask window(255, 0)\n  layout varlen", "layout"),
 ])
 def test_sm90a_backward_still_refuses_at_the_field(lines, field):
     k = one(lines, backward=True)
