@@ -1,0 +1,164 @@
+"""Workers for the context-parallel tests: W processes over gloo (torch.multiprocessing spawn,
+a FileStore rendezvous in a temporary directory, so no port can be taken by another job).
+
+Every rank builds the same full-sequence inputs from a seed, shards them (``shard_for_cp``), runs
+``context_parallel_attention`` forward and backward, and gathers O, LSE and the gradients
+(``unshard``); rank 0 also runs the single-process ``fp4gen.attention`` on the full tensors and
+the float64 oracle (``numerics.exact``) and saves everything to ``out/<case>.pt``. The tests
+compare in the parent process, so a planted fault shows up as a failed comparison there.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+if importlib.util.find_spec("fp4gen") is None or importlib.util.find_spec("fp4gen.ir") is None:
+    from fp4gen.runtime.srctree import use_source_tree
+
+    use_source_tree(_ROOT)
+
+import torch  # noqa: E402
+
+SPECS = {
+    # every operand and gradient in fp32: the ring's only difference from one process is the
+    # order of the fp32 sums (the LSE merge, dQ/dK/dV summed per block)
+    "fp32": """
+attention cp_fp32 {
+  target reference
+  head_dim 32
+  mask causal
+  Q : fp32
+  K : fp32
+  P : fp32
+  V : fp32
+  O : fp32
+  backward {
+    reuse q k lse
+    dO : fp32
+    dP : fp32
+    dS : fp32
+    dQ : fp32
+    dK : fp32
+    dV : fp32
+  }
+}
+""",
+    # the BF16 recipe as the kernels run it (bf16 P, O and gradients)
+    "bf16": """
+attention cp_bf16 {
+  target reference
+  head_dim 32
+  mask causal
+  Q : bf16
+  K : bf16
+  P : bf16
+  V : bf16
+  O : bf16
+  backward {
+    reuse q k lse
+  }
+}
+""",
+    # the FP8 training recipe (examples/sm90_fp8_train_d128.attn's, at head_dim 32), dS in FP8 too,
+    # so K and V travel in FP8 in the backward as well
+    "fp8": """
+attention cp_fp8 {
+  target reference
+  head_dim 32
+  mask causal
+  Q : fp8e4m3(block=128)
+  K : fp8e4m3(block=128)
+  P : fp8e4m3 via exp
+  V : fp8e4m3(block=128)
+  O : bf16
+  backward {
+    reuse q k lse
+    dO : fp8e4m3
+    dS : fp8e4m3
+  }
+}
+""",
+}
+
+
+def spec_of(name: str):
+    from fp4gen import parse_text
+
+    return parse_text(SPECS[name], filename=f"<cp test spec {name}>")[0]
+
+
+def _faults(fault: str):
+    """Plant a fault in this process's fp4gen.parallel (the tests prove the checks catch it)."""
+    from fp4gen import parallel
+
+    if fault == "merge":  # forget the running part's weight: the last block wins too much
+        def bad_merge(o_acc, lse_acc, o_b, lse_b):
+            lse = torch.logaddexp(lse_acc, lse_b)
+            wb = torch.exp(lse_b - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+            return o_acc + o_b.float() * wb.transpose(1, 2)[..., None], lse
+        parallel._merge = bad_merge
+    elif fault == "skip":  # drop the block one step before the last
+        good = parallel._blocks
+
+        def bad_blocks(rank, src, world, n, cfg):
+            return [] if (rank - src) % world == max(1, world - 2) else good(rank, src, world, n, cfg)
+        parallel._blocks = bad_blocks
+    elif fault:
+        raise ValueError(fault)
+
+
+def worker(rank: int, world: int, store_dir: str, cases: list, out_dir: str, fault: str = ""):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        _faults(fault)
+        for case in cases:
+            _run_case(rank, world, case, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_case(rank, world, case, out_dir):
+    import fp4gen
+    from fp4gen import parallel
+    from fp4gen.numerics import exact
+
+    spec = spec_of(case["spec"])
+    B, S, H, Hkv, D = case.get("B", 1), case["S"], case["H"], case.get("Hkv", case["H"]), spec.head_dim
+    causal, balanced, mode = case["causal"], case.get("balanced", True), case["mode"]
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    q = torch.randn(B, S, H, D, generator=g).to(dtype)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    do = torch.randn(B, S, H, D, generator=g).to(dtype)
+
+    ql, kl, vl = (parallel.shard_for_cp(x, None, balanced=balanced).requires_grad_() for x in (q, k, v))
+    o_l, lse_l = parallel.context_parallel_attention(ql, kl, vl, group=None, spec=spec, causal=causal, mode=mode,
+                                                     balanced=balanced, exchange=case.get("exchange", "auto"),
+                                                     return_lse=True)
+    o_l.backward(parallel.shard_for_cp(do, None, balanced=balanced))
+    stats = parallel.last_comm_stats()
+    got = {name: parallel.unshard(t.detach(), None, balanced=balanced)
+           for name, t in (("o", o_l), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+    got["lse"] = parallel.unshard(lse_l.detach(), None, seq_dim=2, balanced=balanced)
+    if rank != 0:
+        return
+    qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+    o, lse = fp4gen.attention(qf, kf, vf, spec=spec, causal=causal, return_lse=True)
+    o.backward(do)
+    ref = {"o": o.detach(), "lse": lse, "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+    q6, k6, v6 = (x.double().requires_grad_() for x in (q, k, v))
+    o6, lse6 = exact.attention(q6, k6, v6, scale=spec.scale, window=(-1, 0) if causal else (-1, -1))
+    o6.backward(do.double())
+    oracle = {"o": o6.detach(), "lse": lse6.detach(), "dq": q6.grad, "dk": k6.grad, "dv": v6.grad}
+    torch.save({"case": case, "cp": got, "ref": ref, "oracle": oracle, "stats": stats},
+               os.path.join(out_dir, f"{case['name']}.pt"))
