@@ -30,6 +30,8 @@ The FP8 entry point takes the three scale tensors after V (``Fp8ForwardKernel.__
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -44,6 +46,35 @@ from .. import softmax as dsoftmax
 from .config import ForwardConfig
 
 BAR_SCHED = 1  # named barriers: 0 is __syncthreads; BAR_SCHED + i gates consumer warpgroup i's MMA issue
+
+
+class TileLoop(NamedTuple):
+    """What each key tile of a consumer warpgroup's loop reads (``ForwardKernel.step``): fixed
+    for the whole loop, so one value instead of the same 23 arguments at every call."""
+
+    mma_qk: tuple  # (overwrite, accumulate) QK^T MMAs
+    tiled_mma_pv: object
+    tSrQ: object
+    tSrK: object
+    tOrV: object
+    tOrP: object  # P registers, the PV A operand
+    acc_O: object
+    pv_l: object  # l_from_mma: (MMA, acc_L, ones operand), else None
+    s_shape: object
+    tScS: object  # score coordinates (the mask's)
+    pipe_k: object
+    pipe_v: object
+    row_max: object
+    row_sum: object
+    row_scale: object
+    q_mult: object  # the softmax multiplier before the K scale
+    mSK: object  # FP8 K scales, else None
+    batch: object
+    head_kv: object
+    row0: object  # the tile's first query row
+    seqlen_k: object
+    causal_offset: object
+    wg: object  # the consumer warpgroup
 
 
 class ForwardKernel:
@@ -388,6 +419,8 @@ class ForwardKernel:
             out_mult = Float32(1.0)
         row0 = m_block * self.tile_m
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        t = TileLoop(mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, pv_l, s_shape, tScS, pipe_k, pipe_v,
+                     row_max, row_sum, row_scale, q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, wg)
 
         if const_expr(cfg.pingpong):
             # warpgroup 0 goes first
@@ -427,15 +460,9 @@ class ForwardKernel:
                     n_mask_start = cutlass.min(n_mask_start, (row0 + causal_offset) // self.tile_n)
                 n_mask_start = cutlass.max(n_mask_start, 1)
                 for i in cutlass.range(n_mask_start - 1, unroll=1):
-                    kv_state = self.step(
-                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                        pipe_k, pipe_v, kv_state, 1 + i, row_max, row_sum, row_scale,
-                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
+                    kv_state = self.step(t, kv_state, 1 + i, False)
                 for i in cutlass.range(n_tiles - n_mask_start, unroll=1):
-                    kv_state = self.step(
-                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                        pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
-                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+                    kv_state = self.step(t, kv_state, n_mask_start + i, True)
             else:
                 # window: [first, n_left_end) masked (left edge), [n_left_end, n_mask_start)
                 # unmasked, [n_mask_start, n_end) masked (right edge / diagonal, sequence end)
@@ -454,20 +481,11 @@ class ForwardKernel:
                     n_mask_start = cutlass.min(n_mask_start, key_hi // self.tile_n)
                 n_mask_start = cutlass.max(n_mask_start, n_left_end)
                 for i in cutlass.range(n_left_end - first, unroll=1):
-                    kv_state = self.step(
-                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                        pipe_k, pipe_v, kv_state, first + i, row_max, row_sum, row_scale,
-                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+                    kv_state = self.step(t, kv_state, first + i, True)
                 for i in cutlass.range(n_mask_start - n_left_end, unroll=1):
-                    kv_state = self.step(
-                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                        pipe_k, pipe_v, kv_state, n_left_end + i, row_max, row_sum, row_scale,
-                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, False, wg, pv_l)
+                    kv_state = self.step(t, kv_state, n_left_end + i, False)
                 for i in cutlass.range(n_end - n_mask_start, unroll=1):
-                    kv_state = self.step(
-                        mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                        pipe_k, pipe_v, kv_state, n_mask_start + i, row_max, row_sum, row_scale,
-                        q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, True, wg, pv_l)
+                    kv_state = self.step(t, kv_state, n_mask_start + i, True)
             if const_expr(cfg.intra_wg_overlap):
                 # ---- last PV
                 pipe_v.consumer_wait(kv_state)
@@ -550,72 +568,58 @@ class ForwardKernel:
             dsoftmax.rescale_o(pv_l[1], row_scale)
 
     @cute.jit
-    def step(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-             pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-             q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
-             masked: cutlass.Constexpr[bool], wg, pv_l):
-        """One key tile after the first: ``step_overlap`` or ``step_plain`` (intra_wg_overlap)."""
+    def step(self, t, kv_state, n_block, masked: cutlass.Constexpr[bool]):
+        """One key tile after the first (``t``: the warpgroup's ``TileLoop``): ``step_overlap``
+        or ``step_plain`` (intra_wg_overlap)."""
         if const_expr(self.config.intra_wg_overlap):
-            return self.step_overlap(
-                mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-                q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, masked, wg, pv_l)
+            return self.step_overlap(t, kv_state, n_block, masked)
         else:
-            return self.step_plain(
-                mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-                q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, masked, wg, pv_l)
+            return self.step_plain(t, kv_state, n_block, masked)
 
     @cute.jit
-    def step_overlap(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                     pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-                     q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
-                     masked: cutlass.Constexpr[bool], wg, pv_l):
+    def step_overlap(self, t, kv_state, n_block, masked: cutlass.Constexpr[bool]):
         """QK^T of tile n_block and PV of the previous tile in flight, then softmax(n_block)."""
         cfg = self.config
         v_state = kv_state.clone()
         kv_state.advance()
-        c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(kv_state)
+        c = self.tile_mult(t.q_mult, t.mSK, t.batch, t.head_kv, n_block)
+        acc_S = cute.make_rmem_tensor(t.s_shape, Float32)
+        t.pipe_k.consumer_wait(kv_state)
         if const_expr(cfg.pingpong):
-            cute.arch.barrier(barrier_id=BAR_SCHED + wg, number_of_threads=cfg.num_mma_threads)
-        self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
-        pipe_v.consumer_wait(v_state)
-        self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, v_state.index, pv_l)
+            cute.arch.barrier(barrier_id=BAR_SCHED + t.wg, number_of_threads=cfg.num_mma_threads)
+        self.gemm(t.mma_qk, acc_S, t.tSrQ, t.tSrK, kv_state.index)
+        t.pipe_v.consumer_wait(v_state)
+        self.pv(t.tiled_mma_pv, t.acc_O, t.tOrP, t.tOrV, v_state.index, t.pv_l)
         if const_expr(cfg.pingpong):
-            cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=cfg.num_mma_threads)
+            cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - t.wg, number_of_threads=cfg.num_mma_threads)
         warpgroup.wait_group(1)
-        pipe_k.consumer_release(kv_state)
-        c = self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset, c, masked)
-        dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, cfg.softmax_mode)
+        t.pipe_k.consumer_release(kv_state)
+        c = self.scores(acc_S, t.tScS, t.row0, n_block, t.seqlen_k, t.causal_offset, c, masked)
+        dsoftmax.tile(acc_S, t.row_max, t.row_sum, t.row_scale, c, False, cfg.softmax_mode)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(v_state)
-        self.store_p(acc_S, tOrP)
-        self.rescale(acc_O, row_scale, pv_l)
+        t.pipe_v.consumer_release(v_state)
+        self.store_p(acc_S, t.tOrP)
+        self.rescale(t.acc_O, t.row_scale, t.pv_l)
         return kv_state
 
     @cute.jit
-    def step_plain(self, mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, s_shape, tScS,
-                   pipe_k, pipe_v, kv_state, n_block, row_max, row_sum, row_scale,
-                   q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset,
-                   masked: cutlass.Constexpr[bool], wg, pv_l):
+    def step_plain(self, t, kv_state, n_block, masked: cutlass.Constexpr[bool]):
         """QK^T, softmax, then PV of the same tile."""
         cfg = self.config
-        c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(kv_state)
-        self.gemm(mma_qk, acc_S, tSrQ, tSrK, kv_state.index)
+        c = self.tile_mult(t.q_mult, t.mSK, t.batch, t.head_kv, n_block)
+        acc_S = cute.make_rmem_tensor(t.s_shape, Float32)
+        t.pipe_k.consumer_wait(kv_state)
+        self.gemm(t.mma_qk, acc_S, t.tSrQ, t.tSrK, kv_state.index)
         warpgroup.wait_group(0)
-        pipe_k.consumer_release(kv_state)
-        c = self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset, c, masked)
-        dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, False, cfg.softmax_mode)
-        self.store_p(acc_S, tOrP)
-        self.rescale(acc_O, row_scale, pv_l)
-        pipe_v.consumer_wait(kv_state)
-        self.pv(tiled_mma_pv, acc_O, tOrP, tOrV, kv_state.index, pv_l)
+        t.pipe_k.consumer_release(kv_state)
+        c = self.scores(acc_S, t.tScS, t.row0, n_block, t.seqlen_k, t.causal_offset, c, masked)
+        dsoftmax.tile(acc_S, t.row_max, t.row_sum, t.row_scale, c, False, cfg.softmax_mode)
+        self.store_p(acc_S, t.tOrP)
+        self.rescale(t.acc_O, t.row_scale, t.pv_l)
+        t.pipe_v.consumer_wait(kv_state)
+        self.pv(t.tiled_mma_pv, t.acc_O, t.tOrP, t.tOrV, kv_state.index, t.pv_l)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(kv_state)
+        t.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
 
