@@ -346,6 +346,54 @@ class CostModel:
         raise KeyError(name)
 
 
+# --------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """The split-KV choice for one decode shape: ``ctas`` = batch x kv_heads x row tiles before
+    splitting, ``key_tiles`` per sequence, ``splits`` per sequence, and the HBM-bound time of
+    reading the cache once (``hbm_us``, at ``DecodePlan.hbm_bytes_per_s``)."""
+
+    batch: int
+    kv_heads: int
+    cache_len: int
+    ctas: int
+    key_tiles: int
+    splits: int
+    cache_bytes: int
+    hbm_us: float
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Decode against a KV cache (a ``kv_cache`` block): how query rows are packed, how the
+    keys are split (flash-decoding) and combined. The split count depends on the batch and the
+    cache length, known at run time: the plan records the rule (``numerics.kvcache.split_count``
+    with these constants) and its choice for representative shapes (``examples``)."""
+
+    storage: str  # contiguous | paged
+    page_size: Optional[int]
+    cache_format: str
+    q_tokens: int
+    gqa: int
+    rows_per_cta: int  # gqa x q_tokens query rows share one KV head's tiles: packed into one CTA
+    row_tile: int  # rows per MMA tile (a wgmma M of 64 on sm90a)
+    row_tiles: int
+    tile_n: int  # keys per tile
+    sm_count: int
+    device: str
+    split_rule: str
+    min_tiles_per_split: int
+    max_splits: int
+    split_efficiency: float
+    combine: str
+    cache_bytes_per_token: float  # K and V of one token and KV head, scales included
+    hbm_bytes_per_s: float
+    examples: tuple[SplitChoice, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     spec: KernelSpec
@@ -360,6 +408,7 @@ class KernelPlan:
     mma: tuple = field(default=())  # tuple[MmaChoice, ...] (from legalize)
     notes: tuple = field(default=())  # planner remarks worth showing the user
     backward: Optional[object] = None  # BackwardPlan (sm90a specs with a backward block)
+    decode: Optional[DecodePlan] = None  # a kv_cache spec's decode plan (ir/passes/decode.py)
 
     def contract(self, operand: str) -> OperandContract:
         for c in self.contracts:

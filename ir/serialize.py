@@ -329,6 +329,8 @@ def plan_to_dict(plan: KernelPlan, *, simulation: Optional[dict] = None) -> dict
         "simulation": simulation,
         "notes": list(plan.notes),
         "backward": None if plan.backward is None else _plain(plan.backward),
+        # only for a kv_cache spec, so that every other plan keeps its bytes
+        **({"decode": _plain(plan.decode)} if plan.decode is not None else {}),
     }
 
 

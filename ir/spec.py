@@ -224,15 +224,14 @@ class CacheFormat:
             return "nvfp4(block=16, scale=e4m3" + (", tensor_scale=fp32)" if self.tensor_scale else ")")
         return self.format.value
 
-    @property
-    def bits_per_element(self) -> float:
-        """Bytes moved per cached element, scales included, x 8 (head dim 128 for the
-        per-token fp8 scale): what a memory-bound decode reads."""
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Bytes one token of one KV head occupies (K or V), its scales included: what a
+        memory-bound decode reads."""
         if self.format is Format.NVFP4:
-            return 4 + 8 / 16
+            return head_dim / 2 + head_dim / 16
         if self.format is Format.FP8E4M3:
-            return 8 + (32 / 128 if self.granularity is ScaleGranularity.TOKEN else 0)
-        return 16
+            return head_dim + (4 if self.granularity is ScaleGranularity.TOKEN else 0)
+        return 2 * head_dim
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ def _tmem_bar(plan: KernelPlan, width: int = 64) -> list[str]:
 
 def mask_text(s) -> str:
     """The mask as the spec writes it, then softcap, sinks and layout where the spec sets them:
-    "mask window(128, 0), softcap 30, sinks learned, layout varlen". A spec that sets none of
+    "mask window(128, 0), softcap 30, sinks learned, layout varlen" (and a kv_cache block's
+    summary). A spec that sets none of
     the three prints "mask causal" (or "mask none") alone, as dumps always did."""
     if s.mask is Mask.WINDOW and s.window is not None:
         parts = [f"mask window({s.window[0]}, {s.window[1]})"]
@@ -43,7 +44,32 @@ def mask_text(s) -> str:
         parts.append(f"sinks {s.sinks.value}")
     if s.layout is not Layout.DENSE:
         parts.append(f"layout {s.layout.value}")
+    if s.kv_cache is not None:
+        parts.append(str(s.kv_cache))
     return ", ".join(parts)
+
+
+def _decode_lines(d) -> list[str]:
+    """The decode section: the cache, the row packing, the split-KV rule, its choice for a few
+    shapes, the combine."""
+    store = f"paged(page_size={d.page_size})" if d.page_size else d.storage
+    L = ["", f"Decode (kv_cache): {store}, {d.cache_format}, q_tokens {d.q_tokens}, gqa {d.gqa}; "
+             f"{d.cache_bytes_per_token:g} bytes of K+V per token and KV head",
+         f"  rows: {d.rows_per_cta} query rows per KV head in {d.row_tiles} tile(s) of {d.row_tile}; "
+         f"keys in tiles of {d.tile_n}",
+         f"  split-KV on {d.device}: {d.split_rule}",
+         f"    (min_tiles_per_split {d.min_tiles_per_split}, max_splits {d.max_splits}, "
+         f"split_efficiency {d.split_efficiency:g})",
+         f"  {'batch':>7} {'kv_heads':>8} {'cache':>7} {'ctas':>6} {'tiles':>6} {'splits':>6} "
+         f"{'cache MB':>9} {'HBM-bound us':>12}"]
+    for e in d.examples:
+        L.append(f"  {e.batch:7d} {e.kv_heads:8d} {e.cache_len:7d} {e.ctas:6d} {e.key_tiles:6d} {e.splits:6d} "
+                 f"{e.cache_bytes / 1e6:9.1f} {e.hbm_us:12.1f}")
+    L.append(f"  (HBM-bound: one read of the cache at {d.hbm_bytes_per_s / 1e12:g} TB/s)")
+    L.append(f"  combine: {d.combine}")
+    for n in d.notes:
+        L.append(f"  note: {n}")
+    return L
 
 
 def to_text(plan: KernelPlan) -> str:
@@ -174,6 +200,8 @@ def to_text(plan: KernelPlan) -> str:
         from ..passes.events import simulate
         sim = simulate(plan, SIM_TILES)
         L.append(f"Simulated: {SIM_TILES} KV tiles in {sim.makespan:.0f} cycles (no deadlock, no TMEM hazard)")
+    if plan.decode is not None:
+        L += _decode_lines(plan.decode)
     if plan.notes:
         L.append("")
         for n in plan.notes:

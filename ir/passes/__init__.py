@@ -3,6 +3,7 @@
 Each pass is a plain function from one immutable value to the next::
 
     plan = legalize(spec)          # formats, head dim, tiles; MMA kinds
+    plan = plan_decode(plan)       # a kv_cache spec: row packing, split-KV rule and combine
     plan = plan_contracts(plan)    # operand contracts (dtype, blocks, scales, who quantizes)
     plan = plan_tmem(plan)         # sm100a TMEM regions
     plan = plan_publish(plan)      # P publish timing (whole / halves)
@@ -22,6 +23,7 @@ import os
 from ..plan import KernelPlan, PlanError
 from ..spec import KernelSpec
 from .contracts import plan_contracts
+from .decode import plan_decode
 from .cost import cost_model
 from .events import SimulationError, Simulation, plan_events, simulate
 from .attach_backward import attach_backward
@@ -32,9 +34,9 @@ from .publish import plan_publish
 from .tmem import plan_tmem
 from .verify import verify
 
-PASSES = (plan_contracts, plan_tmem, plan_publish, plan_pipeline, plan_events, cost_model, attach_backward)
+PASSES = (plan_decode, plan_contracts, plan_tmem, plan_publish, plan_pipeline, plan_events, cost_model, attach_backward)
 
-__all__ = ["plan_kernel", "legalize", "plan_contracts", "plan_tmem", "plan_publish", "plan_pipeline",
+__all__ = ["plan_kernel", "legalize", "plan_decode", "plan_contracts", "plan_tmem", "plan_publish", "plan_pipeline",
            "plan_events", "cost_model", "attach_backward", "plan_backward", "simulate", "verify", "PlanError", "SimulationError", "Simulation",
            "PASSES"]
 

@@ -16,8 +16,8 @@ from fp4gen.ir.serialize import (
     PlanJsonError, computed_fields, json_text, plan_to_dict, spec_from_dict, spec_from_plan_dict,
     spec_from_plan_json, spec_to_dict,
 )
-from fp4gen.ir.spec import (Backward, Guard, KernelSpec, Layout, Mask, OperandFormat, PProduction, PSource, Schedule,
-                            Sinks)
+from fp4gen.ir.spec import (Backward, Guard, KernelSpec, KvCache, Layout, Mask, OperandFormat, PProduction, PSource,
+                            Schedule, Sinks)
 
 ROOT = Path(__file__).resolve().parents[2]
 frontend = pytest.importorskip("fp4gen.frontend")
@@ -37,6 +37,8 @@ def test_spec_dict_names_every_field():
     # so are the window, softcap, sinks and layout (issue 19): set them too
     spec = dataclasses.replace(spec, mask=Mask.WINDOW, window=(64, 0), softcap=30.0, sinks=Sinks.LEARNED,
                                layout=Layout.VARLEN)
+    # and the kv_cache block (issue 22)
+    spec = dataclasses.replace(spec, kv_cache=KvCache())
     d = spec_to_dict(spec)
     ops = {"q", "k", "p", "v", "o"}
     assert set(d) - {"schema", "operands"} == field_names(KernelSpec) - ops
