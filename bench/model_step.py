@@ -465,19 +465,24 @@ def main(argv=None) -> int:
     if args.graph_child:
         run_graph_child(args, device, args.graph_child)
         return 0
-    rows = run_eager(args, device) if "eager" in args.graphs else []
-    if "graph" in args.graphs and device.type == "cuda":
-        rows += run_graphs(args, argv)
-    add_ratios(rows)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
     out = out_dir / f"{args.name}.json"
-    doc = {"command": "python3 bench/model_step.py " + shlex.join(argv),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-           "torch": torch.__version__, "rows": rows}
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
+
+    def save(rows):  # after each phase, so that a run cut short keeps what it measured
+        add_ratios(rows)
+        doc = {"command": "python3 bench/model_step.py " + shlex.join(argv),
+               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+               "torch": torch.__version__, "rows": rows}
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, out)
+
+    rows = run_eager(args, device) if "eager" in args.graphs else []
+    save(rows)
+    if "graph" in args.graphs and device.type == "cuda":
+        rows += run_graphs(args, argv)
+        save(rows)
     print(out)
     return 0
 
