@@ -15,7 +15,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["parse_file", "parse_text", "SpecError", "plan", "compile_spec", "load", "attention",
-           "attention_varlen", "NoKernelError", "__version__"]
+           "attention_varlen", "attention_with_kvcache", "allocate_kv_cache", "kv_cache_from", "NoKernelError",
+           "__version__"]
 
 
 def attention(q, k, v, **kw):
@@ -34,6 +35,32 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     from fp4gen.torch_ops import attention_varlen as _attention_varlen
 
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **kw):
+    """Decode against a KV cache (flash_attn_with_kvcache): appends k, v at ``cache_seqlens``
+    (quantized into the cache's format), attends, returns o (and the LSE). ``fp4gen.attention_with_kvcache(q,
+    k_cache, v_cache, k, v, cache_seqlens=..., page_table=None, spec=..., causal=None,
+    window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False, num_splits=None,
+    backend="auto")``. See ``fp4gen.api.attention_with_kvcache`` and docs/decode.md."""
+    from fp4gen.api import attention_with_kvcache as _f
+
+    return _f(q, k_cache, v_cache, k, v, **kw)
+
+
+def allocate_kv_cache(spec, **kw):
+    """An empty cache (k_cache, v_cache) in a kv_cache spec's format (``fp4gen.api.allocate_kv_cache``)."""
+    from fp4gen.api import allocate_kv_cache as _f
+
+    return _f(spec, **kw)
+
+
+def kv_cache_from(k, v, spec, **kw):
+    """(k_cache, v_cache, page_table) holding float K/V (B, S, Hkv, D) in a kv_cache spec's
+    format (``fp4gen.api.kv_cache_from``)."""
+    from fp4gen.api import kv_cache_from as _f
+
+    return _f(k, v, spec, **kw)
 
 
 def parse_file(path):

@@ -224,6 +224,12 @@ class CacheFormat:
             return "nvfp4(block=16, scale=e4m3" + (", tensor_scale=fp32)" if self.tensor_scale else ")")
         return self.format.value
 
+    @property
+    def has_tensor_scale(self) -> bool:
+        """Whether the cache fixes one fp32 scale per KV head when it is allocated."""
+        return ((self.format is Format.FP8E4M3 and self.granularity is ScaleGranularity.TENSOR)
+                or (self.format is Format.NVFP4 and self.tensor_scale))
+
     def bytes_per_token(self, head_dim: int) -> float:
         """Bytes one token of one KV head occupies (K or V), its scales included: what a
         memory-bound decode reads."""

@@ -69,6 +69,8 @@ def tensor_scales(fmt: CacheFormat, x: torch.Tensor) -> Optional[torch.Tensor]:
     allocation, from ``x`` (..., Hkv, D), the data it is allocated from (None for the formats
     without one). fp8: ``quantize_fp8_tensor``'s amax * fp32(1/448) over all of ``x`` per head
     (1 when it is all zero). nvfp4: the power of two g >= amax / (448 * 6) (1 when zero)."""
+    if fmt.has_tensor_scale and x.numel() == 0:
+        return torch.ones(x.shape[-2], dtype=torch.float32, device=x.device)
     if fmt.format is Format.FP8E4M3 and fmt.granularity is ScaleGranularity.TENSOR:
         Hkv, D = x.shape[-2], x.shape[-1]
         return quantize_fp8_tensor(x.reshape(1, -1, Hkv, D)).scale[0]
@@ -143,9 +145,7 @@ class CacheTensor:
                  device=None, tensor_scale: Optional[torch.Tensor] = None) -> "CacheTensor":
         """An all-zero cache. ``tensor_scale`` (Hkv,) is required by the formats that fix one."""
         shape = (slots, page, kv_heads)
-        needs = (fmt.format is Format.FP8E4M3 and fmt.granularity is ScaleGranularity.TENSOR) or \
-            (fmt.format is Format.NVFP4 and fmt.tensor_scale)
-        if needs:
+        if fmt.has_tensor_scale:
             if tensor_scale is None or tuple(tensor_scale.shape) != (kv_heads,):
                 raise KVCacheError(f"a {fmt} cache needs its per-KV-head scale, a float32 tensor ({kv_heads},)")
             tensor_scale = tensor_scale.to(device=device, dtype=torch.float32)
@@ -182,6 +182,8 @@ class CacheTensor:
 
     def write(self, rows: torch.Tensor, cols: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize tokens x (T, Hkv, D) into slots (rows[t], cols[t]), in place."""
+        if x.shape[0] == 0:
+            return
         data, scale = quantize_tokens(self.fmt, x.to(self.device), self.tensor_scale)
         self.data[rows, cols] = data
         if scale is not None:
