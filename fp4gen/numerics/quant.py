@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .formats import (E2M1, E4M3, E5M2, MiniFloat, decode, decode_e8m0, encode,
+from .formats import (E2M1, E2M1_VALUES, E4M3, E5M2, MiniFloat, decode, decode_e8m0, encode,
                       encode_e8m0)
 
 FP4_MAX = 6.0
@@ -47,6 +47,20 @@ def _to_blocks(x: torch.Tensor, dim: int, block: int):
 def _from_blocks(xb: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
     return x.movedim(-1, dim)
+
+
+def _clamp_e2m1_finite(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q clamped to +-(the largest E2M1 value v with fl32(v * scale) finite); ``scale``
+    broadcasts against q.
+
+    Only scales near float32's top reach it: an MXFP4 block (ceil rule) with amax above
+    3.5 * 2**126 gets scale 2**126, and its 3.99 would round to the E2M1 value 4, which
+    dequantizes to 2**128 = Inf from finite input. Everywhere else the bound is 6, where
+    ``encode`` saturates anyway, so the codes do not change. NaN stays NaN."""
+    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=q.device)
+    ok = torch.isfinite(scale.unsqueeze(-1) * vals)
+    cap = torch.where(ok, vals, torch.zeros_like(vals)).amax(-1)
+    return torch.where(torch.isnan(q), q, torch.maximum(torch.minimum(q, cap), -cap))
 
 
 def _amax(xb: torch.Tensor, dims) -> torch.Tensor:
@@ -86,7 +100,8 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16,
     g = None
     if tensor_scale:
         t = _amax(xb, tuple(range(xb.dim())))
-        g = torch.where(t == 0, torch.ones_like(t), _div_exact(t, 448.0 * FP4_MAX))
+        g = _div_exact(t, 448.0 * FP4_MAX)
+        g = torch.where(g == 0, torch.ones_like(g), g)  # amax 0, or so small that t / 2688 underflows
         sc = encode(_div_exact(amax, FP4_MAX) / g, E4M3)
         s = decode(sc, E4M3) * g
     else:
@@ -94,6 +109,7 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, block: int = 16,
         s = decode(sc, E4M3)
     sb = s.unsqueeze(-1)
     q = torch.where(sb == 0, torch.zeros_like(xb), xb / torch.where(sb == 0, torch.ones_like(sb), sb))
+    q = _clamp_e2m1_finite(q, sb)
     codes = _from_blocks(encode(q, E2M1).to(torch.float32), dim, x.shape[dim]).to(torch.uint8)
     return FP4Tensor(codes, s, sc, g, dim, block, "nvfp4")
 
@@ -117,7 +133,7 @@ def quantize_mxfp4(x: torch.Tensor, dim: int = -1, block: int = 32, rule: str = 
     else:
         raise ValueError(f"unknown MXFP4 scale rule {rule!r}: use 'ceil' or 'ocp'")
     s = decode_e8m0(sc)
-    q = xb / s.unsqueeze(-1)
+    q = _clamp_e2m1_finite(xb / s.unsqueeze(-1), s.unsqueeze(-1))
     codes = _from_blocks(encode(q, E2M1).to(torch.float32), dim, x.shape[dim]).to(torch.uint8)
     return FP4Tensor(codes, s, sc, None, dim, block, "mxfp4")
 
@@ -175,9 +191,13 @@ def _fp8_scale(amax: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
     # scale = amax * fl32(1/fmax): a multiply by the fp32-rounded reciprocal, which is what
     # torch's CUDA kernels do for `amax / 448.0` and what the fused GPU quantizer
     # (fp4gen.device.quantize) does; written out so the CPU gives the same bits.
-    # An all-zero group gets scale 1 (its payload is 0 anyway).
+    # An all-zero group gets scale 1 (its payload is 0 anyway), and so does a group whose
+    # scale underflows to 0 (fp32 amax below ~fmax * 2**-150, 6e-43 for E4M3): x / 0 would
+    # give NaN for its zeros; with scale 1 its payload rounds to 0 (|x| is far below the
+    # format's smallest subnormal). bf16 inputs never reach it (amax >= 2**-133).
     recip = torch.tensor(1.0 / fmt.max_value, dtype=torch.float32, device=amax.device)
-    return torch.where(amax == 0, torch.ones_like(amax), amax * recip)
+    s = amax * recip
+    return torch.where(s == 0, torch.ones_like(s), s)
 
 
 def _check_bshd(x: torch.Tensor, what: str):
