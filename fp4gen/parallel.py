@@ -35,6 +35,7 @@ import torch.distributed as dist
 from fp4gen import torch_ops
 from fp4gen.ir.spec import Format, Layout, Mask, Sinks
 from fp4gen.numerics import quant
+from fp4gen.numerics.formats import decode
 from fp4gen.numerics import reference as _ref
 from fp4gen.torch_ops import AttentionInputError
 
@@ -130,7 +131,14 @@ def _fp8_of(fmt):
 
 class _Wire:
     """One tensor's encoding on the ring: ``fp8`` None (as is) or (format, granularity, block).
-    ``encode`` -> list of tensors sent; ``decode`` -> the tensor the block attention reads."""
+    ``encode`` -> the tensors sent; ``decode`` -> the tensor the receiver's block attention reads.
+
+    FP8: the payload codes (1 byte each) and one fp32 amax per scale group (the group's scale is
+    ``quant``'s function of it, so the amax costs the scale's 4 bytes). ``decode`` rebuilds a
+    tensor that the backend's own quantizer maps back to exactly these codes and this scale:
+    payload x scale, and the group's amax where the code is the format's largest (the element(s)
+    that set the scale). So the receiver computes what the block's owner would compute from its
+    own K/V, bit for bit (``tests/parallel``), while half of BF16's bytes travel."""
 
     def __init__(self, fp8, dtype):
         self.fp8, self.dtype = fp8, dtype
@@ -140,19 +148,35 @@ class _Wire:
             return [x.contiguous()]
         fmt, gran, block = self.fp8
         t = quant.quantize_fp8(x, gran, block, fmt)
-        return [t.codes, t.scale.contiguous()]
+        return [t.codes, _group_amax(x.to(torch.float32), gran, block)]
 
     def decode(self, bufs):
         if self.fp8 is None:
             return bufs[0]
         fmt, gran, block = self.fp8
-        return quant.FP8Tensor(bufs[0], bufs[1], fmt, gran, block).dequantize().to(self.dtype)
+        codes, amax = bufs
+        t = quant.FP8Tensor(codes, quant._fp8_scale(amax, fmt), fmt, gran, block)
+        vals = decode(codes, fmt)
+        top = quant.FP8Tensor(codes, amax, fmt, gran, block).expand_scale() * torch.sign(vals)
+        x = torch.where(vals.abs() == fmt.max_value, top, vals * t.expand_scale())
+        return x.to(self.dtype)
 
     def describe(self, x) -> str:
         if self.fp8 is None:
             return str(x.dtype).replace("torch.", "")
         fmt, gran, block = self.fp8
         return f"fp8{fmt.name}({f'block={block}' if gran == 'block' else gran})"
+
+
+def _group_amax(x, gran: str, block: int) -> torch.Tensor:
+    """max |x| over each FP8 scale group of ``quant.quantize_fp8`` (its scale's shape)."""
+    if gran == "tensor":
+        return x.abs().amax((1, 3))
+    if gran == "token":
+        return x.abs().amax(3)
+    B, S, H, D = x.shape
+    xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, (-S) % block))
+    return xp.abs().reshape(B, -1, block, H, D).amax((2, 4))
 
 
 def _nbytes(ts) -> int:

@@ -162,3 +162,28 @@ def _run_case(rank, world, case, out_dir):
     oracle = {"o": o6.detach(), "lse": lse6.detach(), "dq": q6.grad, "dk": k6.grad, "dv": v6.grad}
     torch.save({"case": case, "cp": got, "ref": ref, "oracle": oracle, "stats": stats},
                os.path.join(out_dir, f"{case['name']}.pt"))
+
+
+def run(world: int, cases: list, tmp_path, fault: str = "") -> dict:
+    """Spawn ``world`` gloo workers over ``cases``; {case name: saved results of rank 0}."""
+    import torch.multiprocessing as mp
+
+    out, store = Path(tmp_path) / "out", Path(tmp_path) / "store"
+    out.mkdir()
+    store.mkdir()
+    mp.spawn(worker, args=(world, str(store), cases, str(out), fault), nprocs=world, join=True)
+    return {c["name"]: torch.load(out / f"{c['name']}.pt") for c in cases}
+
+
+def rel_max(a, b) -> float:
+    """max |a - b| / max |b|, in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+OUTPUTS = ("o", "lse", "dq", "dk", "dv")
