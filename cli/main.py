@@ -5,6 +5,7 @@
     fp4gen schedule SPEC [--kernel K] [--format text|json|svg|html] [-o FILE [--parents]]
     fp4gen compile SPEC -o DIR [--parents] [--target T] [--kernel K] [--emit py,ptx,cubin]
     fp4gen accuracy SPEC [--kernel K] [--seqlen N] [--heads H] [--batch B] [--seed S] [--json]
+                    [--inputs FILE|DIR [--transform T,...]]   saved q/k/v instead of random ones
     fp4gen run SPEC [--kernel K] [--target T] [--device D] [--seqlen N] [--backward]   run once, compare with float64
     fp4gen verify SPEC... [--kernel K] [--json]  compile sm100a kernels on the CPU, check them against the plan
     fp4gen regenerate [--check] [--root DIR]   generated/ from examples/*.attn
@@ -357,6 +358,10 @@ def cmd_accuracy(args) -> int:
 
     specs = select_specs(_load(args.spec), args.kernel)
     target = parse_target(args.target)
+    if getattr(args, "inputs", None) is not None:
+        return _accuracy_inputs([retarget(s, target) for s in specs], args)
+    if getattr(args, "transform", None):
+        raise UsageError("--transform needs --inputs (the random-input report has no transforms)")
     progress = Progress(getattr(args, "quiet", False))
     reports = []
     for i, spec in enumerate(specs, 1):
@@ -370,6 +375,55 @@ def cmd_accuracy(args) -> int:
     else:
         print("\n".join(_format_report(s.name, r if isinstance(r, dict) else {"result": r})
                         for s, r in zip(specs, reports)))
+    return EXIT_OK
+
+
+def _accuracy_inputs(specs, args) -> int:
+    """``accuracy --inputs FILE|DIR``: each spec's numerics on saved q/k/v (numerics.activations'
+    format), per case, per head and overall; a malformed file is a user error (exit 1)."""
+    from fp4gen.driver import UserError
+    from fp4gen.numerics import accuracy, activations
+
+    from fp4gen.numerics.outliers import TRANSFORMS
+
+    transforms = [t.strip() for t in (args.transform or "").split(",") if t.strip()]
+    bad = [t for t in transforms if t not in TRANSFORMS]
+    if bad:
+        raise UsageError(f"--transform: unknown {', '.join(bad)}; use a comma-separated subset of "
+                         f"{', '.join(TRANSFORMS)}")
+    try:
+        cases = activations.load(args.inputs)
+    except activations.InputsError as e:
+        raise UserError(str(e)) from None
+    progress = Progress(getattr(args, "quiet", False))
+    reports = []
+    for i, spec in enumerate(specs, 1):
+        with progress.stage(f"[{i}/{len(specs)}] accuracy of {spec.name} on {len(cases)} input file(s)"):
+            try:
+                reports.append(_jsonable(accuracy.report_inputs(spec, cases, transforms)))
+            except ValueError as e:  # a varlen spec, an unknown or inapplicable transform
+                raise UserError(f"{spec.name}: {e}") from None
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2, sort_keys=True))
+        return EXIT_OK
+    for rep in reports:
+        extra = f", transforms {','.join(transforms)}" if transforms else ""
+        print(f"{rep['kernel']} ({rep['target']}{extra}): overall cosine {rep['overall_cosine']:.4f}, "
+              f"rel-L2 {rep['overall_rel_l2']:.4f}, max abs {rep['overall_max_abs']:.4g}")
+        print("| inputs | head | cosine | mean row cosine | rel-L2 | max abs |")
+        print("|---|---|---|---|---|---|")
+        for c in rep["cases"]:
+            print(f"| {c['inputs']} | all | {c['cosine']:.4f} | {c['mean_row_cosine']:.4f} | {c['rel_l2']:.4f} "
+                  f"| {c['max_abs']:.4g} |")
+            for h in c["per_head"]:
+                print(f"| | {h['head']} | {h['cosine']:.4f} | {h['mean_row_cosine']:.4f} | {h['rel_l2']:.4f} "
+                      f"| {h['max_abs']:.4g} |")
+        for c in rep["cases"]:
+            for n in c.get("notes", []):
+                print(f"note: {c['inputs']}: {n}", file=sys.stderr)
+            if "dq_rel_l2" in c:
+                print(f"{c['inputs']}: dq / dk / dv rel-L2 {c['dq_rel_l2']:.4f} / {c['dk_rel_l2']:.4f} / "
+                      f"{c['dv_rel_l2']:.4f}")
     return EXIT_OK
 
 
@@ -654,6 +708,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--kernel")
     a.add_argument("--target", type=_target, help="evaluate as this target (default: the kernel's own)")
     _add_shape_options(a, seqlen=1024, heads=4)
+    a.add_argument("--inputs", metavar="FILE|DIR",
+                   help="saved q/k/v (and dO): a torch.save dict {q, k, v[, do, meta]} of (B, S, H, D) "
+                        "tensors, or a folder of *.pt such files (fp4gen.numerics.capture writes them); "
+                        "reports per case, per head and overall instead of random inputs")
+    a.add_argument("--transform", metavar="T[,T]",
+                   help="with --inputs: outlier transforms before the spec's numerics "
+                        "(smooth_k, channel_scale_v, hadamard; fp4gen.numerics.outliers)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.add_argument("--quiet", action="store_true", help="no progress lines on stderr (none off a terminal anyway)")
     a.set_defaults(func=cmd_accuracy)

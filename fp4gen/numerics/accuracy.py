@@ -221,6 +221,96 @@ def report(spec: KernelSpec, seqlen: int = 1024, heads: int = 4, batch: int = 1,
     return out
 
 
+# ------------------------------------------------ reports on given inputs -----
+
+def per_head(x: torch.Tensor, ref: torch.Tensor) -> list[dict]:
+    """``compare`` and ``row_cosine`` of each head h of (B, S, H, D) tensors."""
+    out = []
+    for h in range(ref.shape[2]):
+        c = compare(x[:, :, h], ref[:, :, h])
+        c["mean_row_cosine"] = row_cosine(x[:, :, h], ref[:, :, h])
+        out.append({"head": h, **c})
+    return out
+
+
+def for_head_dim(spec: KernelSpec, head_dim: int) -> KernelSpec:
+    """``spec`` with ``head_dim`` (the default softmax_scale follows it, 1/sqrt(D))."""
+    if head_dim == spec.head_dim:
+        return spec
+    from dataclasses import replace
+    return replace(spec, head_dim=head_dim)
+
+
+def report_case(spec: KernelSpec, case, transforms=(), device="cpu", hadamard_seed=None) -> dict:
+    """The spec's numerics (reference backend) on ``case`` (an ``activations.Case``) against
+    float64 attention of the case's unquantized inputs: O (and LSE) overall and per head, and
+    the gradients' when the spec has a backward and the case a dO. ``transforms`` (names of
+    ``outliers.TRANSFORMS``) are applied before the reference and undone after it; the oracle
+    always sees the original inputs. The spec's head dim becomes the case's."""
+    from . import outliers
+
+    if spec.layout is Layout.VARLEN:
+        raise ValueError(f"{spec.name} has layout varlen; --inputs takes dense (B, S, H, D) tensors: "
+                         "use a dense spec")
+    spec = for_head_dim(spec, case.head_dim)
+    q, k, v = case.q, case.k, case.v
+    sinks = None
+    if spec.sinks is not Sinks.NONE:
+        sinks = draw_sinks(q.shape[2], k.shape[1], torch.Generator().manual_seed(0))
+    tq, tk, tv, post = outliers.apply(q, k, v, transforms, spec.scale, softcap=spec.softcap, sinks=sinks,
+                                      hadamard_seed=hadamard_seed)
+    dev_sinks = None if sinks is None else sinks.to(device)
+    o, lse = reference.forward(tq.to(device), tk.to(device), tv.to(device), spec, sinks=dev_sinks)
+    o, lse = post.o(o).cpu(), post.lse(lse).cpu()
+    want_bwd = spec.backward is not None and case.do is not None
+    if want_bwd and transforms:
+        raise ValueError("the outlier transforms are forward-only here: drop them for a backward report")
+    o_ref, lse_ref, grads = spec_oracle(spec, q, k, v, case.do if want_bwd else None, sinks=sinks)
+    out = {"kernel": spec.name, "target": spec.target.value, "inputs": case.name,
+           "shape": {"q": list(q.shape), "k": list(k.shape)}, "softmax_scale": spec.scale}
+    if transforms:
+        out["transforms"] = list(transforms)
+    if case.meta:
+        out["meta"] = case.meta
+    notes = []
+    causal = case.meta.get("causal") if case.meta else None
+    if causal is not None and bool(causal) != (spec.window_size == (-1, 0)):
+        notes.append(f"the inputs were captured with causal={bool(causal)}; the spec's mask is "
+                     f"{spec.mask.value}")
+    mscale = case.meta.get("scale") if case.meta else None
+    if isinstance(mscale, (int, float)) and abs(mscale - spec.scale) > 1e-6 * spec.scale:
+        notes.append(f"the inputs were captured with softmax scale {mscale:.6g}; the spec uses {spec.scale:.6g}")
+    if spec.backward is not None and case.do is None:
+        notes.append("no dO in the inputs: forward only")
+    if notes:
+        out["notes"] = notes
+    out.update(compare(o, o_ref))
+    out["mean_row_cosine"] = row_cosine(o, o_ref)
+    fin = torch.isfinite(lse_ref)
+    out["lse_max_abs"] = float((lse.double()[fin] - lse_ref[fin]).abs().max()) if fin.any() else 0.0
+    out["nonfinite_o"] = int((~torch.isfinite(o)).sum())
+    out["per_head"] = per_head(o, o_ref)
+    if want_bwd:
+        dev = [x.to(device) for x in (q, k, v, case.do)]
+        dq, dk, dv = reference.backward(*dev[:3], o.to(device), lse.to(device), dev[3], spec, sinks=dev_sinks)
+        for name, x, r in (("dq", dq, grads[0]), ("dk", dk, grads[1]), ("dv", dv, grads[2])):
+            c = compare(x.cpu(), r)
+            out[f"{name}_cosine"], out[f"{name}_rel_l2"] = c["cosine"], c["rel_l2"]
+    out["_o"], out["_o_ref"] = o, o_ref  # for report_inputs' overall numbers; dropped there
+    return out
+
+
+def report_inputs(spec: KernelSpec, cases, transforms=(), device="cpu") -> dict:
+    """``report_case`` for every case, and the metrics over all of them together (O of every
+    case flattened into one vector)."""
+    reps = [report_case(spec, c, transforms, device) for c in cases]
+    o = torch.cat([r.pop("_o").flatten() for r in reps])
+    ref = torch.cat([r.pop("_o_ref").flatten() for r in reps])
+    out = {"kernel": spec.name, "target": spec.target.value, "cases": reps}
+    out.update({f"overall_{k}": v for k, v in compare(o, ref).items()})
+    return out
+
+
 # ------------------------------------------------------------- recipes -----
 
 def _fmt(name: str) -> OperandFormat:

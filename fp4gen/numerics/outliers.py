@@ -1,0 +1,119 @@
+"""Outlier-robust transforms of attention inputs, as plain numerics (issue 21).
+
+Each transform changes what the quantizers see, not the attention it computes (exactly, in
+real arithmetic), so that one scale per (batch, head) or per block fits the data better:
+
+- ``smooth_k``: K minus its mean over tokens, per (batch, kv head) (SageAttention's K
+  smoothing). q . (k_j - m) = q . k_j - q . m: the subtracted term is the same for every
+  key of a row, so softmax and O are unchanged; the LSE drops by scale * q . m
+  (``lse_shift`` puts it back). Not invariant under softcap (tanh is not a shift) or with
+  sink logits (the sink does not move with the keys): ``apply`` refuses both.
+- ``channel_scale_v``: V's columns divided by a power of two per (batch, kv head, channel),
+  c = 2**ceil(log2 amax over tokens) (1 for an all-zero channel), so every channel's amax
+  lies in [1/2, 1]; O's columns are multiplied back by c after PV (an epilogue multiply in a
+  kernel). Powers of two make both steps exact in float32.
+- ``hadamard``: Q and K times the same orthonormal D x D matrix H D_s / sqrt(D) (Sylvester
+  Hadamard, optional random signs D_s from a seed): Q K^T is unchanged, and a channel
+  outlier of K is spread over all D channels (FA3's incoherent processing). D must be a
+  power of two.
+
+``apply(q, k, v, transforms)`` runs them in a fixed order and returns the transformed
+inputs and a ``Post`` that maps the transformed attention's (O, LSE) back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .formats import pow2
+
+TRANSFORMS = ("smooth_k", "channel_scale_v", "hadamard")
+
+
+def smooth_k(k: torch.Tensor):
+    """(k - mean over tokens, mean (B, 1, Hkv, D)) in float32, per (batch, kv head)."""
+    k = k.to(torch.float32)
+    m = k.mean(dim=1, keepdim=True)
+    return k - m, m
+
+
+def lse_shift(q: torch.Tensor, mean_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * q . mean_k per (b, h, query) (B, H, Sq) float32: what smoothing took off the LSE."""
+    B, Sq, H, D = q.shape
+    hk = mean_k.shape[2]
+    mk = mean_k.to(torch.float32).repeat_interleave(H // hk, dim=2)  # (B, 1, H, D)
+    return (q.to(torch.float32) * mk).sum(-1).transpose(1, 2) * scale
+
+
+def channel_scale_v(v: torch.Tensor):
+    """(v / c, c) with c (B, 1, Hkv, D) = 2**ceil(log2 amax_tokens |v|) per channel."""
+    v = v.to(torch.float32)
+    amax = v.abs().amax(dim=1, keepdim=True)
+    mant, ex = torch.frexp(amax)  # amax = m 2**ex, m in [0.5, 1): the cover is 2**ex (2**(ex-1) if m == 0.5)
+    e = torch.where(mant == 0.5, ex - 1, ex).to(torch.int32)
+    c = torch.where(amax == 0, torch.ones_like(amax), pow2(torch.clamp(e, -126, 127)))
+    return v / c, c
+
+
+def hadamard_matrix(d: int, seed: Optional[int] = None) -> torch.Tensor:
+    """Orthonormal (d, d) float32: Sylvester's Hadamard / sqrt(d), columns' signs flipped by a
+    seeded draw when ``seed`` is given."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if seed is not None:
+        s = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+        h = s[:, None].to(torch.float64) * h  # rows of H scaled: x @ (D_s H)
+    return (h / d ** 0.5).to(torch.float32)
+
+
+def hadamard(q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
+    """(q R, k R) for the orthonormal R of ``hadamard_matrix``, in float32."""
+    r = hadamard_matrix(q.shape[-1], seed).to(q.device)
+    return q.to(torch.float32) @ r, k.to(torch.float32) @ r
+
+
+@dataclass
+class Post:
+    """What maps the transformed attention's outputs back to the original's."""
+
+    v_scale: Optional[torch.Tensor] = None  # (B, 1, Hkv, D)
+    lse_add: Optional[torch.Tensor] = None  # (B, H, Sq)
+
+    def o(self, o: torch.Tensor) -> torch.Tensor:
+        if self.v_scale is None:
+            return o
+        H, hk = o.shape[2], self.v_scale.shape[2]
+        return o * self.v_scale.repeat_interleave(H // hk, dim=2).to(o.device)
+
+    def lse(self, lse: torch.Tensor) -> torch.Tensor:
+        return lse if self.lse_add is None else lse + self.lse_add.to(lse.device)
+
+
+def apply(q, k, v, transforms: Sequence[str], scale: float, *, softcap: float = 0.0,
+          sinks=None, hadamard_seed: Optional[int] = None):
+    """(q', k', v', Post) with ``transforms`` (a subset of TRANSFORMS) applied in the order
+    smooth_k, hadamard, channel_scale_v (smoothing first: the mean of K R is the mean of K
+    times R, so the order of those two does not matter; V is independent)."""
+    bad = [t for t in transforms if t not in TRANSFORMS]
+    if bad:
+        raise ValueError(f"unknown transform(s) {', '.join(bad)}: use {', '.join(TRANSFORMS)}")
+    post = Post()
+    if "smooth_k" in transforms:
+        if softcap:
+            raise ValueError("smooth_k changes the scores by a per-row constant, which softcap's tanh "
+                             "does not ignore: the attention would change")
+        if sinks is not None:
+            raise ValueError("smooth_k shifts every key's logit but not the sink's: the attention would change")
+        k, mean = smooth_k(k)
+        post.lse_add = lse_shift(q, mean, scale)
+    if "hadamard" in transforms:
+        q, k = hadamard(q, k, hadamard_seed)
+    if "channel_scale_v" in transforms:
+        v, c = channel_scale_v(v)
+        post.v_scale = c
+    return q, k, v, post
