@@ -50,3 +50,47 @@ def apply(
                     s_mn[r, j] = -Float32.inf
                 if c_mn[0, j][1] < lo:
                     s_mn[r, j] = -Float32.inf
+
+
+@cute.jit
+def apply_keys_by_queries(
+    s_mn: cute.Tensor,
+    c_mn: cute.Tensor,
+    key0: Int32,
+    q0: Int32,
+    tile_keys: cutlass.Constexpr[int],
+    tile_queries: cutlass.Constexpr[int],
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr[bool],
+    causal_offset: Int32,
+    window: cutlass.Constexpr = None,
+    fill: cutlass.Constexpr = None,
+):
+    """The backward's transposed score tile S^T (rows keys, columns queries: ``s_mn`` and its
+    (key, query) coordinates ``c_mn`` in (M, N) view, the tile at keys ``key0``, queries
+    ``q0``): masked entries set to ``fill`` (None: -inf), with the rules above (keys past ``seqlen_k``,
+    causal, or ``window`` (left, right)). Only a tile that crosses a bound is walked."""
+    limit_row = seqlen_k - key0
+    need_mask = key0 + tile_keys > seqlen_k
+    if cutlass.const_expr(causal):
+        need_mask = need_mask | (key0 + tile_keys - 1 > q0 + causal_offset)
+    if cutlass.const_expr(window is not None and window[1] >= 0):
+        need_mask = need_mask | (key0 + tile_keys - 1 > q0 + causal_offset + window[1])
+    if cutlass.const_expr(window is not None and window[0] >= 0):
+        need_mask = need_mask | (key0 < q0 + (tile_queries - 1) + causal_offset - window[0])
+    if need_mask:
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            kr = c_mn[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                bad = kr >= limit_row
+                if cutlass.const_expr(causal):
+                    bad = bad | (key0 + kr > q0 + c_mn[0, j][1] + causal_offset)
+                if cutlass.const_expr(window is not None and window[1] >= 0):
+                    bad = bad | (key0 + kr > q0 + c_mn[0, j][1] + causal_offset + window[1])
+                if cutlass.const_expr(window is not None and window[0] >= 0):
+                    bad = bad | (key0 + kr < q0 + c_mn[0, j][1] + causal_offset - window[0])
+                if bad:
+                    if cutlass.const_expr(fill is None):
+                        s_mn[r, j] = -Float32.inf
+                    else:
+                        s_mn[r, j] = Float32(fill)

@@ -36,16 +36,16 @@ MMA_ORDER = ("S", "dP", "dV", "dK", "dQ")  # = fp4gen.device.sm90.backward.MMA_N
 
 
 def context(plan) -> dict:
-    from fp4gen.ir.spec import Target
+    from fp4gen.ir.spec import Mask, Target
 
     spec = plan.spec
     if spec.target is not Target.SM90A:
         raise LoweringError(f"sm90 backward got a plan for target {spec.target.value}")
     if spec.backward is None:
         raise LoweringError(f"kernel {spec.name!r} has no backward block")
-    if spec.uses_extensions:
-        # legalize lets window(l, r) and softcap through; the kernel for them is not in yet
-        raise LoweringError(f"the sm90a backward kernel does not implement {', '.join(spec.uses_extensions)} yet")
+    lacking = [f for f in spec.uses_extensions if f not in ("mask", "softcap")]
+    if lacking:  # legalize refuses them at their spec lines first
+        raise LoweringError(f"the sm90a backward kernel does not implement {', '.join(lacking)}", lacking[0])
     bp = backward_plan(plan)
     fmts = {m.name: m.operand_format for m in bp.mmas}
     # FP8 dS (dK and dQ in FP8) exists only on top of FP8 S and FP8 dP/dV: it reads the forward's
@@ -81,11 +81,17 @@ def context(plan) -> dict:
     )
     config = {field: getattr(bp, field) for field in CONFIG_FIELDS}
     config.update(flags)
+    # the fields with a default, rendered only when the spec sets them (the modules of specs
+    # without them stay as they were)
+    if spec.mask is Mask.WINDOW:
+        config["window"] = tuple(spec.window_size)
+    if spec.softcap:
+        config["softcap"] = float(spec.softcap)
     return dict(
         kernel_name=Comment(name),
         origins={k: Comment(spec.origin(path)) for k, path in (
             ("backward", "backward"), ("mask", "mask"), ("reuse", "backward.reuse"),
-            ("deterministic", "backward.deterministic"), ("ds", "backward.dS"))},
+            ("deterministic", "backward.deterministic"), ("ds", "backward.dS"), ("softcap", "softcap"))},
         config=config,
         mmas=[dict(formula=Comment(mmas[n].formula), a_source=Comment(mmas[n].a_source),
                    a_major=mmas[n].a_major, b_major=mmas[n].b_major,

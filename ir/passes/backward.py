@@ -273,16 +273,29 @@ def plan_backward(plan: KernelPlan) -> BackwardPlan:
     launch_regs = REGISTERS_PER_SM // threads // 8 * 8  # what each thread starts with
     assert regs <= threads * launch_regs, (regs, threads, launch_regs)  # else setmaxnreg.inc hangs
     deterministic = bool(bw.deterministic)
+    if spec.mask is Mask.WINDOW:
+        left, right = spec.window_size
+        mask_note = (f"window({left}, {right}): bottom-right aligned (key j visible to query i iff "
+                     f"{'' if left < 0 else f'i + Sk - Sq - {left} <= '}j{'' if right < 0 else f' <= i + Sk - Sq + {right}'}); "
+                     "a CTA walks only the query tiles that see one of its keys (none: it writes zero dK, dV) "
+                     "and masks only tiles crossing a window edge or the sequence end")
+    elif spec.mask is Mask.CAUSAL:
+        mask_note = ("causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the "
+                     "query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end")
+    else:
+        mask_note = "no mask: every query tile, the key tail masked"
     notes = [
-        "causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the "
-        "query tiles entirely above its keys, masks only tiles crossing the diagonal or the sequence end"
-        if spec.mask is Mask.CAUSAL else "no mask: every query tile, the key tail masked",
+        mask_note,
         "P and dS are rounded to bf16 for the MMAs; dP stays fp32 in registers"
         if do_fmt == "bf16" else
         "dV = P^T dO in FP8: P as e4m3(2^8 P) from registers (queries permuted per 32, dO^T to match), "
         "dO and V with one fp32 scale per (batch, head); "
         + ("dS in FP8 (below)" if ds8 else "dS rounded to bf16") + "; dP stays fp32 in registers",
     ]
+    if spec.softcap:
+        notes.append(f"softcap {spec.softcap:g}: S^T recomputed as c tanh(s / c) (tanh.approx, as the forward), "
+                     "masked after the cap; dS^T = P^T (dP^T - D) (1 - tanh^2), P^T and the factor taken from the "
+                     "tanh tile once dP^T is ready")
     if s_fmt != "bf16":
         notes.append("S^T recomputed from the forward's FP8 Q/K payloads and 128-token block scales "
                      "(bit-identical to the forward's P); "

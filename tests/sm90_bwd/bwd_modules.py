@@ -68,6 +68,49 @@ def make_spec(head_dim=128, causal=True, deterministic=False, fp8=False) -> Kern
                       backward=Backward(deterministic=deterministic))
 
 
+# a backward with ``mask window(l, r)`` and/or ``softcap c`` for each recipe: BF16 (every MMA in
+# bf16), "fp8" (FP8 S, dP, dV: the training recipe), "ds8" (every MMA in FP8)
+MASKED_SPEC = """
+attention {name} {{
+  target sm90a
+  head_dim {d}
+  mask {mask}{softcap}
+  Q : {qk}
+  K : {qk}
+  P : {p}
+  V : {v}
+  O : bf16
+  schedule {{ tile 128 x 128 }}
+  backward {{
+    reuse q k lse{grads}
+    deterministic {det}
+  }}
+}}
+"""
+RECIPES = {
+    "bf16": dict(qk="bf16", p="bf16", v="bf16", grads=""),
+    "fp8": dict(qk="fp8e4m3(block=128)", p="fp8e4m3 via exp", v="fp8e4m3(scale=tensor)",
+                grads="\n    dO : fp8e4m3"),
+    "ds8": dict(qk="fp8e4m3(block=128)", p="fp8e4m3 via exp", v="fp8e4m3(scale=tensor)",
+                grads="\n    dO : fp8e4m3\n    dS : fp8e4m3"),
+}
+
+
+def make_masked_spec(recipe="bf16", head_dim=128, window=None, softcap=0.0, causal=False,
+                     deterministic=False) -> KernelSpec:
+    """A backward spec of ``recipe`` (RECIPES) with ``window`` (left, right) or mask causal /
+    none, and ``softcap`` (0: none)."""
+    from fp4gen.frontend import parse_text
+
+    mask = f"window({window[0]}, {window[1]})" if window is not None else ("causal" if causal else "none")
+    tag = "" if window is None else f"_w{window[0]}_{window[1]}".replace("-", "m")
+    name = (f"sm90_bwd_{recipe}_d{head_dim}{tag}{'_causal' if causal else ''}"
+            f"{f'_cap{softcap:g}' if softcap else ''}{'_det' if deterministic else ''}")
+    text = MASKED_SPEC.format(name=name, d=head_dim, mask=mask, softcap=f"\n  softcap {softcap:g}" if softcap else "",
+                              det=str(deterministic).lower(), **RECIPES[recipe])
+    return parse_text(text, f"{name}.attn")[0]
+
+
 def make_plan(head_dim=128, causal=True, deterministic=False, fp8=False):
     from fp4gen.ir.passes import plan_kernel
 
@@ -97,7 +140,24 @@ def load_module(plan, directory: str):
 
 # ------------------------------------------------------------------ checking
 
-def torch_forward(q, k, v, causal, scale):
+def _scores(qf, kf, causal, scale, window=None, softcap=0.0):
+    """Scaled scores (B, H, Sq, Sk), capped by ``softcap`` and masked (causal, or ``window``:
+    fp4gen.numerics.masking's rules, the oracle's)."""
+    import torch
+
+    from fp4gen.numerics import masking
+
+    Sq, Sk = qf.shape[2], kf.shape[2]
+    s = masking.softcap((qf @ kf.transpose(-1, -2)) * scale, softcap)
+    if window is None:
+        window = (-1, 0) if causal else masking.NO_WINDOW
+    if masking.is_masked(window):
+        ok = masking.allowed(torch.arange(Sq, device=qf.device), torch.arange(Sk, device=qf.device), Sq, Sk, window)
+        s = s.masked_fill(~ok, float("-inf"))
+    return s
+
+
+def torch_forward(q, k, v, causal, scale, window=None, softcap=0.0):
     """Exact-ish (fp32) attention forward: o (bf16) and lse (B, H, Sq) natural log.
     Rows with no visible key get o = 0, lse = -inf (the kernels' convention)."""
     import torch
@@ -108,19 +168,16 @@ def torch_forward(q, k, v, causal, scale):
     qf = q.float().permute(0, 2, 1, 3)
     kf = k.float().repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
     vf = v.float().repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    s = _scores(qf, kf, causal, scale, window, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
     o = (p @ vf).permute(0, 2, 1, 3)
     return o.to(q.dtype).contiguous(), lse.contiguous()
 
 
-def autograd_f64(q, k, v, do, causal, scale):
-    """dq, dk, dv by float64 autograd of plain softmax attention (GQA by repeat)."""
+def autograd_f64(q, k, v, do, causal, scale, window=None, softcap=0.0):
+    """dq, dk, dv by float64 autograd of softmax attention (GQA by repeat), with the mask
+    (causal or ``window``) and ``softcap`` of fp4gen.numerics.masking."""
     import torch
 
     B, Sq, H, D = q.shape
@@ -129,11 +186,7 @@ def autograd_f64(q, k, v, do, causal, scale):
     q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     kk = k64.repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
     vv = v64.repeat_interleave(g, dim=2).permute(0, 2, 1, 3)
-    s = (q64.permute(0, 2, 1, 3) @ kk.transpose(-1, -2)) * scale
-    if causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    s = _scores(q64.permute(0, 2, 1, 3), kk, causal, scale, window, softcap)
     p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key
     o = (p @ vv).permute(0, 2, 1, 3)
@@ -234,6 +287,99 @@ def check_case(mod, spec, case, seed=0, device="cuda"):
         empty = dq[:, : Sq - Sk]
         row["empty_rows_zero"] = bool((empty == 0).all())
         ok = ok and row["empty_rows_zero"]
+    row["pass"] = bool(ok)
+    if not ok:
+        row["diag"] = diagnose((dq, dk, dv), (rq, rk, rv))
+    return row
+
+
+# tanh.approx.f32's largest relative error (PTX ISA), the softcap's one approximation
+TANH_APPROX_REL_ERR = 2.0 ** -10.987
+
+
+def softcap_slacks(q, k, v, do, scale, window, causal, softcap):
+    """What ``tanh.approx`` may add to the rel-L2 errors of (dq, dk, dv) under ``softcap``
+    c (0: nothing), from the error model, not from any kernel output: a capped score
+    c tanh(s / c) moves by at most c e (e = TANH_APPROX_REL_ERR), so P by a factor up to
+    1 +- c e (dV: c e); dS = P (dP - D) g with g = 1 - tanh^2 moves by P (dP - D) (c e g + 2 e),
+    so dQ, dK by c e + 2 e ||P (dP - D)|| / ||P (dP - D) g|| (float64, from the inputs)."""
+    import torch
+
+    if not softcap:
+        return 0.0, 0.0, 0.0
+    e = TANH_APPROX_REL_ERR
+    B, Sq, H, D = q.shape
+    g_ = H // k.shape[2]
+    qd = q.double().permute(0, 2, 1, 3)
+    kd = k.double().repeat_interleave(g_, dim=2).permute(0, 2, 1, 3)
+    vd = v.double().repeat_interleave(g_, dim=2).permute(0, 2, 1, 3)
+    dod = do.double().permute(0, 2, 1, 3)
+    s = _scores(qd, kd, causal, scale, window, softcap)
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    o = p @ vd
+    dp = dod @ vd.transpose(-1, -2)
+    t = p * (dp - (dod * o).sum(-1, keepdim=True))
+    g = torch.where(torch.isfinite(s), 1.0 - (s / softcap) ** 2, torch.zeros_like(s))
+    ratio = t.norm().item() / max((t * g).norm().item(), 1e-300)
+    qk = softcap * e + 2 * e * ratio
+    return qk, qk, softcap * e
+
+
+def check_masked(mod, spec, shape, mult=1.0, seed=0, device="cuda"):
+    """The kernel's backward of a spec with a window and/or softcap (``make_masked_spec``) on
+    inputs of ``shape`` (B, Sq, Sk, H, Hkv), q and k times ``mult``, against the numerics oracle
+    (reference.backward with dP in fp32, from the reference forward's O and LSE) and float64
+    autograd; as ``check_case``, plus ``softcap_slacks``. Rows that see no key must get exactly
+    zero dq."""
+    import dataclasses
+
+    import torch
+
+    from fp4gen.ir.spec import Format, OperandFormat
+    from fp4gen.numerics import masking, reference
+
+    B, Sq, Sk, H, Hkv = shape
+    d = spec.head_dim
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = (torch.randn(B, Sq, H, d, generator=gen) * mult).to(torch.bfloat16).to(device)
+    k = (torch.randn(B, Sk, Hkv, d, generator=gen) * mult).to(torch.bfloat16).to(device)
+    v = torch.randn(B, Sk, Hkv, d, generator=gen).to(torch.bfloat16).to(device)
+    do = torch.randn(B, Sq, H, d, generator=gen).to(torch.bfloat16).to(device)
+    window = tuple(spec.window_size) if spec.mask is Mask.WINDOW else None
+    causal = spec.mask is Mask.CAUSAL
+    softcap = float(spec.softcap or 0.0)
+    ro, rlse = reference.forward(q, k, v, spec)
+    o, lse = ro.to(torch.bfloat16), rlse.float()
+    dq, dk, dv = mod.backward(q, k, v, o, lse, do)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    bw = spec.backward
+    fmts = dict(bw.formats)
+    fmts["dP"] = OperandFormat(Format.FP32)
+    spec_o = dataclasses.replace(spec, backward=dataclasses.replace(bw, formats=fmts))
+    rq, rk, rv = reference.backward(q, k, v, o, lse, do, spec_o)
+    fq, fk, fv = autograd_f64(q, k, v, do, causal, spec.scale, window, softcap)
+    slacks = softcap_slacks(q, k, v, do, spec.scale, window, causal, softcap)
+    fp8 = spec.q.format.value.startswith("fp8")
+    tol = TOL_ORACLE_FP8 if fp8 else TOL_ORACLE
+    row = {"shape": shape, "mult": mult, "window": window, "causal": causal, "softcap": softcap,
+           "recipe": spec.name, "finite": all_finite(dq, dk, dv)}
+    ok = row["finite"]
+    for name, x, r, f, sl in (("dq", dq, rq, fq, slacks[0]), ("dk", dk, rk, fk, slacks[1]),
+                              ("dv", dv, rv, fv, slacks[2])):
+        e_ref, e_f64, e_orc = rel_l2(x, r), rel_l2(x, f), rel_l2(r, f)
+        row[name] = {"vs_oracle": e_ref, "vs_f64": e_f64, "oracle_vs_f64": e_orc, "softcap_slack": sl}
+        ok = ok and e_ref <= tol + sl and e_f64 <= F64_FACTOR * e_orc + F64_SLACK + sl
+    # rows that see no key (the oracle's rule): exactly zero dq
+    w = window if window is not None else ((-1, 0) if causal else masking.NO_WINDOW)
+    vis = masking.allowed(torch.arange(Sq), torch.arange(Sk), Sq, Sk, w)
+    seen, seen_k = vis.any(1).to(dq.device), vis.any(0).to(dq.device)
+    if not bool(seen.all()):
+        row["empty_rows_zero"] = bool((dq[:, ~seen] == 0).all())
+        ok = ok and row["empty_rows_zero"]
+    if not bool(seen_k.all()):  # keys no query sees (a CTA whose query-tile range may be empty)
+        row["unseen_keys_zero"] = bool((dk[:, ~seen_k] == 0).all() and (dv[:, ~seen_k] == 0).all())
+        ok = ok and row["unseen_keys_zero"]
     row["pass"] = bool(ok)
     if not ok:
         row["diag"] = diagnose((dq, dk, dv), (rq, rk, rv))

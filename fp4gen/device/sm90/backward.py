@@ -30,7 +30,9 @@ from fp4gen.numerics.directp import P_FP8_SCALE
 from fp4gen.numerics.formats import E4M3
 
 from .. import layout as dlayout
+from .. import mask as dmask
 from .. import ptx
+from .. import softmax as dsoftmax
 from ..quantize import BLOCK as QUANT_BLOCK  # tokens per FP8 Q/K scale (the forward's quantizer)
 
 BF16 = cutlass.BFloat16
@@ -46,6 +48,9 @@ BAR_DQ_FULL = 2  # named barrier: the MMA warps have written this query tile's d
 BAR_DQ_EMPTY = 3  # named barrier: the dQ warp has read the SMEM tile out (it may be rewritten)
 DQ_REDUCE_LANES = 8  # the dQ warp splits a tile's bulk reduce over this many lanes
 MMA_NAMES = ("S", "dP", "dV", "dK", "dQ")
+# softcap: what a masked entry of the tanh tile holds. Not -inf: P = exp2(c2 tanh - LSE2) must be 0
+# and 1 - tanh^2 finite (0 * inf is NaN): -2^32 gives exp2(-2^32 c2) = 0 and 1 - 2^64
+SOFTCAP_FILL = -(2.0 ** 32)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,27 @@ class BackwardConfig:
     consumer_registers: int  # setmaxnreg of each MMA warpgroup
     # (A major, B major) of each MMA in MMA_NAMES order: "K" or "MN" (the plan's BwdMma records)
     mma_majors: tuple
+    # Fields with a default: a module renders them only when its spec sets them, so the modules
+    # of specs without them (and their PTX) stay as they were.
+    # mask window(left, right), -1 = unbounded side, bottom-right aligned (fp4gen.numerics.masking);
+    # None: no window (``causal`` is its own field)
+    window: Optional[tuple] = None
+    softcap: float = 0.0  # c > 0: scaled scores are c tanh(s / c), dS takes 1 - tanh^2; 0: none
+
+    def __post_init__(self):
+        if self.window is not None:
+            left, right = self.window
+            if self.causal or (left, right) in ((-1, -1), (-1, 0)) or min(left, right) < -1 or max(left, right) >= 2 ** 30:
+                raise ValueError(f"backward window {self.window} must bound a side, be neither causal (-1, 0) nor "
+                                 "combined with causal, and each side in [-1, 2^30)")
+        if self.softcap < 0:
+            raise ValueError(f"backward softcap must be > 0 (or 0: none), got {self.softcap}")
+
+    @property
+    def softcap_log2(self) -> float:
+        """The softcap in log2 units (the kernel's scores are x = s * softmax_scale * log2 e):
+        c tanh(s / c) log2 e = c2 tanh(x / c2), c2 = c log2 e (the reference's ``cap2``)."""
+        return self.softcap * math.log2(math.e)
 
     def major(self, mma: str):
         """(A, B) ``warpgroup.OperandMajorMode`` of one MMA (S, dP, dV, dK, dQ)."""
@@ -387,6 +413,8 @@ class Backward:
             m_block_min = cutlass.max(n_block * cfg.tile_n - causal_offset, 0) // cfg.tile_m
         else:
             m_block_min = Int32(0)
+        if cutlass.const_expr(cfg.window is not None):
+            m_block_min, m_block_max = self.window_query_tiles(n_block, causal_offset, m_block_max)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_registers)
@@ -402,7 +430,7 @@ class Backward:
                 self.producer(loads_kv, loads_q, (mLSE2, mDsum), (sLSE, sDsum), pipe_kv, pipe_qdo, n_block, head,
                               batch, m_block_min, m_block_max)
             if warp_idx == 1:
-                self.dq_writer(sdQ, mdQacc, mdQturn, batch, head, n_block, m_block_min, m_block_max)
+                self.dq_writer(sdQ, mdQacc, mdQturn, batch, head, n_block, m_block_min, m_block_max, causal_offset)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_registers)
             mma_s0.set(warpgroup.Field.ACCUMULATE, False)
@@ -566,34 +594,27 @@ class Backward:
                 self.gemm(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, state.index])
                 warpgroup.wait_group(1)  # S^T is ready (dP^T still running)
                 S = dlayout.acc_mn(acc_S)
-                # mask keys past the end (causal: and keys after the query's diagonal)
-
-                limit_row = seqlen_k - key0
-                if cutlass.const_expr(cfg.causal):
-                    need_mask = (key0 + bn > seqlen_k) | (key0 + bn - 1 > q0 + causal_offset)
-                else:
-                    need_mask = key0 + bn > seqlen_k
-                if need_mask:
-                    for r in cutlass.range_constexpr(n_rows):
-                        kr = c_mn[r, 0][0]
-                        for j in cutlass.range_constexpr(n_cols):
-                            bad = kr >= limit_row
-                            if cutlass.const_expr(cfg.causal):
-                                bad = bad | (key0 + kr > q0 + c_mn[0, j][1] + causal_offset)
-                            if bad:
-                                S[r, j] = -Float32.inf
+                if cutlass.const_expr(cfg.softcap > 0):
+                    # softcap: the log2-unit score x = S^T c becomes c2 tanh(x / c2); S^T keeps
+                    # tanh(x / c2) until dP^T is ready (P and dS's 1 - tanh^2 are taken from it
+                    # there, so no second tile of registers), masked entries at SOFTCAP_FILL
+                    tanh_scale = score_scale * (1.0 / cfg.softcap_log2)
+                    for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        acc_S[i] = dsoftmax.tanh_approx(acc_S[i] * tanh_scale)
+                # mask keys past the end (causal: and keys after the query's diagonal; window: and
+                # keys outside it)
+                dmask.apply_keys_by_queries(S, c_mn, key0, q0, bn, bm, seqlen_k, cfg.causal, causal_offset,
+                                            cfg.window, SOFTCAP_FILL if cfg.softcap > 0 else None)
                 # P^T = exp2(S^T * c - LSE2): rows of the forward's softmax, recomputed. Column
                 # by column, so each query's LSE2 / D (L1-resident) is live for two values only.
                 # FP8 dV: P is produced scaled by 2^8 (the FP8 operand of dV, as in the FP8 forward)
                 lse_row = cute.make_rmem_tensor(n_cols, Float32)
                 cute.autovec_copy(dlayout.acc_mn(tSsLSE[None, None, None, state.index])[0, None], lse_row)
-                for j in cutlass.range_constexpr(n_cols):
-                    if cutlass.const_expr(cfg.do_fp8):
-                        lse2 = lse_row[j] - P_LOG2_SCALE
-                    else:
-                        lse2 = lse_row[j]
-                    for r in cutlass.range_constexpr(n_rows):
-                        S[r, j] = ptx.ex2(S[r, j] * score_scale - lse2)
+                if cutlass.const_expr(cfg.softcap == 0):  # (with a softcap: in the dS loop below)
+                    for j in cutlass.range_constexpr(n_cols):
+                        lse2 = self.lse2_of(lse_row, j)
+                        for r in cutlass.range_constexpr(n_rows):
+                            S[r, j] = ptx.ex2(S[r, j] * score_scale - lse2)
                 warpgroup.wait_group(0)  # dP^T is ready
                 dP = dlayout.acc_mn(acc_dP)
                 dsum_row = cute.make_rmem_tensor(n_cols, Float32)
@@ -610,20 +631,32 @@ class Backward:
                     scale_vdo_f = scale_vdo * ds_f
                     dsum_f = ds_f * (1.0 / P_FP8_SCALE)
                 for j in cutlass.range_constexpr(n_cols):
+                    dp_scale = None  # dP^T as the MMA gave it
                     if cutlass.const_expr(cfg.ds_fp8):
                         # f dS^T = (2^8 P^T) * (f dP^T / 2^8 - f D / 2^8)
                         dsum = dsum_row[j] * dsum_f
-                        for r in cutlass.range_constexpr(n_rows):
-                            dP[r, j] = S[r, j] * (dP[r, j] * scale_vdo_f - dsum)
+                        dp_scale = scale_vdo_f
                     elif cutlass.const_expr(cfg.do_fp8):
                         # dS^T = (2^8 P^T) * (dP^T / 2^8 - D / 2^8), dP^T = scale_v * scale_do * (V8 dO8^T)
                         dsum = dsum_row[j] * (1.0 / P_FP8_SCALE)
-                        for r in cutlass.range_constexpr(n_rows):
-                            dP[r, j] = S[r, j] * (dP[r, j] * scale_vdo - dsum)
+                        dp_scale = scale_vdo
                     else:
                         dsum = dsum_row[j]
-                        for r in cutlass.range_constexpr(n_rows):
-                            dP[r, j] = S[r, j] * (dP[r, j] - dsum)  # dS^T
+                    if cutlass.const_expr(cfg.softcap > 0):
+                        lse2 = self.lse2_of(lse_row, j)
+                    for r in cutlass.range_constexpr(n_rows):
+                        dp = dP[r, j]
+                        if cutlass.const_expr(dp_scale is not None):
+                            dp = dp * dp_scale
+                        if cutlass.const_expr(cfg.softcap > 0):
+                            # P^T from the capped score c2 tanh; dS^T through d(c2 tanh(x / c2))/dx
+                            # = 1 - tanh^2 (a masked entry: P = 0 and a finite factor, so dS = 0)
+                            th = S[r, j]
+                            p = ptx.ex2(th * cfg.softcap_log2 - lse2)
+                            S[r, j] = p
+                            dP[r, j] = (p * (dp - dsum)) * (1.0 - th * th)
+                        else:
+                            dP[r, j] = S[r, j] * (dp - dsum)  # dS^T
                 if cutlass.const_expr(cfg.ds_fp8):
                     # both A operands converted before any MMA reads them (S^T and dP^T die here)
                     dlayout.pack_p_fp8(acc_S, tdVrP, False)  # e4m3 (RNE, saturating), queries permuted as dO^T
@@ -717,6 +750,39 @@ class Backward:
                 acc_dK[i] = acc_dK[i] * dk_c  # FP8 dK: in units of the last tile's dS scale
         self.epilogue(acc_dK, acc_dV, thr_dk, mdK, mdV, head, batch, n_block, seqlen_k, softmax_scale)
 
+    def window_query_tiles(self, n_block, causal_offset, m_block_max):
+        """[first, end) query tiles that see some key of key tile ``n_block`` under the window
+        (left, right): key j is seen by the queries i with j - offset - right <= i <= j - offset
+        + left; the tiles outside are skipped (a CTA whose range is empty writes zero dK, dV).
+        A trace-time helper."""
+        cfg = self.config
+        bm, bn = cfg.tile_m, cfg.tile_n
+        left, right = cfg.window
+        m_min = Int32(0)
+        if right >= 0:
+            m_min = cutlass.max(n_block * bn - causal_offset - right, 0) // bm
+        if left >= 0:
+            # the last query that sees the tile's last key (its nominal one: past Sk that is past
+            # Sq, cut by m_block_max); below 0: none (max first: // of a negative number is not
+            # a floor here)
+            last_q = n_block * bn + (bn - 1 + left) - causal_offset
+            m_block_max = cutlass.min(m_block_max, (cutlass.max(last_q, -1) + bm) // bm)
+        return m_min, m_block_max
+
+    def first_key_tile(self, m_block, causal_offset):
+        """The first key tile that visits query tile ``m_block`` under a window's left bound
+        (deterministic dQ counts its turns from there): the tile holding the first key the
+        tile's first query sees (``window_query_tiles``' inverse; without a left bound it is 0)."""
+        cfg = self.config
+        return cutlass.max(m_block * cfg.tile_m + causal_offset - cfg.window[0], 0) // cfg.tile_n
+
+    def lse2_of(self, lse_row, j: int):
+        """Query ``j``'s LSE2 as P's exponent subtracts it: FP8 P is produced as 2^8 P (a
+        trace-time helper)."""
+        if self.config.do_fp8:
+            return lse_row[j] - P_LOG2_SCALE
+        return lse_row[j]
+
     @cute.jit
     def store_ds_fp8(self, acc_ds, frg_dk, smem_addr):
         """f dS^T (fp32, in the S^T accumulator's layout) as e4m3 twice: dK's A fragment (queries
@@ -746,7 +812,7 @@ class Backward:
         warpgroup.commit_group()
 
     @cute.jit
-    def dq_writer(self, sdQ, mdQacc, mdQturn, batch, head, n_block, m_block_min, m_block_max):
+    def dq_writer(self, sdQ, mdQacc, mdQturn, batch, head, n_block, m_block_min, m_block_max, causal_offset):
         """One warp: adds each query tile's dQ contribution from SMEM into the fp32 global
         accumulator (both in fragment order, so the tile is one contiguous run: a bulk reduce
         per lane over 8 lanes), then frees the SMEM tile for the MMA warps' next one."""
@@ -762,11 +828,15 @@ class Backward:
                 if cutlass.const_expr(cfg.deterministic):
                     # deterministic: key tiles add into each query tile in ascending order. Key
                     # tile n waits for the n tiles before it (all of them visit this query tile: the
-                    # causal start tile grows with n); CTAs launch in key-tile order, so the wait ends.
+                    # causal start tile grows with n; under a window's left bound, for the tiles from
+                    # the first that visits it); CTAs launch in key-tile order, so the wait ends.
                     turn = mdQturn.iterator + cute.crd2idx((batch, head, m_block), mdQturn.layout)
                     if lane == 0:
+                        my_turn = n_block
+                        if cutlass.const_expr(cfg.window is not None and cfg.window[0] >= 0):
+                            my_turn = n_block - self.first_key_tile(m_block, causal_offset)
                         seen = ptx.ld_acquire_s32(turn)
-                        while seen != n_block:
+                        while seen != my_turn:
                             seen = ptx.ld_acquire_s32(turn)
                     cute.arch.sync_warp()
                 if lane < DQ_REDUCE_LANES:
