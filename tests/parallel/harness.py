@@ -112,12 +112,15 @@ def _faults(fault: str):
         raise ValueError(fault)
 
 
-def worker(rank: int, world: int, store_dir: str, cases: list, out_dir: str, fault: str = ""):
+def worker(rank: int, world: int, store_dir: str, cases: list, out_dir: str, fault: str = "",
+           pg_backend: str = "gloo"):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if pg_backend == "nccl":
+        torch.cuda.set_device(rank)
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world)
     try:
         _faults(fault)
         for case in cases:
@@ -128,50 +131,58 @@ def worker(rank: int, world: int, store_dir: str, cases: list, out_dir: str, fau
 
 def _run_case(rank, world, case, out_dir):
     import fp4gen
-    from fp4gen import parallel
+    from fp4gen import parallel, torch_ops
     from fp4gen.numerics import exact
 
-    spec = spec_of(case["spec"])
-    B, S, H, Hkv, D = case.get("B", 1), case["S"], case["H"], case.get("Hkv", case["H"]), spec.head_dim
+    spec = spec_of(case["spec"]) if case["spec"] in SPECS else case["spec"]  # or "file.attn::name"
+    spec_obj = torch_ops.spec_for_key(torch_ops.spec_key(spec))
+    dev = torch.device(f"cuda:{rank}") if case.get("device") == "cuda" else torch.device("cpu")
+    backend = case.get("backend", "auto")
+    B, S, H, Hkv, D = case.get("B", 1), case["S"], case["H"], case.get("Hkv", case["H"]), spec_obj.head_dim
     causal, balanced, mode = case["causal"], case.get("balanced", True), case["mode"]
     dtype = getattr(torch, case.get("dtype", "float32"))
     g = torch.Generator().manual_seed(case.get("seed", 0))
-    q = torch.randn(B, S, H, D, generator=g).to(dtype)
-    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
-    do = torch.randn(B, S, H, D, generator=g).to(dtype)
+    q = torch.randn(B, S, H, D, generator=g).to(dev, dtype)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dev, dtype)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(dev, dtype)
+    do = torch.randn(B, S, H, D, generator=g).to(dev, dtype)
 
+    torch_ops.reset_dispatch_counts()
     ql, kl, vl = (parallel.shard_for_cp(x, None, balanced=balanced).requires_grad_() for x in (q, k, v))
     o_l, lse_l = parallel.context_parallel_attention(ql, kl, vl, group=None, spec=spec, causal=causal, mode=mode,
                                                      balanced=balanced, exchange=case.get("exchange", "auto"),
+                                                     full_spec=case.get("full_spec"), backend=backend,
                                                      return_lse=True)
     o_l.backward(parallel.shard_for_cp(do, None, balanced=balanced))
     stats = parallel.last_comm_stats()
-    got = {name: parallel.unshard(t.detach(), None, balanced=balanced)
+    stats["dispatch"] = torch_ops.dispatch_counts()
+    got = {name: parallel.unshard(t.detach(), None, balanced=balanced).cpu()
            for name, t in (("o", o_l), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
-    got["lse"] = parallel.unshard(lse_l.detach(), None, seq_dim=2, balanced=balanced)
+    got["lse"] = parallel.unshard(lse_l.detach(), None, seq_dim=2, balanced=balanced).cpu()
     if rank != 0:
         return
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
-    o, lse = fp4gen.attention(qf, kf, vf, spec=spec, causal=causal, return_lse=True)
+    o, lse = fp4gen.attention(qf, kf, vf, spec=spec, causal=causal, return_lse=True, backend=backend)
     o.backward(do)
     ref = {"o": o.detach(), "lse": lse, "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
     q6, k6, v6 = (x.double().requires_grad_() for x in (q, k, v))
-    o6, lse6 = exact.attention(q6, k6, v6, scale=spec.scale, window=(-1, 0) if causal else (-1, -1))
+    o6, lse6 = exact.attention(q6, k6, v6, scale=spec_obj.scale, window=(-1, 0) if causal else (-1, -1))
     o6.backward(do.double())
     oracle = {"o": o6.detach(), "lse": lse6.detach(), "dq": q6.grad, "dk": k6.grad, "dv": v6.grad}
-    torch.save({"case": case, "cp": got, "ref": ref, "oracle": oracle, "stats": stats},
+    torch.save({"case": case, "cp": got, "ref": {n: t.cpu() for n, t in ref.items()},
+                "oracle": {n: t.cpu() for n, t in oracle.items()}, "stats": stats},
                os.path.join(out_dir, f"{case['name']}.pt"))
 
 
-def run(world: int, cases: list, tmp_path, fault: str = "") -> dict:
-    """Spawn ``world`` gloo workers over ``cases``; {case name: saved results of rank 0}."""
+def run(world: int, cases: list, tmp_path, fault: str = "", pg_backend: str = "gloo") -> dict:
+    """Spawn ``world`` workers (gloo, or nccl with one GPU each) over ``cases``; {case name: the
+    saved results of rank 0}."""
     import torch.multiprocessing as mp
 
     out, store = Path(tmp_path) / "out", Path(tmp_path) / "store"
     out.mkdir()
     store.mkdir()
-    mp.spawn(worker, args=(world, str(store), cases, str(out), fault), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, str(store), cases, str(out), fault, pg_backend), nprocs=world, join=True)
     return {c["name"]: torch.load(out / f"{c['name']}.pt") for c in cases}
 
 
