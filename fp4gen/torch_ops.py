@@ -415,14 +415,19 @@ def _lookup_generated(spec: KernelSpec, arch: str):
     identical spec is used."""
     if spec.target.value != arch:
         return None, f"spec target is {spec.target.value}, this GPU is {arch}"
-    if spec.uses_extensions:  # no kernel implements them yet: say where the planner refuses them
-        from fp4gen.ir.passes import PlanError, legalize
+    if spec.uses_extensions:  # kernels implement some of them: say where the planner or the lowering refuses
+        from fp4gen.ir.passes import PlanError, legalize, plan_kernel
+        from fp4gen.lowering import refusal
 
         try:
             legalize(spec)
+            err = refusal(plan_kernel(spec))
         except PlanError as e:
             where = f" (spec line {e.loc})" if e.loc else ""
             return None, f"no {arch} kernel implements it: {e.message}{where}"
+        if err is not None:
+            where = f" (spec line {spec.loc(err.path)})" if err.path and spec.loc(err.path) else ""
+            return None, f"no {arch} kernel implements it: {err}{where}"
     from fp4gen.lowering import module_name
     from fp4gen.api import LoadError, load
     stem = module_name(spec.name, arch)
@@ -463,7 +468,8 @@ def _no_kernel_message(entry: _Entry, device, need_backward: bool, reason: str) 
         fix = f"add a `backward {{ ... }}` block to {name}{where} (docs/backward.md)"
     elif reason and "kernel implements it" in reason:
         fix = ("for a generated kernel use mask none or causal, no softcap or sinks and the dense layout "
-               f"(in {name}{where} and in the call's arguments)")
+               f"(in {name}{where} and in the call's arguments), or on sm90a a forward-only spec (its forward "
+               "implements window, softcap, sinks and BF16 varlen; no backward does)")
     elif reason and reason.startswith("spec target is"):
         fix = f"set `target` in {name}{where} to this GPU's architecture"
     elif "unsupported GPU architecture" in (reason or ""):
@@ -565,16 +571,20 @@ def _prepared_from_state(state):
     return (q8.view(fp8), k8.view(fp8), None, scale_q, scale_k, scale_v) + tuple(t.view(fp8) for t in state[5:])
 
 
-def _module_for_extras(mod, sinks, cu_seqlens_q):
+def _module_for_extras(mod, sinks, cu_seqlens_q, backward: bool = False):
     """The module to run a call with sinks or cu_seqlens on: a reference-target module's forward
     and backward take neither, so its spec runs on the reference backend itself (the very same
-    numerics: None); no GPU kernel implements them (legalize refuses the specs), so reaching one
-    of those with them is a bug."""
+    numerics: None). A GPU module was generated from exactly the call's spec (``sinks learned``,
+    ``layout varlen``), so its forward takes them (``forward(..., sinks=)``, ``forward_varlen``);
+    no backward kernel implements them (legalize refuses the specs): reaching one is a bug."""
     if mod is None or (sinks is None and cu_seqlens_q is None):
         return mod
     if mod.TARGET == "reference":
         return None
-    raise RuntimeError(f"fp4gen: generated module {mod.__name__} cannot take sinks or cu_seqlens")
+    if not backward and (cu_seqlens_q is None or callable(getattr(mod, "forward_varlen", None))):
+        return mod
+    raise RuntimeError(f"fp4gen: generated module {mod.__name__} cannot take sinks or cu_seqlens"
+                       f"{' in its backward' if backward else ''}")
 
 
 @torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
@@ -587,7 +597,13 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
     mod, _ = _choose(entry, q.device, backend, strict=True)
     mod = _module_for_extras(mod, sinks, cu_seqlens_q)
     state = []
-    if cu_seqlens_q is not None:  # varlen: (total, H, D); lse (H, total_q)
+    sink_kw = {"sinks": sinks} if sinks is not None else {}
+    if cu_seqlens_q is not None and mod is not None:  # the generated varlen kernel
+        o, lse = mod.forward_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, return_lse=True,
+                                    **sink_kw)
+        _COUNTS[("fwd", "generated")] += 1
+    elif cu_seqlens_q is not None:  # varlen: (total, H, D); lse (H, total_q)
         o, lse = _reference().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _ref_spec(entry, softmax_scale),
                                              sinks=sinks, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         _COUNTS[("fwd", "reference")] += 1
@@ -598,7 +614,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
         if _keeps_forward_state(mod):
             prepared = mod.quantize_inputs(q, k, v, **forward_state_options(mod))
         kw = {"prepared": prepared} if prepared is not None else {}
-        o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw)
+        o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw, **sink_kw)
         if prepared is not None:
             state = _forward_state(prepared)
         _COUNTS[("fwd", "generated")] += 1
@@ -645,7 +661,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
     mod, _ = _choose(entry, q.device, backend, need_backward=True, strict=True)
-    mod = _module_for_extras(mod, sinks, cu_seqlens_q)
+    mod = _module_for_extras(mod, sinks, cu_seqlens_q, backward=True)
     if cu_seqlens_q is not None:
         dq, dk, dv = _reference().backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k,
                                                   _ref_spec(entry, softmax_scale), sinks=sinks,

@@ -16,7 +16,7 @@ TEMPLATE = "fwd.py.j2"
 
 
 def context(plan) -> dict:
-    from fp4gen.ir.spec import Format, PKind, ScaleGranularity, Target
+    from fp4gen.ir.spec import Format, Layout, PKind, ScaleGranularity, Target
 
     spec = plan.spec
     sm = plan.sm90
@@ -60,6 +60,10 @@ def context(plan) -> dict:
             next(n for n, f in (("Q", fq), ("K", fk), ("V", fv)) if f is not fq) if len({fq, fk, fv}) > 1 else "Q")
     if spec.o.format is not Format.BF16:
         raise LoweringError(f"sm90 writes O as bf16, not {spec.o.format.value}", "O")
+    if in_fp8 and spec.layout is Layout.VARLEN:
+        # per-sequence 128-token scale blocks and V^T padded per sequence: not built yet
+        raise LoweringError("layout varlen: the sm90a forward implements it for BF16 Q/K/V only "
+                            "(write Q, K, V, P : bf16, or target reference for FP8 varlen)", "layout")
     if sm.tile_m != 64 * sm.consumer_warpgroups:
         raise LoweringError(f"tile_m {sm.tile_m} must be 64 x consumer_warpgroups ({sm.consumer_warpgroups})")
     if sm.tile_n != 128 or sm.tile_m != 128:
@@ -70,7 +74,8 @@ def context(plan) -> dict:
         raise LoweringError("sm90 ping-pong is implemented together with intra-warpgroup overlap")
 
     origins = {k: Comment(spec.origin(k)) for k in ("Q", "K", "P", "V", "O", "mask", "head_dim")}
-    origins["softcap"] = Comment(spec.origin("softcap"))
+    for k in ("softcap", "sinks", "layout"):
+        origins[k] = Comment(spec.origin(k))
     origins["schedule"] = Comment(spec.origin("schedule.tile"))
     cfg = _config(plan, in_fp8, p_mode)
     return dict(
@@ -102,7 +107,7 @@ def config(plan):
 
 def _config(plan, in_fp8: bool, p_mode: str):
     from fp4gen.device.sm90.config import ForwardConfig
-    from fp4gen.ir.spec import Mask
+    from fp4gen.ir.spec import Layout, Mask, Sinks
 
     spec, sm = plan.spec, plan.sm90
     return ForwardConfig(
@@ -124,6 +129,8 @@ def _config(plan, in_fp8: bool, p_mode: str):
         quant_block=spec.q.block if in_fp8 else None,  # the spec's Q/K scale block (checked 128 above)
         window=tuple(spec.window_size) if spec.mask is Mask.WINDOW else None,
         softcap=float(spec.softcap or 0.0),
+        sinks=spec.sinks is Sinks.LEARNED,
+        varlen=spec.layout is Layout.VARLEN,
     )
 
 
@@ -131,12 +138,13 @@ def _config(plan, in_fp8: bool, p_mode: str):
 _FIELD_SOURCE = {
     "head_dim": "head_dim", "causal": "mask", "in_fp8": "Q", "p_mode": "P", "quant_block": "Q",
     "tile_m": "schedule", "tile_n": "schedule", "window": "mask", "softcap": "softcap",
+    "sinks": "sinks", "varlen": "layout",
 }
 
 
 def _config_fields(cfg, origins) -> list:
     """(name, literal, comment) per ForwardConfig field, in declaration order; a field with a
-    default (window, softcap) only when the spec sets it, so that the modules of specs
+    default (window, softcap, sinks, varlen) only when the spec sets it, so that the modules of specs
     without one render as before."""
     rows = []
     for f in dataclasses.fields(cfg):

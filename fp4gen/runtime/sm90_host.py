@@ -3,7 +3,7 @@ compile and launch (docs/design/host-code.md).
 
 One copy for every sm90a module. A generated module builds one ``ForwardHost`` from its
 config (``fp4gen.device.sm90.forward.ForwardConfig``: the host reads ``kernel_name``,
-``head_dim``, ``in_fp8`` and ``quant_block``), its kernel builder (``_build() -> kernel
+``head_dim``, ``in_fp8``, ``quant_block``, ``sinks``, ``varlen`` and ``extended``), its kernel builder (``_build() -> kernel
 object``, defined in the module so that the compile cache is keyed by the module's source)
 and, for FP8 inputs, the fused input quantizer (``fp4gen.device.quantize``), and binds its
 host names to it (``forward``, ``run_prepared``, ``quantize_inputs``, ``compile_only``, ...).
@@ -62,7 +62,23 @@ class ForwardHost:
             ins = (q, k, v)
         o = fake(cutlass.BFloat16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
         lse = fake(Float32, (b, h, sq), stride_order=(2, 1, 0), assumed_align=4)
-        return (*ins, o, lse, Int32(1), Float32(1.0), Int32(0))
+        if not cfg.extended:
+            return (*ins, o, lse, Int32(1), Float32(1.0), Int32(0))
+        # ExtForwardKernel: every operand, None where the config reads none
+        scales = ins[3:] if cfg.in_fp8 else (None, None, None)
+        sinks = fake(Float32, (h,), assumed_align=4) if cfg.sinks else None
+        cu_q = cu_k = None
+        if cfg.varlen:
+            tq, tk, nb1 = sym(), sym(), sym()
+            q = fake(dtype, (tq, h, d), stride_order=(2, 1, 0), assumed_align=16)
+            k = fake(dtype, (tk, hkv, d), stride_order=(2, 1, 0), assumed_align=16)
+            v = fake(dtype, (tk, hkv, d), stride_order=(2, 1, 0), assumed_align=16)
+            ins = (q, k, v)
+            o = fake(cutlass.BFloat16, (tq, h, d), stride_order=(2, 1, 0), assumed_align=16)
+            lse = fake(Float32, (h, tq), stride_order=(1, 0), assumed_align=4)
+            cu_q = fake(Int32, (nb1,), assumed_align=4)
+            cu_k = fake(Int32, (nb1,), assumed_align=4)
+        return (*ins[:3], *scales, o, lse, sinks, cu_q, cu_k, Int32(1), Int32(1), Float32(1.0), Int32(0))
 
     def compile(self, arch=None, tvm_ffi=None):
         """The compiled forward; symbolic shapes let one compile serve every B, S, H.
@@ -118,6 +134,73 @@ class ForwardHost:
         sizes = checks.check_qkv(kernel, q, k, v, dtypes=(torch.bfloat16,), head_dim=self.config.head_dim)
         checks.require_arch(ARCH, kernel=kernel, device=q.device)
         return sizes
+
+    def check_sinks(self, sinks, q, heads: int):
+        """The (H,) fp32 sink logits the kernel reads: required with ``sinks learned``, refused
+        without; any float dtype on q's device (converted to fp32)."""
+        import torch
+
+        from fp4gen.runtime.checks import AttentionInputError
+
+        cfg = self.config
+        if not cfg.sinks:
+            if sinks is not None:
+                raise AttentionInputError(f"{cfg.kernel_name}: this kernel has no sinks (its spec has no "
+                                          "'sinks learned' line); got sinks=")
+            return None
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not torch.is_floating_point(sinks):
+            got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise AttentionInputError(f"{cfg.kernel_name}: sinks learned: pass sinks=, a 1-D float tensor (H,) = "
+                                      f"({heads},) of sink logits; got {got}")
+        if sinks.shape != (heads,):
+            raise AttentionInputError(f"{cfg.kernel_name}: sinks must have one logit per query head, shape "
+                                      f"({heads},); got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise AttentionInputError(f"{cfg.kernel_name}: sinks are on {sinks.device}, q on {q.device}")
+        return sinks.to(torch.float32).contiguous()
+
+    def check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+        """The packed layout's checks: q (total_q, H, D), k, v (total_k, Hkv, D) bf16 on an sm90a
+        GPU, laid out for TMA; cu_seqlens int32 (int64 is converted) of B + 1 offsets from 0 to
+        the totals, never decreasing (``numerics.masking.segments``, which reads them to the
+        host); max_seqlen bounds. Returns (cu_q, cu_k int32, the longest query sequence)."""
+        import torch
+
+        from fp4gen.numerics.masking import segments
+        from fp4gen.runtime import checks
+
+        cfg = self.config
+        kernel = cfg.kernel_name
+        checks.check_softmax_scale(kernel, softmax_scale)
+        named = (("q", q, ("total_q", "H", "D")), ("k", k, ("total_k", "Hkv", "D")), ("v", v, ("total_k", "Hkv", "D")))
+        # shapes and offsets first, the device last: the CPU tests reach every check but the GPU's
+        for name, t, dims in named:
+            checks.check_tensor(kernel, name, t, dtypes=(torch.bfloat16,), dims=dims, head_dim=cfg.head_dim,
+                                device_type=None)
+        if k.shape != v.shape:
+            raise checks.AttentionInputError(f"{kernel}: k and v must have one shape (total_k, Hkv, D); got "
+                                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        H, Hkv = q.shape[1], k.shape[1]
+        if H == 0 or Hkv == 0 or H % Hkv:
+            raise checks.AttentionInputError(f"{kernel}: the number of query heads ({H}) must be a positive multiple "
+                                             f"of the number of key/value heads ({Hkv})")
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+                raise checks.AttentionInputError(f"{kernel}: {name} must be an int >= 0 (the longest sequence), "
+                                                 f"got {m!r}")
+        try:
+            segs = segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k, who=kernel)
+        except ValueError as e:
+            raise checks.AttentionInputError(str(e)) from None
+        checks.check_tensor(kernel, "q", q, dtypes=(torch.bfloat16,), dims=named[0][2], head_dim=cfg.head_dim)
+        checks.check_same_device(kernel, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        checks.require_arch(ARCH, kernel=kernel, device=q.device)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.numel():
+                checks.check_tma_layout(kernel, name, t)
+        cu_q, cu_k = (c.to(torch.int32).contiguous() for c in (cu_seqlens_q, cu_seqlens_k))
+        return cu_q, cu_k, max(q1 - q0 for q0, q1, _, _ in segs)
 
     def quantize(self, x, per_block: bool, fast: bool = True):
         """(B, S, H, D) bf16 -> e4m3 payload (B, S, H, D) and fp32 scales (B, H, nblk) or (B, H).
@@ -204,11 +287,17 @@ class ForwardHost:
 
     # ------------------------------------------------------------------ launch
 
-    def forward(self, q, k, v, *, softmax_scale=None, return_lse=False, prepared=None):
+    def forward(self, q, k, v, *, softmax_scale=None, return_lse=False, prepared=None, sinks=None):
         """The generated module's ``forward`` (its docstring states the contract)."""
         import torch
 
+        from fp4gen.runtime.checks import AttentionInputError
+
+        if self.config.varlen:
+            raise AttentionInputError(f"{self.config.kernel_name} is a varlen kernel (layout varlen): call "
+                                      "forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)")
         sizes = self.check(q, k, v, softmax_scale)
+        sinks = self.check_sinks(sinks, q, q.shape[2])
         B, Sq, H, D = q.shape
         Sk = sizes.seqlen_k
         causal_offset = Sk - Sq
@@ -219,42 +308,78 @@ class ForwardHost:
             ins = prepared[:6] if prepared is not None else self.quantize_inputs(q, k, v)
         else:
             ins = (q, k, v)
-        self.run_prepared(ins, o, lse, Sk, scale, causal_offset)
+        self.run_prepared(ins, o, lse, Sk, scale, causal_offset, sinks=sinks)
         return (o, lse) if return_lse else o
 
-    def run_prepared(self, ins, o, lse, seqlen_k, softmax_scale, causal_offset=0):
-        """Launch on already prepared operands (``ins`` as ``forward`` builds them)."""
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                       softmax_scale=None, return_lse=False, sinks=None):
+        """The generated module's ``forward_varlen`` (its docstring states the contract)."""
+        import torch
+
+        from fp4gen.runtime.checks import AttentionInputError
+
+        cfg = self.config
+        if not cfg.varlen:
+            raise AttentionInputError(f"{cfg.kernel_name} takes dense (B, S, H, D) batches: call forward(q, k, v) "
+                                      "(a varlen kernel needs 'layout varlen' in its spec)")
+        cu_q, cu_k, longest_q = self.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  softmax_scale)
+        sinks = self.check_sinks(sinks, q, q.shape[1])
+        total_q, H, D = q.shape
+        scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
+        o = torch.zeros_like(q)
+        lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+        if total_q and k.shape[0]:  # no TMA descriptor of an empty tensor: no keys, no launch
+            self.run_prepared((q, k, v), o, lse, 0, scale, 0, sinks=sinks, cu_seqlens=(cu_q, cu_k),
+                              max_seqlen_q=longest_q)
+        elif sinks is not None:
+            lse[:] = sinks[:, None]  # a row that sees no key: O = 0, LSE = the sink
+        return (o, lse) if return_lse else o
+
+    def run_prepared(self, ins, o, lse, seqlen_k, softmax_scale, causal_offset=0, *, sinks=None, cu_seqlens=None,
+                     max_seqlen_q=0):
+        """Launch on already prepared operands (``ins`` as ``forward`` builds them; ``sinks``,
+        ``cu_seqlens`` = (cu_q, cu_k) and ``max_seqlen_q`` for the extended kernel)."""
         import torch
 
         from fp4gen.runtime import cache
 
+        cfg = self.config
+        if cfg.extended:
+            # ExtForwardKernel's order: q, k, v, three FP8 scales, o, lse, sinks, cu_q, cu_k
+            cu_q, cu_k = cu_seqlens if cu_seqlens is not None else (None, None)
+            tensors = (*ins[:3], *(ins[3:6] if cfg.in_fp8 else (None,) * 3), o, lse, sinks, cu_q, cu_k)
+            scalars = (int(seqlen_k), int(max_seqlen_q), float(softmax_scale) * math.log2(math.e),
+                       int(causal_offset))
+        else:
+            tensors = (*ins, o, lse)
+            scalars = (int(seqlen_k), float(softmax_scale) * math.log2(math.e), int(causal_offset))
         with torch.cuda.device(o.device):
             tvm_ffi = cache.tvm_ffi_available()
             kern = self.compile(None, tvm_ffi)
-            scalars = (int(seqlen_k), float(softmax_scale) * math.log2(math.e), int(causal_offset))
             if tvm_ffi:
                 if self._fp8_as_uint8 is None:
                     # torch >= 2.11 exports float8 through DLPack; older torch needs a uint8 view
                     try:
-                        kern(*ins, o, lse, *scalars)
+                        kern(*tensors, *scalars)
                         self._fp8_as_uint8 = False
                         return
                     except ValueError:
                         if not self.config.in_fp8:
                             raise
                         self._fp8_as_uint8 = True
-                args = [t.view(torch.uint8) if (self._fp8_as_uint8 and t.dtype == torch.float8_e4m3fn) else t
-                        for t in ins]
-                kern(*args, o, lse, *scalars)
+                args = [t.view(torch.uint8) if (self._fp8_as_uint8 and t is not None and t.dtype == torch.float8_e4m3fn)
+                        else t for t in tensors]
+                kern(*args, *scalars)
             else:
                 import cuda.bindings.driver as cuda
                 from cutlass import Float32, Int32
 
                 from fp4gen.runtime.dlpack import cute_tensor
 
-                def conv(t):  # the fp32 LSE and scale vectors are 4-byte aligned
-                    return cute_tensor(t, align4=(torch.float32,))
+                def conv(t):  # the fp32 LSE, scale and sink vectors and the int32 offsets are 4-byte aligned
+                    return None if t is None else cute_tensor(t, align4=(torch.float32, torch.int32))
 
+                kinds = (Int32, Int32, Float32, Int32) if cfg.extended else (Int32, Float32, Int32)
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-                kern(*[conv(t) for t in ins], conv(o), conv(lse), Int32(scalars[0]), Float32(scalars[1]),
-                     Int32(scalars[2]), stream)
+                kern(*[conv(t) for t in tensors], *[kind(x) for kind, x in zip(kinds, scalars)], stream)

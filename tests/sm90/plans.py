@@ -27,7 +27,7 @@ _shim_plain_checkout()
 
 from fp4gen.ir.plan import KernelPlan, Sm90Plan  # noqa: E402
 from fp4gen.ir.spec import (  # noqa: E402
-    Format, KernelSpec, Mask, OperandFormat, PKind, PProduction, ScaleGranularity, Target,
+    Format, KernelSpec, Layout, Mask, OperandFormat, PKind, PProduction, ScaleGranularity, Sinks, Target,
 )
 
 VARIANTS = ("bf16", "fp8_exp", "fp8_directp")
@@ -50,9 +50,11 @@ def _fp8(block):
 
 def make_plan(variant: str, head_dim: int = 128, causal: bool = False, *,
               overlap: bool = True, pingpong: bool = True, kv_stages: int = 2,
-              l_from_mma: bool = False, window=None, softcap: float = 0.0) -> KernelPlan:
+              l_from_mma: bool = False, window=None, softcap: float = 0.0, sinks: bool = False,
+              varlen: bool = False) -> KernelPlan:
     """``window``: (left, right) for ``mask window(left, right)`` (not with ``causal``);
-    ``softcap``: the spec's softcap (0: none)."""
+    ``softcap``: the spec's softcap (0: none); ``sinks``: ``sinks learned``; ``varlen``:
+    ``layout varlen``."""
     name = f"sm90_{variant}_d{head_dim}{'_causal' if causal else ''}"
     mask = Mask.CAUSAL if causal else Mask.NONE
     if window is not None:
@@ -61,6 +63,7 @@ def make_plan(variant: str, head_dim: int = 128, causal: bool = False, *,
         mask = Mask.WINDOW
     if softcap:
         name += f"_cap{softcap:g}".replace(".", "p")
+    name += "_sinks" * sinks + "_varlen" * varlen
     if variant == "bf16":
         spec = KernelSpec(name=name, target=Target.SM90A, head_dim=head_dim, mask=mask)
         fp8 = False
@@ -74,6 +77,9 @@ def make_plan(variant: str, head_dim: int = 128, causal: bool = False, *,
         fp8 = True
     if window is not None or softcap:
         spec = dataclasses.replace(spec, window=tuple(window) if window is not None else None, softcap=float(softcap))
+    if sinks or varlen:
+        spec = dataclasses.replace(spec, sinks=Sinks.LEARNED if sinks else Sinks.NONE,
+                                   layout=Layout.VARLEN if varlen else Layout.DENSE)
     elt = 1 if fp8 else 2
     smem = elt * head_dim * (128 + 2 * kv_stages * 128)
     sm = (Sm90PlanX if l_from_mma else Sm90Plan)(

@@ -39,6 +39,10 @@ class ForwardConfig:
     # fp4gen.numerics.masking); None: no window (``causal`` is its own field)
     window: Optional[tuple] = None
     softcap: float = 0.0  # c > 0: scaled scores become c * tanh(s / c); 0: none
+    # sinks learned: a per-head sink logit (H,) fp32 joins each row's denominator and the LSE
+    sinks: bool = False
+    # layout varlen: packed (total, H, D) Q/K/V/O with cu_seqlens_q/k (B + 1,) int32, LSE (H, total_q)
+    varlen: bool = False
 
     def __post_init__(self):
         if self.p_mode not in P_MODES:
@@ -58,6 +62,14 @@ class ForwardConfig:
                                  "causal (-1, 0) nor combined with causal, and each side >= -1")
         if self.softcap < 0:
             raise ValueError(f"{self.kernel_name}: softcap must be > 0 (or 0: none), got {self.softcap}")
+        if self.varlen and self.in_fp8:
+            # FP8 varlen needs per-sequence 128-token scale blocks and V^T padded per sequence
+            raise ValueError(f"{self.kernel_name}: the varlen layout is implemented for BF16 inputs only")
+
+    @property
+    def extended(self) -> bool:
+        """Whether the kernel takes the extended operands (sinks, cu_seqlens): ``ExtForwardKernel``."""
+        return self.sinks or self.varlen
 
     @property
     def softcap_log2(self) -> float:

@@ -30,7 +30,7 @@ The FP8 entry point takes the three scale tensors after V (``Fp8ForwardKernel.__
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -40,8 +40,11 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from fp4gen.numerics.directp import LOG2E
+
 from .. import layout as dlayout
 from .. import mask as dmask
+from .. import ptx
 from .. import softmax as dsoftmax
 from .config import ForwardConfig
 
@@ -118,23 +121,34 @@ class ForwardKernel:
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def launch(self, mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream):
+    def launch(self, mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream,
+               mSinks=None, mCuSeqlensQ=None, mCuSeqlensK=None, max_seqlen_q=None):
         """Kernel views, MMAs, SMEM layouts and TMA atoms; then the grid. ``mSQ``, ``mSK``,
-        ``mSV``: FP8 scales (B, H, ceil(Sq/blk)), (B, Hkv, ceil(Sk/blk)), (B, Hkv), or None."""
+        ``mSV``: FP8 scales (B, H, ceil(Sq/blk)), (B, Hkv, ceil(Sk/blk)), (B, Hkv), or None.
+        ``mSinks`` (H,) fp32 with ``config.sinks``; varlen: the packed operands, the
+        ``cu_seqlens`` and ``max_seqlen_q`` (``ExtForwardKernel``), else None."""
         cfg = self.config
         in_dtype = cfg.in_dtype
-        # kernel views: (seq, d, head, batch) with d contiguous
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        if const_expr(cfg.in_fp8):
-            # V^T (B, Hkv, D, Skp), keys permuted per 32 (layout.FP8_P_KEY_PERM), as the
-            # (N=D, K=keys) B operand, keys contiguous (K-major, as FP8 wgmma needs)
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
+        if const_expr(cfg.varlen):
+            # packed views: (token, d, head) with d contiguous; V as (d, key, head); LSE (token, head)
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
         else:
-            # V as the (N=D, K=keys) B operand, D contiguous (MN-major)
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+            # kernel views: (seq, d, head, batch) with d contiguous
+            mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+            mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+            if const_expr(cfg.in_fp8):
+                # V^T (B, Hkv, D, Skp), keys permuted per 32 (layout.FP8_P_KEY_PERM), as the
+                # (N=D, K=keys) B operand, keys contiguous (K-major, as FP8 wgmma needs)
+                mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
+            else:
+                # V as the (N=D, K=keys) B operand, D contiguous (MN-major)
+                mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
         # QK^T twice: one copy overwrites (first k-block), one accumulates; each keeps its
         # runtime ACCUMULATE flag fixed for the whole kernel (no per-iteration MMA state)
@@ -178,13 +192,17 @@ class ForwardKernel:
         self.v_bytes = cute.size_in_bytes(in_dtype, cute.select(sV_layout, mode=[0, 1]))
         self.shared_storage_t = self.shared_storage(sQ_layout, sK_layout, sV_layout, sOnes_layout)
 
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(cfg.varlen):
+            # one CTA per (query tile of the longest sequence, head, sequence); shorter ones exit
+            grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             mSQ, mSK, mSV,
             mO, mLSE, tiled_mma_qk, tiled_mma_qk_acc, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
             tiled_mma_l, sOnes_layout,
-            seqlen_k, softmax_scale_log2, causal_offset,
+            seqlen_k, softmax_scale_log2, causal_offset, mSinks, mCuSeqlensQ, mCuSeqlensK,
         ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -212,6 +230,9 @@ class ForwardKernel:
         seqlen_k: Int32,
         softmax_scale_log2: Float32,
         causal_offset: Int32,
+        mSinks,  # sinks: cute.Tensor (H,) fp32, else None
+        mCuSeqlensQ,  # varlen: cute.Tensor (B + 1,) int32, else None
+        mCuSeqlensK,
     ):
         cfg = self.config
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -241,14 +262,30 @@ class ForwardKernel:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
         bidx, head, batch = cute.arch.block_idx()
-        n_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        if const_expr(cfg.causal):
-            # longest rows first: the last query tiles see the most keys
-            m_block = n_m_blocks - 1 - bidx
-        else:
+        q0 = None  # varlen: the sequence's first query and key token in the packed tensors
+        k0 = None
+        if const_expr(cfg.varlen):
+            # batch is the sequence; its bounds replace the shapes and the scalars
+            q0 = mCuSeqlensQ[batch]
+            k0 = mCuSeqlensK[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - q0
+            seqlen_k = mCuSeqlensK[batch + 1] - k0
+            causal_offset = seqlen_k - seqlen_q  # bottom-right alignment per sequence
+            n_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
             m_block = bidx
+            if const_expr(cfg.causal):
+                m_block = n_m_blocks - 1 - bidx
+                if m_block < 0:
+                    m_block = bidx  # past the sequence: no row of it is stored
+        else:
+            n_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+            if const_expr(cfg.causal):
+                # longest rows first: the last query tiles see the most keys
+                m_block = n_m_blocks - 1 - bidx
+            else:
+                m_block = bidx
+            seqlen_q = mQ.shape[0]
         head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA: H % Hkv == 0
-        seqlen_q = mQ.shape[0]
         n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
         if const_expr(cfg.causal):
             n_block_max = cutlass.min(
@@ -259,12 +296,15 @@ class ForwardKernel:
         if const_expr(cfg.window is not None):
             n_block_min, n_block_max = self.window_tiles(m_block, seqlen_q, seqlen_k, causal_offset)
             n_tiles = cutlass.max(n_block_max - n_block_min, 0)
+        if const_expr(cfg.varlen):
+            if bidx >= n_m_blocks:
+                n_tiles = Int32(0)  # a tile past the sequence's end loads and computes nothing
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min)
+                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min, q0, k0)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
@@ -287,7 +327,7 @@ class ForwardKernel:
                 (tiled_mma_qk, tiled_mma_qk_acc), tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                 mSQ, mSK, mSV,
                 mO, mLSE, m_block, head, head_kv, batch, n_tiles, n_block_min, seqlen_q, seqlen_k,
-                softmax_scale_log2, causal_offset, tidx - 128, l_parts)
+                softmax_scale_log2, causal_offset, tidx - 128, l_parts, mSinks, q0)
 
     @cute.jit
     def window_tiles(self, m_block, seqlen_q, seqlen_k, causal_offset):
@@ -311,15 +351,24 @@ class ForwardKernel:
         """Key tile index of the i-th tile visited: i itself without a window."""
         return i if n_block_min is None else n_block_min + i
 
+    def seq_view(self, m, head, batch, start, seq_mode: int = 0):
+        """One head of one sequence of a kernel view (token mode ``seq_mode``): dense
+        ``m[:, :, head, batch]``; varlen the packed tensor's head with its origin moved to the
+        sequence's first token ``start`` (tiles past the sequence's end read the next one's
+        tokens, or TMA's zeros past the tensor: the mask drops those keys, the epilogue those rows)."""
+        if const_expr(self.config.varlen):
+            return cute.domain_offset((start, 0) if seq_mode == 0 else (0, start), m[None, None, head])
+        return m[None, None, head, batch]
+
     # ------------------------------------------------------------------ producer
     @cute.jit
     def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min):
+                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min, q0=None, k0=None):
         """One warp: Q once, then ``n_tiles`` K/V tiles in ascending key order from
-        ``n_block_min`` (None: from 0)."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.hdim, self.tile_n), (0, None))
+        ``n_block_min`` (None: from 0). ``q0``, ``k0``: varlen's sequence start, else None."""
+        gQ = cute.local_tile(self.seq_view(mQ, head, batch, q0), (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(self.seq_view(mK, head_kv, batch, k0), (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(self.seq_view(mV, head_kv, batch, k0, 1), (self.hdim, self.tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(
@@ -370,8 +419,9 @@ class ForwardKernel:
     def consumer(self, mma_qk, tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                  mSQ, mSK, mSV,
                  mO, mLSE, m_block, head, head_kv, batch, n_tiles, n_block_min, seqlen_q, seqlen_k,
-                 softmax_scale_log2, causal_offset, tidx, l_parts):
-        """``n_tiles`` key tiles from ``n_block_min`` (None: from 0, no window)."""
+                 softmax_scale_log2, causal_offset, tidx, l_parts, mSinks=None, q0=None):
+        """``n_tiles`` key tiles from ``n_block_min`` (None: from 0, no window). ``mSinks``:
+        the sink logits (sinks), ``q0``: varlen's first query token, else None."""
         cfg = self.config
         tiled_mma_qk = mma_qk[0]
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -390,7 +440,7 @@ class ForwardKernel:
         # epilogue partitions, made before any MMA runtime state changes
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         tOgO = thr_pv.partition_C(
-            cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0)))
+            cute.local_tile(self.seq_view(mO, head, batch, q0), (self.tile_m, self.hdim), (m_block, 0)))
 
         n_rows = cute.size(dlayout.acc_mn(acc_O), mode=[0])
         row_max = cute.make_rmem_tensor(n_rows, Float32)
@@ -499,8 +549,34 @@ class ForwardKernel:
             l_mn = dlayout.acc_mn(pv_l[1])
             for r in cutlass.range_constexpr(n_rows):
                 row_sum[r] = l_mn[r, 0]
-        dsoftmax.finalize(acc_O, row_max, row_sum, row_lse, out_mult, cfg.l_scale_log2, not cfg.l_from_mma)
-        self.epilogue(acc_O, row_lse, tOcO, tOgO, mLSE, m_block, head, batch, seqlen_q)
+        if const_expr(cfg.sinks):
+            self.fold_sink(acc_O, row_max, row_sum, row_scale, mSinks[head])
+        dsoftmax.finalize(acc_O, row_max, row_sum, row_lse, out_mult, cfg.l_scale_log2,
+                          not (cfg.l_from_mma or cfg.sinks))
+        self.epilogue(acc_O, row_lse, tOcO, tOgO, mLSE, m_block, head, batch, seqlen_q, q0)
+
+    @cute.jit
+    def fold_sink(self, acc_O, row_max, row_sum, row_scale, sink: Float32):
+        """The sink logit joins each row's softmax as fp4gen.numerics.reference defines it: a
+        term exp(sink) in the denominator with no value row, the max taken over it too. In log2
+        units s2 = sink log2 e: m' = max(m, s2) (m = 0 for a row that saw no key), O and l scale
+        by 2^(m - m'), l gains 2^(s2 - m') at l's scale (2^8 for FP8 P); a row that saw no key
+        ends with O = 0 and LSE = the sink. Sums l over the quad first (``finalize`` must not)."""
+        cfg = self.config
+        s2 = sink * LOG2E
+        for r in cutlass.range_constexpr(cute.size(row_max, mode=[0])):
+            l = row_sum[r]
+            if const_expr(not cfg.l_from_mma):
+                l = dsoftmax._quad_sum(l)
+            m = row_max[r]
+            if m == -Float32.inf:
+                m = Float32(0.0)
+            m_fin = cute.arch.fmax(m, s2)
+            alpha = ptx.ex2(m - m_fin)
+            row_sum[r] = l * alpha + ptx.ex2(s2 - m_fin + float(cfg.l_scale_log2))
+            row_max[r] = m_fin
+            row_scale[r] = alpha
+        dsoftmax.rescale_o(acc_O, row_scale)
 
     @cute.jit
     def tile_mult(self, q_mult, mSK, batch, head_kv, n_block):
@@ -624,8 +700,9 @@ class ForwardKernel:
         return kv_state
 
     @cute.jit
-    def epilogue(self, acc_O, row_lse, cO, tOgO, mLSE, m_block, head, batch, seqlen_q):
-        """Registers -> global: bf16 pairs per thread, rows past seqlen_q skipped."""
+    def epilogue(self, acc_O, row_lse, cO, tOgO, mLSE, m_block, head, batch, seqlen_q, q0=None):
+        """Registers -> global: bf16 pairs per thread, rows past seqlen_q skipped (varlen: of
+        the sequence from token ``q0``; LSE (token, head))."""
         rO = cute.make_rmem_tensor_like(acc_O, tOgO.element_type)
         rO.store(acc_O.load().to(tOgO.element_type))
         o_mn = dlayout.acc_mn(rO)
@@ -637,7 +714,10 @@ class ForwardKernel:
                 for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     g_mn[r, j] = o_mn[r, j]
                 if c_mn[r, 0][1] == 0:
-                    mLSE[row0 + c_mn[r, 0][0], head, batch] = row_lse[r]
+                    if const_expr(self.config.varlen):
+                        mLSE[q0 + row0 + c_mn[r, 0][0], head] = row_lse[r]
+                    else:
+                        mLSE[row0 + c_mn[r, 0][0], head, batch] = row_lse[r]
 
 
 class Fp8ForwardKernel(ForwardKernel):
@@ -662,6 +742,38 @@ class Fp8ForwardKernel(ForwardKernel):
         self.launch(mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream)
 
 
+class ExtForwardKernel(ForwardKernel):
+    """Entry point of the configs with sinks or the varlen layout (``config.extended``): every
+    operand in one signature, those the config does not read passed as None (no kernel
+    parameter). Varlen: the packed operands, whose sequences ``cu_seqlens_q/k`` delimit; the
+    kernel reads each sequence's lengths (``seqlen_k`` and ``causal_offset`` are then unused)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, H, D); varlen (total_q, H, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D); varlen (total_k, Hkv, D)
+        mV: cute.Tensor,  # as K (BF16), or FP8 V^T as Fp8ForwardKernel's
+        mSQ: Optional[cute.Tensor],  # FP8 scales as Fp8ForwardKernel's, else None
+        mSK: Optional[cute.Tensor],
+        mSV: Optional[cute.Tensor],
+        mO: cute.Tensor,  # like q, bf16
+        mLSE: cute.Tensor,  # (B, H, Sq); varlen (H, total_q) fp32
+        mSinks: Optional[cute.Tensor],  # sinks: (H,) fp32 sink logits
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen: (B + 1,) int32
+        mCuSeqlensK: Optional[cute.Tensor],
+        seqlen_k: Int32,
+        max_seqlen_q: Int32,  # varlen: the longest sequence's queries (the grid)
+        softmax_scale_log2: Float32,
+        causal_offset: Int32,
+        stream,
+    ):
+        self.launch(mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream,
+                    mSinks, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
+
+
 def kernel_class(config: ForwardConfig) -> type:
     """The kernel class whose ``__call__`` takes ``config``'s operands."""
+    if config.extended:
+        return ExtForwardKernel
     return Fp8ForwardKernel if config.in_fp8 else ForwardKernel
