@@ -29,7 +29,7 @@ LINES_AT_3DFD8CE = {
     "sm90_fp8_train_bf16grad_causal_d128_sm90a": 1339, "sm90_fp8_train_causal_d128_sm90a": 1414,
     "sm90_fp8_train_ds8_causal_d128_sm90a": 1569,
 }
-ENTRY_POINTS = {"_build", "_bwd_build", "forward", "backward", "compile_only", "compile_only_backward"}
+ENTRY_POINTS = {"_build", "_bwd_build", "forward", "forward_varlen", "backward", "compile_only", "compile_only_backward"}
 
 
 # the 3dfd8ce modules that carried a backward section too
