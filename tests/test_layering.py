@@ -26,7 +26,7 @@ LAYERS = [
     ("plan dumps", ("fp4gen.ir.dump",)),
     ("lowering", ("fp4gen.lowering",)),
     ("drivers", ("fp4gen.driver", "fp4gen.api", "fp4gen.selftest")),
-    ("torch op", ("fp4gen.torch_ops",)),
+    ("torch op", ("fp4gen.torch_ops", "fp4gen.parallel")),
     ("command line", ("fp4gen.cli",)),
 ]
 

@@ -63,8 +63,8 @@ def test_sm90a_backward_still_refuses_at_the_field(lines, field):
 @pytest.mark.parametrize("lines, field, target", [
     ("  mask window(255, 0)", "mask", "sm100a"),
     ("  softcap 30", "softcap", "sm100a"),
-    ("  sinks learned", "sinks", "sm90a"),
-    ("  mask window(255, 0)\n  layout varlen", "layout", "sm90a"),  # the one sm90a lacks is named
+    ("  sinks learned", "sinks", "sm100a"),
+    ("  mask window(255, 0)\n  layout varlen", "mask", "sm100a"),  # the first field it lacks is named
 ])
 def test_what_a_target_lacks_is_refused_at_its_line(lines, field, target):
     k = one(lines, target)
