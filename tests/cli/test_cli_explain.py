@@ -22,11 +22,14 @@ def test_explain_an_sm90a_example(cli):
 
 def test_explain_names_the_refusal_at_its_line(cli, tmp_path):
     spec = tmp_path / "w.attn"
-    spec.write_text((EXAMPLES / "sm90_bf16_d128.attn").read_text().replace("mask     causal", "mask     window(256, 0)"))
+    # sinks: the sm90a forward has them, its backward does not (a window is no refusal any more)
+    spec.write_text((EXAMPLES / "sm90_bf16_d128.attn").read_text().replace("mask     causal",
+                                                                           "mask     causal\n  sinks    learned"))
     r = cli("explain", spec, "--kernel", "sm90_bf16_causal_d128")
     assert r.rc == 0, r
     (line, _) = r.out.splitlines()
-    assert f"H200 (sm90a): fwd+bwd none: {spec}:21:12: " in line and "mask window(256, 0)" in line
+    assert f"H200 (sm90a): fwd+bwd none: {spec}:22:12: " in line and "sinks learned" in line
+    assert "its backward does not" in line
     r = cli("explain", spec, "--kernel", "sm90_bf16_causal_d128", "--target", "reference")
     assert "H200 (sm90a): fwd+bwd none: the spec targets reference" in r.out
 
