@@ -344,29 +344,9 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor, sink: Optional[torch
 
 
 def _partial(st, p_fn, running_max: bool, fixed_m, lse_shift: float, tiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """One split: reference._forward's tile loop over the key tiles ``tiles`` (starts), all query
+    """One split: ref._tile_loop over the key tiles ``tiles`` (starts), all query
     rows -> (o (B, H, Sq, D) = acc / l, lse2 (B, H, Sq) = m + log2 l - shift; -inf when l = 0)."""
-    B, H, Sq, D, Sk = st.B, st.H, st.Sq, st.D, st.Sk
-    dev = st.device
-    acc = torch.zeros(B, H, Sq, D, device=dev)
-    l = torch.zeros(B, H, Sq, device=dev)
-    m = torch.full((B, H, Sq), float("-inf"), device=dev) if running_max else fixed_m
-    for c0 in tiles:
-        c1 = min(Sk, c0 + st.tile_n)
-        t = st.scores(0, Sq, c0, c1)
-        if running_max:
-            m_new = torch.maximum(m, t.amax(-1))
-            m_new_s = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-            m_old_s = torch.where(torch.isneginf(m), m_new_s, m)
-            alpha = torch.exp2(m_old_s - m_new_s)
-            pv, l_inc = p_fn(t, m_new_s)
-            l = l * alpha + l_inc
-            acc = acc * alpha[..., None] + pv @ st.v[:, :, c0:c1]
-            m = m_new
-        else:
-            pv, l_inc = p_fn(t, m)
-            l = l + l_inc
-            acc = acc + pv @ st.v[:, :, c0:c1]
+    acc, l, m = ref._tile_loop(st, 0, st.Sq, tiles, p_fn, running_max, fixed_m)
     m_s = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     empty = l == 0
     l1 = torch.where(empty, torch.ones_like(l), l)

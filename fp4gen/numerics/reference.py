@@ -295,6 +295,37 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: KernelSpec,
     return _forward(q, k, v, spec, sinks)
 
 
+def _tile_loop(st, r0: int, r1: int, tiles, p_fn, running_max: bool, fixed_m):
+    """The online-softmax loop of query rows [r0, r1) over the key tiles ``tiles`` (their first
+    keys), in the kernels' order -> (acc (B, H, rows, D), l (B, H, rows), m (B, H, rows)): the
+    unnormalised output, the row sum in 2**lse_shift units and the row reference (log2 units;
+    -inf where no tile raised it). One home for the forward and the split-KV decode."""
+    B, H, D, Sk, dev = st.B, st.H, st.D, st.Sk, st.device
+    acc = torch.zeros(B, H, r1 - r0, D, device=dev)
+    l = torch.zeros(B, H, r1 - r0, device=dev)
+    if running_max:
+        m = torch.full((B, H, r1 - r0), float("-inf"), device=dev)
+    else:
+        m = fixed_m[:, :, r0:r1]
+    for c0 in tiles:
+        c1 = min(Sk, c0 + st.tile_n)
+        t = st.scores(r0, r1, c0, c1)
+        if running_max:
+            m_new = torch.maximum(m, t.amax(-1))  # NaN propagates
+            m_new_s = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            m_old_s = torch.where(torch.isneginf(m), m_new_s, m)
+            alpha = torch.exp2(m_old_s - m_new_s)
+            pv, l_inc = p_fn(t, m_new_s)
+            l = l * alpha + l_inc
+            acc = acc * alpha[..., None] + pv @ st.v[:, :, c0:c1]
+            m = m_new
+        else:
+            pv, l_inc = p_fn(t, m)
+            l = l + l_inc
+            acc = acc + pv @ st.v[:, :, c0:c1]
+    return acc, l, m
+
+
 def _forward(q, k, v, spec: KernelSpec, sinks):
     st = _Prepared(q, k, v, spec)
     sink = _check_sinks(sinks, spec, st.H, st.device)
@@ -307,28 +338,7 @@ def _forward(q, k, v, spec: KernelSpec, sinks):
     rc = _row_chunk(B, H, st.tile_n, D)
     for r0 in range(0, Sq, rc):
         r1 = min(Sq, r0 + rc)
-        acc = torch.zeros(B, H, r1 - r0, D, device=dev)
-        l = torch.zeros(B, H, r1 - r0, device=dev)
-        if running_max:
-            m = torch.full((B, H, r1 - r0), float("-inf"), device=dev)
-        else:
-            m = fixed_m[:, :, r0:r1]
-        for c0 in st.key_tiles(r0, r1):
-            c1 = min(Sk, c0 + st.tile_n)
-            t = st.scores(r0, r1, c0, c1)
-            if running_max:
-                m_new = torch.maximum(m, t.amax(-1))  # NaN propagates
-                m_new_s = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-                m_old_s = torch.where(torch.isneginf(m), m_new_s, m)
-                alpha = torch.exp2(m_old_s - m_new_s)
-                pv, l_inc = p_fn(t, m_new_s)
-                l = l * alpha + l_inc
-                acc = acc * alpha[..., None] + pv @ st.v[:, :, c0:c1]
-                m = m_new
-            else:
-                pv, l_inc = p_fn(t, m)
-                l = l + l_inc
-                acc = acc + pv @ st.v[:, :, c0:c1]
+        acc, l, m = _tile_loop(st, r0, r1, st.key_tiles(r0, r1), p_fn, running_max, fixed_m)
         m_s = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
         if sink is not None:  # exp(sink) joins the denominator; the max is taken over it too
             sink_t = (sink * dp.LOG2E)[None, :, None].expand_as(m_s)
