@@ -394,6 +394,76 @@ class DecodePlan:
     notes: tuple[str, ...] = ()
 
 
+# --------------------------------------------------------------------------- transforms
+
+
+# The HBM copy bandwidth of the H200 that the decode planner also uses (ir/passes/decode.py)
+TRANSFORM_HBM_BYTES_PER_S = 4.3e12
+# the shape the record prices as an example: batch 1, 16 heads (MHA), 16k tokens
+TRANSFORM_EXAMPLE = (1, 16, 16384)
+TRANSFORM_INPUT_BYTES = 2  # bf16 q, k, v and O
+
+
+@dataclass(frozen=True)
+class TransformPass:
+    """One separate pass over HBM that an outlier transform adds around the kernel (the kernels
+    do not fuse them yet): what it reads and writes, in bytes per row of ``per`` (a key token of
+    one KV head, or a query token of one query head), for bf16 inputs."""
+
+    transform: str  # smooth_k | channel_scale_v | hadamard
+    step: str
+    per: str  # "key" (per key token and KV head) | "query" (per query token and query head)
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class TransformsPlan:
+    """The spec's outlier transforms as torch steps before and after the attention
+    (``fp4gen.torch_ops``), with the HBM bytes of each pass and the time they predict at
+    ``example`` = (batch, heads, seqlen) at ``hbm_bytes_per_s`` (a prediction from bytes alone:
+    not measured, launch overheads and eager float32 temporaries not counted)."""
+
+    transforms: tuple[str, ...]
+    passes: tuple[TransformPass, ...]
+    example: tuple[int, int, int]
+    example_bytes: int
+    hbm_bytes_per_s: float
+    example_us: float
+    fused: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def transforms_plan(spec: KernelSpec) -> Optional[TransformsPlan]:
+    """The ``transforms`` record of ``spec``'s plan (None when it asks for none). Each pass is the
+    least one separate pass moves: it reads its input once in bf16 and writes its output once."""
+    t = spec.transforms
+    if not t:
+        return None
+    row = spec.head_dim * TRANSFORM_INPUT_BYTES  # one token of one head
+    passes: list[TransformPass] = []
+    if t.smooth_k:
+        passes += [TransformPass("smooth_k", "mean of K over tokens", "key", row, 0),
+                   TransformPass("smooth_k", "K - mean", "key", row, row),
+                   TransformPass("smooth_k", "LSE shift scale * q . mean", "query", row, 4),
+                   TransformPass("smooth_k", "LSE + shift", "query", 4 + 4, 4)]
+    if t.hadamard:
+        passes += [TransformPass("hadamard", "Q R", "query", row, row),
+                   TransformPass("hadamard", "K R", "key", row, row)]
+    if t.channel_scale_v:
+        passes += [TransformPass("channel_scale_v", "amax of V's channels over tokens", "key", row, 0),
+                   TransformPass("channel_scale_v", "V / c", "key", row, row),
+                   TransformPass("channel_scale_v", "O * c", "query", row, row)]
+    b, h, s = TRANSFORM_EXAMPLE
+    nbytes = sum((p.bytes_read + p.bytes_written) * b * h * s for p in passes)  # MHA: as many K rows as Q rows
+    return TransformsPlan(
+        transforms=t.names, passes=tuple(passes), example=TRANSFORM_EXAMPLE, example_bytes=nbytes,
+        hbm_bytes_per_s=TRANSFORM_HBM_BYTES_PER_S, example_us=round(nbytes / TRANSFORM_HBM_BYTES_PER_S * 1e6, 1),
+        notes=("separate torch passes around the kernel, not fused into it (future work): each costs HBM "
+               "traffic the kernel does not have",
+               "example_us is predicted from the bytes at the HBM bandwidth, not measured"))
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     spec: KernelSpec
@@ -409,6 +479,11 @@ class KernelPlan:
     notes: tuple = field(default=())  # planner remarks worth showing the user
     backward: Optional[object] = None  # BackwardPlan (sm90a specs with a backward block)
     decode: Optional[DecodePlan] = None  # a kv_cache spec's decode plan (ir/passes/decode.py)
+
+    @property
+    def transforms(self) -> Optional[TransformsPlan]:
+        """The outlier transforms' record (``transforms_plan``), derived from the spec."""
+        return transforms_plan(self.spec)
 
     def contract(self, operand: str) -> OperandContract:
         for c in self.contracts:

@@ -37,7 +37,7 @@ from .plan import KernelPlan
 from .spec import (
     Backward, CacheFormat, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, KvCache, KvStorage, Layout, Mask,
     OperandFormat, PKind, PProduction, PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target,
-    TmemRegionRequest,
+    TmemRegionRequest, Transforms,
 )
 
 SPEC_SCHEMA = 1
@@ -76,9 +76,10 @@ def _kv_cache_from(d: Mapping[str, Any]) -> KvCache:
 
 
 def _extensions_to(spec: KernelSpec) -> dict[str, Any]:
-    """The fields beyond dense none/causal attention (window, softcap, sinks, layout, kv_cache), each
-    written only when it is not the default: a spec that does not use them serializes byte for
-    byte as before they existed (the goldens, every committed PLAN_JSON, the torch_ops keys)."""
+    """The fields beyond dense none/causal attention (window, softcap, sinks, layout, kv_cache,
+    transforms), each written only when it is not the default: a spec that does not use them
+    serializes byte for byte as before they existed (the goldens, every committed PLAN_JSON, the
+    torch_ops keys)."""
     d: dict[str, Any] = {}
     if spec.window is not None:
         d["window"] = list(spec.window)
@@ -90,6 +91,10 @@ def _extensions_to(spec: KernelSpec) -> dict[str, Any]:
         d["layout"] = spec.layout.value
     if spec.kv_cache is not None:
         d["kv_cache"] = _kv_cache_to(spec.kv_cache)
+    if spec.transforms:
+        t = spec.transforms
+        d["transforms"] = {"smooth_k": t.smooth_k, "channel_scale_v": t.channel_scale_v, "hadamard": t.hadamard,
+                           "hadamard_seed": t.hadamard_seed}
     return d
 
 
@@ -100,7 +105,16 @@ def _extensions_from(d: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"mask {d['mask']!r} with window {w!r}: a window mask and its sizes come together")
     return {"window": None if w is None else (int(w[0]), int(w[1])), "softcap": float(d.get("softcap", 0.0)),
             "sinks": Sinks(d.get("sinks", "none")), "layout": Layout(d.get("layout", "dense")),
-            "kv_cache": None if d.get("kv_cache") is None else _kv_cache_from(d["kv_cache"])}
+            "kv_cache": None if d.get("kv_cache") is None else _kv_cache_from(d["kv_cache"]),
+            "transforms": _transforms_from(d.get("transforms"))}
+
+
+def _transforms_from(t: Optional[Mapping[str, Any]]) -> Transforms:
+    if t is None:
+        return Transforms()
+    seed = t.get("hadamard_seed")
+    return Transforms(smooth_k=bool(t["smooth_k"]), channel_scale_v=bool(t["channel_scale_v"]),
+                      hadamard=bool(t["hadamard"]), hadamard_seed=None if seed is None else int(seed))
 
 
 def spec_to_dict(spec: KernelSpec, *, with_source: bool = True) -> dict[str, Any]:
@@ -331,6 +345,8 @@ def plan_to_dict(plan: KernelPlan, *, simulation: Optional[dict] = None) -> dict
         "backward": None if plan.backward is None else _plain(plan.backward),
         # only for a kv_cache spec, so that every other plan keeps its bytes
         **({"decode": _plain(plan.decode)} if plan.decode is not None else {}),
+        # only for a spec with outlier transforms, likewise
+        **({"transforms": _plain(plan.transforms)} if plan.transforms is not None else {}),
     }
 
 

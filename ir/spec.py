@@ -328,6 +328,44 @@ DIRECT_P_B_RANGE = (-8.0, 8.0)
 DIRECT_P_FORMATS = (Format.MXFP4, Format.FP8E4M3)
 
 
+@dataclass(frozen=True)
+class Transforms:
+    """Outlier-robust transforms the spec asks for (issue 21; ``fp4gen.numerics.outliers``), each
+    exact in real arithmetic and run as torch steps around the attention (``fp4gen.torch_ops``):
+
+    - ``smooth_k`` (``K : ... smooth``): K minus its mean over tokens per (batch, kv head); the
+      LSE gets ``scale * q . mean`` back.
+    - ``channel_scale_v`` (``V : ... channel_scale``): V's channels divided by a power of two
+      per (batch, kv head, channel), O's columns multiplied back.
+    - ``hadamard`` (``rotate qk hadamard(seed=N)``): Q and K times one orthonormal Hadamard
+      matrix (random column signs from ``hadamard_seed``, None = no signs).
+
+    All off by default; a spec that sets none serializes as before the field existed."""
+
+    smooth_k: bool = False
+    channel_scale_v: bool = False
+    hadamard: bool = False
+    hadamard_seed: Optional[int] = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The ``outliers.TRANSFORMS`` names that are on, in that (application) order."""
+        return tuple(n for n in ("smooth_k", "channel_scale_v", "hadamard") if getattr(self, n))
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def __str__(self) -> str:
+        parts = [n for n in ("smooth_k", "channel_scale_v") if getattr(self, n)]
+        if self.hadamard:
+            parts.append("hadamard" + (f"(seed={self.hadamard_seed})" if self.hadamard_seed is not None else ""))
+        return ", ".join(parts) or "none"
+
+
+# rotate qk hadamard(seed=N): a torch.Generator seed (numerics.outliers.hadamard_matrix)
+HADAMARD_SEED_RANGE = range(0, 1 << 31)
+
+
 BACKWARD_OPERANDS = ("dO", "dS", "dP", "dQ", "dK", "dV")
 FORWARD_OPERANDS = ("Q", "K", "P", "V", "O")
 REUSABLE_STATE = ("q", "k", "lse", "scales")
@@ -369,6 +407,7 @@ class KernelSpec:
     schedule: Schedule = Schedule()
     backward: Optional[Backward] = None
     kv_cache: Optional[KvCache] = None  # decode against a KV cache (the kv_cache block)
+    transforms: Transforms = Transforms()  # outlier-robust pre/post steps (all off by default)
     # where each field came from (dotted path -> location); see module docstring
     locs: Mapping[str, SourceLoc] = field(default_factory=lambda: MappingProxyType({}), compare=False)
     source_file: str = "<spec>"

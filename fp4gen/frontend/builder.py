@@ -18,12 +18,13 @@ from lark import Token, Tree
 from fp4gen.ir.plan import TMEM_COLUMNS
 from fp4gen.ir.spec import (
     BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, FORWARD_OPERANDS, FP8_TOKEN_BLOCKS,
-    GUARD_L_RANGE, GUARD_M_RANGE, HEAD_DIM_RANGE, KV_CACHE_FORMATS, KV_GQA_RANGE, KV_PAGE_SIZES, KV_Q_TOKENS_RANGE,
+    GUARD_L_RANGE, GUARD_M_RANGE, HADAMARD_SEED_RANGE, HEAD_DIM_RANGE, KV_CACHE_FORMATS, KV_GQA_RANGE, KV_PAGE_SIZES, KV_Q_TOKENS_RANGE,
     KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTCAP_RANGE, SOFTMAX_SCALE_RANGE, TILE_RANGE,
     WINDOW_RANGE,
     Backward, CacheFormat, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, KvCache, KvStorage, Layout, Mask,
     OperandFormat, PKind, PProduction,
-    PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest, bound_text,
+    PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest, Transforms,
+    bound_text,
     default_operand_format, mask_for_window,
 )
 
@@ -42,8 +43,11 @@ GUARDS = tuple(g.value for g in GuardKind)
 # words accepted by `scale=` inside a format's parentheses
 SCALE_WORDS = ("tensor", "token", "none", "fp32", "e8m0", "e4m3")
 
-KERNEL_KEYWORDS = ("target", "head_dim", "mask", "softcap", "sinks", "layout", "scale", "guard", "schedule",
-                   "backward", "kv_cache")
+KERNEL_KEYWORDS = ("target", "head_dim", "mask", "softcap", "sinks", "layout", "scale", "guard", "rotate",
+                   "schedule", "backward", "kv_cache")
+# outlier transforms written after an operand's format: word -> (operand, Transforms field)
+OPERAND_OPTIONS = {"smooth": ("K", "smooth_k"), "channel_scale": ("V", "channel_scale_v")}
+ROTATIONS = ("hadamard",)
 SCHEDULE_KEYWORDS = ("tile", "q_stages", "kv_stages", "p_publish", "p_source", "tmem")
 BACKWARD_KEYWORDS = ("reuse", "deterministic")
 KV_CACHE_KEYWORDS = ("storage", "format", "q_tokens", "gqa")
@@ -115,6 +119,8 @@ class KernelBuilder:
         self.seen: dict[str, Tree] = {}  # dotted field -> statement, for duplicate notes
         self.ok = True
         self.had_unknown = False
+        self.transforms: dict[str, object] = {}  # Transforms fields the spec sets
+        self.transform_toks: dict[str, Token] = {}  # the word that set each, for errors
 
     # ---- helpers -------------------------------------------------------
     def error(self, item, message, **kw):
@@ -310,6 +316,9 @@ class KernelBuilder:
                     g = self.guard(st)  # shaped like a call: NAME, then arguments
                     if g is not None:
                         f["guard"] = g
+            elif kind == "rotate_stmt":
+                if self.first_time("rotate", st, "the rotation"):
+                    self.rotate(st)
             elif kind == "operand_stmt":
                 res = self.operand(st, FORWARD_OPERANDS, "", where="kernel")
                 if res is not None:
@@ -348,6 +357,8 @@ class KernelBuilder:
 
         if "kv_cache" in self.seen:
             self.kv_cache_conflicts()
+        if self.transforms:
+            self.transform_conflicts(f)
 
         missing = [(r, ex) for r, ex in (("target", "target sm100a"), ("head_dim", "head_dim 128"))
                    if r not in self.seen]
@@ -364,6 +375,8 @@ class KernelBuilder:
             f["backward"] = backward
         if kv_cache is not None:
             f["kv_cache"] = kv_cache
+        if self.transforms:
+            f["transforms"] = Transforms(**self.transforms)
         return KernelSpec(
             name=str(name_tok), locs=MappingProxyType(dict(self.locs)),
             source_file=self.err.filename, source_lines=self.lines, **f)
@@ -408,7 +421,7 @@ class KernelBuilder:
                    hint=did_you_mean(word, choices) or f"expected {one_of(choices)}")
 
     def operand(self, st: Tree, allowed, prefix: str, where: str):
-        name_tok, call, via = st.children
+        name_tok, call, via, *options = st.children
         name = str(name_tok)
         key = prefix + name
         if name not in allowed:
@@ -444,8 +457,103 @@ class KernelBuilder:
             fmt = None
         if fmt is None:
             return None
+        if options and not self.operand_options(name, options, where):
+            return None
         self.locs[key] = self.err.loc(call.children[0])
         return name, fmt, ((via, prod) if prod is not None else None)
+
+    # ---- outlier transforms (issue 21) --------------------------------------------------
+    def operand_options(self, name: str, options, where: str) -> bool:
+        """The words after an operand's format: ``K : ... smooth``, ``V : ... channel_scale``."""
+        good = True
+        for opt in options:
+            tok = opt.children[0]
+            word = str(tok)
+            if where != "kernel":
+                self.error(tok, f"'{word}' after a gradient's format: the outlier transforms are options of the "
+                                "forward operands K and V",
+                           hint="their gradients follow through autograd; drop the word here")
+                good = False
+                continue
+            if word not in OPERAND_OPTIONS:
+                valid = [w for w, (op, _) in OPERAND_OPTIONS.items() if op == name]
+                if valid:
+                    self.error(tok, f"unknown option '{word}' of {name}; expected {one_of(valid)}",
+                               hint=did_you_mean(word, list(OPERAND_OPTIONS)))
+                else:
+                    self.error(tok, f"unknown word '{word}' after {name}'s format; {name} takes no options "
+                                    f"(K takes 'smooth', V 'channel_scale')",
+                               hint=did_you_mean(word, list(OPERAND_OPTIONS)))
+                good = False
+                continue
+            op, field = OPERAND_OPTIONS[word]
+            if op != name:
+                why = ("K smoothing subtracts K's mean over tokens (softmax ignores a per-row shift)"
+                       if word == "smooth" else "per-channel V scales are undone on O's columns")
+                self.error(tok, f"'{word}' is an option of {op}, not {name}: {why}",
+                           hint=f"write it on the {op} line: '{op} : fp8e4m3 {word}'")
+                good = False
+                continue
+            key = f"{name}.{word}"
+            if key in self.locs:
+                self.error(tok, f"'{word}' is written twice on {name}'s line")
+                good = False
+                continue
+            self.transforms[field] = True
+            self.transform_toks[field] = tok
+            self.locs[key] = self.err.loc(tok)
+        return good
+
+    def rotate(self, st: Tree) -> None:
+        """``rotate qk hadamard[(seed=N)]``: Q and K times one orthonormal Hadamard matrix."""
+        what, call = st.children
+        if str(what) != "qk":
+            self.error(what, f"rotate applies to 'qk' (Q and K by the same matrix, so that Q K^T is unchanged), "
+                             f"not '{what}'", hint="write 'rotate qk hadamard(seed=0)'")
+            return
+        tok = call.children[0]
+        if self.word(tok, ROTATIONS, "rotation") is None:
+            return
+        args = self.args(call, ("seed",), "hadamard")
+        if args is None:
+            return
+        seed = None
+        if "seed" in args:
+            seed = self.integer(args["seed"].value, "hadamard's seed", HADAMARD_SEED_RANGE)
+            if seed is None:
+                return
+            self.locs["rotate.seed"] = self.err.loc(args["seed"].key)
+        self.transforms["hadamard"] = True
+        self.transforms["hadamard_seed"] = seed
+        self.transform_toks["hadamard"] = tok
+        self.locs["rotate"] = self.err.loc(tok)
+
+    def transform_conflicts(self, f: dict) -> None:
+        """What ``numerics.outliers.apply`` refuses, at the transform's line: each transform must
+        leave the attention unchanged (in real arithmetic)."""
+        if "smooth_k" in self.transform_toks:
+            tok = self.transform_toks["smooth_k"]
+            for field, present, why in (
+                    ("softcap", bool(f.get("softcap")),
+                     "softcap's tanh does not ignore the per-row shift smoothing adds to the scores"),
+                    ("sinks", f.get("sinks", Sinks.NONE) is not Sinks.NONE,
+                     "smoothing shifts every key's logit but not the sink's")):
+                if present:
+                    self.error(tok, f"K smoothing with {field}: {why}, so the attention would change",
+                               notes=[Note(f"{field} set here", self.locs[field])],
+                               hint=f"drop 'smooth' or the {field} line")
+        if "hadamard" in self.transform_toks:
+            d = f.get("head_dim")
+            if d is not None and d & (d - 1):
+                self.error(self.transform_toks["hadamard"],
+                           f"the Hadamard rotation needs a power-of-two head dim, got {d}",
+                           notes=[Note("head_dim set here", self.locs["head_dim"])],
+                           hint="head_dim 64, 128 or 256, or drop the rotate line")
+        if "kv_cache" in self.seen:
+            for tok in self.transform_toks.values():
+                self.error(tok, f"'{tok}' with a kv_cache block: the outlier transforms run around prefill "
+                                "attention (fp4gen.attention), not against a KV cache",
+                           hint="drop it, or the kv_cache block")
 
     def format(self, call: Tree, key: str) -> Optional[OperandFormat]:
         tok = call.children[0]

@@ -72,6 +72,19 @@ def _decode_lines(d) -> list[str]:
     return L
 
 
+def _transform_lines(t) -> list[str]:
+    """The outlier transforms: one line per separate pass with its HBM bytes, then the total at
+    the example shape (a prediction)."""
+    L = ["", f"Transforms (torch passes around the kernel, not fused): {', '.join(t.transforms)}",
+         f"  {'transform':16} {'pass':34} {'per row of':>10} {'read B':>7} {'written B':>9}"]
+    for p in t.passes:
+        L.append(f"  {p.transform:16} {p.step:34} {p.per:>10} {p.bytes_read:7d} {p.bytes_written:9d}")
+    b, h, s = t.example
+    L.append(f"  B={b}, H={h}, S={s}, bf16: {t.example_bytes / 1e6:.1f} MB, predicted {t.example_us:g} us at "
+             f"{t.hbm_bytes_per_s / 1e12:g} TB/s (bytes only, not measured)")
+    return L
+
+
 def to_text(plan: KernelPlan) -> str:
     s = plan.spec
     sch = s.schedule
@@ -202,6 +215,8 @@ def to_text(plan: KernelPlan) -> str:
         L.append(f"Simulated: {SIM_TILES} KV tiles in {sim.makespan:.0f} cycles (no deadlock, no TMEM hazard)")
     if plan.decode is not None:
         L += _decode_lines(plan.decode)
+    if plan.transforms is not None:
+        L += _transform_lines(plan.transforms)
     if plan.notes:
         L.append("")
         for n in plan.notes:

@@ -17,7 +17,7 @@ from fp4gen.ir.serialize import (
     spec_from_plan_json, spec_to_dict,
 )
 from fp4gen.ir.spec import (Backward, Guard, KernelSpec, KvCache, Layout, Mask, OperandFormat, PProduction, PSource,
-                            Schedule, Sinks)
+                            Schedule, Sinks, Transforms)
 
 ROOT = Path(__file__).resolve().parents[2]
 frontend = pytest.importorskip("fp4gen.frontend")
@@ -39,6 +39,8 @@ def test_spec_dict_names_every_field():
                                layout=Layout.VARLEN)
     # and the kv_cache block (issue 22)
     spec = dataclasses.replace(spec, kv_cache=KvCache())
+    # and the outlier transforms (issue 21)
+    spec = dataclasses.replace(spec, transforms=Transforms(smooth_k=True, hadamard=True, hadamard_seed=1))
     d = spec_to_dict(spec)
     ops = {"q", "k", "p", "v", "o"}
     assert set(d) - {"schema", "operands"} == field_names(KernelSpec) - ops
