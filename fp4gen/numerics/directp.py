@@ -164,6 +164,36 @@ def _pow2_e8m0(e: torch.Tensor) -> torch.Tensor:
     return torch.where(ei == -127, v * 0.5, v)
 
 
+# ------------------------------------------------------- headroom rebase ----
+
+# A fixed row reference m (0, or the guard's sampled maximum) is only safe while every
+# score stays within ~126 binades above it: beyond, e_B clamps at 127, the block maximum
+# decodes to 6 * 2**127 > FLT_MAX, l and the PV accumulator overflow to inf, and O = inf/inf
+# or inf - inf = NaN. The guard's L samples do not bound the keys they miss: with q, k 8x
+# (scores of std ~140 log2 units) the sampled maximum is up to ~460 binades below the row
+# maximum (found 2026-12-02, issue 16). So the guard (reference._Prepared.rebase) comes with
+# a rebase: before a tile is coded, a row whose tile maximum exceeds m by more than REBASE_E
+# moves its reference up by the integer d = floor(max u) and scales what it has accumulated
+# (O, l) by the exact power of two 2**-d (0 when d >= 127: those contributions are below
+# 2**-126 of the new maximum's). After it every value is at most 6 * 2**REBASE_E, so l and O
+# keep 2**61 of headroom for the sum over keys and |V|. REBASE_E is far above moderate
+# logits (where the guard alone suffices), so there nothing changes, bit for bit.
+REBASE_E = 64
+
+
+def rebase(t: torch.Tensor, m: torch.Tensor, e_hi: int = REBASE_E):
+    """Headroom rebase before a key tile (see above). t: (..., N) log2-unit scores of the tile,
+    m: (...) the current row reference. Returns (m_new, fac): the reference to code the tile
+    with and the factor (an exact power of two, 1 where nothing moved) for O and l. The tile
+    maximum is max(t) - m (fl32 subtraction is monotone, so it equals max(t - m)); a NaN or
+    fully masked row does not move."""
+    umax = t.amax(-1) - m
+    need = (umax > e_hi) & torch.isfinite(umax)
+    d = torch.where(need, torch.floor(umax), torch.zeros_like(umax))
+    fac = torch.where(d > 126, torch.zeros_like(d), _pow2_e8m0(-torch.clamp(d, max=126)))
+    return m + d, fac
+
+
 # --------------------------------------------------------------- guard ----
 
 def guard_sample_positions(sk: int, L: int, device=None) -> torch.Tensor:

@@ -223,6 +223,9 @@ class _Prepared:
         self.cap2 = spec.softcap * dp.LOG2E if spec.softcap else 0.0
         self.tile_n = spec.schedule.tile_n
         self.device = q.device
+        # the sampling guard comes with the headroom rebase of Direct-P's fixed reference
+        # (directp.rebase); without a guard the reference stays 0, the paper's plain form
+        self.rebase = spec.guard.kind is GuardKind.SAMPLE
 
     def deq_q(self, r0, r1) -> torch.Tensor:
         """Dequantized Q rows (payload x its FP8 row scale), for dK = dS^T Q."""
@@ -319,7 +322,11 @@ def _tile_loop(st, r0: int, r1: int, tiles, p_fn, running_max: bool, fixed_m):
             l = l * alpha + l_inc
             acc = acc * alpha[..., None] + pv @ st.v[:, :, c0:c1]
             m = m_new
-        else:
+        else:  # Direct-P MXFP4: the fixed reference; guarded, moved up where a tile would overflow
+            if st.rebase:
+                m, fac = dp.rebase(t, m)
+                l = l * fac
+                acc = acc * fac[..., None]
             pv, l_inc = p_fn(t, m)
             l = l + l_inc
             acc = acc + pv @ st.v[:, :, c0:c1]
@@ -594,13 +601,15 @@ def _backward(q, k, v, o, lse, do, spec: KernelSpec, sinks):
         ds_guess = {}
     for r0 in range(0, Sq, rc):
         r1 = min(Sq, r0 + rc)
+        mr = None if m_ref is None else m_ref[:, :, r0:r1]
         for c0 in st.key_tiles(r0, r1):
             c1 = min(Sk, c0 + st.tile_n)
             t = st.scores(r0, r1, c0, c1)
             if m_ref is None:
                 p = torch.exp2(t - lse2_s[:, :, r0:r1, None])
-            else:
-                mr = m_ref[:, :, r0:r1]
+            else:  # the forward's reference for this tile: the same rebases, in the same order
+                if st.rebase:
+                    mr, _ = dp.rebase(t, mr)
                 pv, _ = p_fn(t, mr)
                 p = pv * torch.exp2(mr - lse_shift - lse2_s[:, :, r0:r1])[..., None]  # pv / l
             if p_fmt is not None:
