@@ -299,8 +299,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     causal, window_size, softcap, sinks, softmax_scale: as ``fp4gen.attention`` (None, (-1, -1),
     0.0 keep the spec's). num_splits: None = the planner's split-KV rule, or a count of key
     splits per sequence (the result is the same up to float32 rounding). backend: "auto" (the
-    reference on the CPU or for a ``target reference`` spec; on CUDA otherwise NoKernelError,
-    since no decode kernel exists yet), "reference", "generated" (NoKernelError).
+    reference on the CPU or for a ``target reference`` spec; on CUDA for a ``target sm90a`` spec the
+    sm90a decode kernel, ``fp4gen.device.sm90.decode``: a bf16 cache, causal or no mask; what it
+    does not run raises NoKernelError saying why), "reference", "generated" (the kernel or
+    NoKernelError). With the kernel, new tokens are written by the reference's quantizer first.
     Returns o (B, Sq, H, D) in q's dtype, and with return_lse (o, lse (B, H, Sq) float32).
     """
     from dataclasses import replace
@@ -391,19 +393,83 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     except kv.KVCacheError as e:
         raise AttentionInputError(f"{who}: {e}") from None
 
-    if backend == "generated" or (backend == "auto" and q.is_cuda and spec.target is not Target.REFERENCE):
-        from fp4gen import NoKernelError  # the public class (fp4gen.torch_ops defines it)
+    kernel = backend == "generated" or (backend == "auto" and q.is_cuda and spec.target is not Target.REFERENCE)
+    mod = None
+    if kernel:
+        if not q.is_cuda or spec.target is Target.REFERENCE:
+            from fp4gen import NoKernelError  # the public class (fp4gen.torch_ops defines it)
 
-        raise NoKernelError(
-            f"{who}: no {spec.target.value} decode kernel exists yet for spec {spec.name!r} (issue 22; the design "
-            "is docs/decode.md). Pass backend='reference' to run the reference decode on this GPU (exact "
-            "numerics, slow), or write 'target reference' in the spec")
+            raise NoKernelError(
+                f"{who}: no {spec.target.value} decode kernel runs spec {spec.name!r} on {q.device} (the sm90a "
+                "kernel runs a 'target sm90a' spec on an H100/H200). Pass backend='reference' (or 'auto') to run "
+                "the reference decode")
+        mod = _kv_module(spec)
     plan = _kv_plan(spec)
     if num_splits is None:
         dp = plan.decode
         ctas = B * Hkv * -(-((H // Hkv) * Sq) // dp.row_tile)
         num_splits = kv.split_count(ctas, -(-(max(lengths, default=0) + Sn) // dp.tile_n), dp.sm_count)
-    o, lse = kv.decode(q, kc, vc, lengths, spec, page_table=page_table, k_new=k, v_new=v, sinks=sinks,
-                       num_splits=num_splits)
+    if mod is not None:
+        if k is not None:  # the new tokens go in by the reference's quantizer: both backends store the same bits
+            kv.append(kc, vc, lengths, page_table, k, v)
+        ends = torch.tensor([L + Sn for L in lengths], dtype=torch.int32, device=q.device)
+        o, lse = mod.decode(q.to(torch.bfloat16), kc.data, vc.data, ends, page_table=page_table,
+                            num_splits=num_splits, softmax_scale=spec.softmax_scale, return_lse=True)
+    else:
+        o, lse = kv.decode(q, kc, vc, lengths, spec, page_table=page_table, k_new=k, v_new=v, sinks=sinks,
+                           num_splits=num_splits)
     o = o.to(q.dtype)
     return (o, lse) if return_lse else o
+
+
+_KV_MODULES: dict = {}
+
+
+def _kv_module(spec):
+    """The generated decode module that runs ``spec`` (its target's decode kernel), memoized per
+    spec: planned and rendered here, its source stored in the module cache (so its compiled kernel
+    is cached on disk under the module's text, ``runtime.cache``); NoKernelError saying why when
+    the planner or the lowering refuses the spec."""
+    from fp4gen import NoKernelError
+    from fp4gen.ir.passes import PlanError
+    from fp4gen.lowering import LoweringError, refusal
+
+    try:
+        hit = _KV_MODULES.get(spec)
+    except TypeError:
+        hit = None
+    if hit is not None:
+        return hit
+    hint = ("Pass backend='reference' to run the reference decode on this GPU (exact numerics, slow), or "
+            "write 'target reference' in the spec")
+    try:
+        plan = plan_kernel(spec)
+        err = refusal(plan)
+    except PlanError as e:
+        where = f" (spec line {e.loc})" if e.loc else ""
+        raise NoKernelError(f"{_KV_WHO}: no {spec.target.value} decode kernel runs spec {spec.name!r}: "
+                            f"{e.message}{where}. {hint}") from None
+    if err is not None:
+        loc = spec.loc(err.path) if err.path else None
+        where = f" (spec line {loc})" if loc else ""
+        raise NoKernelError(f"{_KV_WHO}: no {spec.target.value} decode kernel runs spec {spec.name!r}: {err}{where}. "
+                            f"{hint}")
+    tname = spec.target.value
+    try:
+        source = render(plan)
+    except LoweringError as e:
+        raise NoKernelError(f"{_KV_WHO}: no {tname} decode kernel runs spec {spec.name!r}: {e}. {hint}") from None
+    key = cache.module_key(source, spec.name, tname)  # keyed by the rendered text: it is the module
+    path = cache.module_path(key, spec.name, tname)
+    try:
+        filename = str(cache.store_module(key, spec.name, tname, source))
+    except (OSError, fileio.OutputFileError) as e:
+        loader._warn(f"fp4gen cache: cannot write {path} ({e}); using the module from memory, uncached")
+        filename = f"<fp4gen: {path.name}, not cached>"
+    mod = loader._exec_module(f"{loader.LOADED_PREFIX}.{module_name(spec.name, tname)}_{key[:16]}", filename,
+                              cache.module_text(key, source))
+    try:
+        _KV_MODULES[spec] = mod
+    except TypeError:
+        pass
+    return mod

@@ -48,6 +48,15 @@ from typing import Optional
 from types import MappingProxyType
 
 BACKENDS = {"reference": "reference", "sm90a": "sm90", "sm100a": "sm100"}
+# a plan with a decode section (a kv_cache spec) renders with its target's decode backend
+DECODE_BACKENDS = {"sm90a": "sm90_decode"}
+
+
+def _backend(plan) -> "Optional[str]":
+    target = plan.spec.target.value
+    if getattr(plan, "decode", None) is not None and target in DECODE_BACKENDS:
+        return DECODE_BACKENDS[target]
+    return BACKENDS.get(target)
 
 
 class LoweringError(Exception):
@@ -64,10 +73,16 @@ def refusal(plan) -> "Optional[LoweringError]":
     """What the backend of ``plan.spec.target`` would refuse, without rendering: its template
     contexts (forward, and backward when the plan has one). ``fp4gen check`` runs this so that
     check accepts exactly what compile accepts."""
-    backend = BACKENDS.get(plan.spec.target.value)
+    backend = _backend(plan)
     if backend is None or backend == "reference":
         return None
     mod = importlib.import_module(f"{__name__}.{backend}")
+    if backend in DECODE_BACKENDS.values():
+        try:
+            mod.context(plan)
+        except LoweringError as e:
+            return e
+        return None
     bwd = importlib.import_module(f"{__name__}.{backend}_bwd")
     try:
         mod.context(plan)
@@ -211,7 +226,7 @@ def render(plan) -> str:
     """Render the plan's generated module source for ``plan.spec.target``, checked by
     ``check_shape`` against the same plan with the spec's free text made neutral."""
     target = plan.spec.target.value
-    backend = BACKENDS.get(target)
+    backend = _backend(plan)
     if backend is None:
         raise LoweringError(f"no backend for target {target!r}; known: {', '.join(BACKENDS)}")
     try:

@@ -12,8 +12,9 @@ cores. What the plan decides:
   home of the rule and the arithmetic; the plan records the constants and the choice for
   representative shapes, since batch and length are known only at run time).
 
-Only the reference target runs a kv_cache spec today; sm90a and sm100a are refused at the
-``kv_cache`` line (no decode kernel yet; docs/decode.md is the sm90a design).
+The reference target and sm90a run a kv_cache spec (sm90a: the split-KV decode kernel,
+``fp4gen.device.sm90.decode``, rendered by ``fp4gen.lowering.sm90_decode``, which refuses at
+their spec lines what the kernel does not read yet); sm100a is refused at the ``kv_cache`` line.
 """
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ def plan_decode(plan: KernelPlan) -> KernelPlan:
     c = spec.kv_cache
     if c is None:
         return plan
-    if spec.target is not Target.REFERENCE:
+    if spec.target not in (Target.REFERENCE, Target.SM90A):
         raise PlanError(f"kv_cache: {spec.target.value} has no decode kernel yet", spec.loc("kv_cache"),
-                        ["target reference runs it (fp4gen.attention_with_kvcache); the sm90a split-KV decode "
-                         "kernel is designed in docs/decode.md (issue 22)"])
+                        ["target reference runs it (fp4gen.attention_with_kvcache), and target sm90a a bf16 "
+                         "cache (docs/decode.md, issue 22)"])
     rows = c.q_tokens * c.gqa
     fmt = c.format
     per_token = 2 * fmt.bytes_per_token(spec.head_dim)  # K and V
@@ -72,7 +73,7 @@ def plan_decode(plan: KernelPlan) -> KernelPlan:
         cache_bytes_per_token=per_token, hbm_bytes_per_s=HBM_BYTES_PER_S,
         notes=(f"rows: gqa {c.gqa} x q_tokens {c.q_tokens} = {rows} query rows per KV head, "
                f"{-(-rows // ROW_TILE)} tile(s) of {ROW_TILE}: one K/V read serves them all",
-               "split partials: o (batch, H, Sq, splits, D) and lse (batch, H, Sq, splits) fp32"),
+               "split partials: o (splits, batch, H, Sq, D) and lse (splits, batch, H, Sq) fp32"),
     )
     dp = replace(dp, examples=tuple(split_choice(dp, *s) for s in EXAMPLE_SHAPES))
     return replace(plan, decode=dp)

@@ -115,12 +115,33 @@ def test_spec_from_a_file(tmp_path, paged):
         call(f"{p}::x", kc, vc, pt, q)
 
 
-def test_sm90a_decode_spec_is_refused_at_its_line():
+def test_sm100a_decode_spec_is_refused_at_its_line():
     from fp4gen.ir.passes import PlanError, plan_kernel
 
-    with pytest.raises(PlanError, match="sm90a has no decode kernel") as e:
-        plan_kernel(spec_of(target="sm90a"))
+    with pytest.raises(PlanError, match="sm100a has no decode kernel") as e:
+        plan_kernel(spec_of(target="sm100a"))
     assert e.value.loc is not None and e.value.loc.line == 5
+
+
+def test_sm90a_fp8_cache_is_refused_at_its_format_line():
+    """sm90a plans a kv_cache spec; its decode kernel reads bf16 caches only, and says so at the
+    format line (what `fp4gen check` reports)."""
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.lowering import refusal
+
+    spec = spec_of(target="sm90a")
+    err = refusal(plan_kernel(spec))
+    assert err is not None and "bf16 cache" in str(err) and err.path == "kv_cache.format"
+    assert spec.loc(err.path).line == 7
+    assert refusal(plan_kernel(spec_of(fmt="bf16", target="sm90a"))) is None
+
+
+def test_generated_backend_on_the_cpu_raises_no_kernel():
+    spec = spec_of(fmt="bf16", target="sm90a")
+    k = torch.randn(2, 40, 2, 64)
+    kc, vc, pt = fp4gen.kv_cache_from(k, k.clone(), spec, capacity=64)
+    with pytest.raises(fp4gen.NoKernelError, match="backend='reference'"):
+        call(spec, kc, vc, pt, torch.randn(2, 1, 4, 64), backend="generated")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,247 @@
+"""The Hopper (sm_90a) split-KV decode kernel (issue 22): one CuTe DSL class for every sm90a
+``kv_cache`` spec, parameterised by a frozen ``DecodeConfig`` (``decode_config.py``).
+
+One CTA per (split, KV head, sequence). Its 64 rows are the ``gqa`` query heads of that KV head
+times the sequence's query tokens (row r: token r // gqa, head hk * gqa + r % gqa; rows past
+Sq * gqa are padding and are not stored), so one read of each K/V tile serves every query head
+of the group. The CTA walks the key tiles of its split (``numerics.kvcache.split_tiles``: runs
+of ceil(tiles / splits) tiles of the sequence's own tile count) and writes the normalized
+partial o_s (fp32) and its LSE in log2 units; the host combines the splits with
+``numerics.kvcache.combine`` (docs/decode.md).
+
+Per key tile (4 warps, 128 threads):
+
+1. K and V rows into SMEM, 8 elements per copy: contiguous, token j of sequence b is cache
+   row (b, j); paged, (page_table[b, j // page], j % page). Rows past the sequence are zeros.
+2. S = Q K^T on the tensor cores, warp-level ``mma.sync`` m16n8k16 (BF16 in, FP32 out), each
+   warp 16 of the 64 rows; S goes to SMEM.
+3. The online softmax as the reference's tile loop (``numerics.reference._tile_loop``): two
+   threads per row, x = s * softmax_scale * log2 e, masked keys -inf (past the sequence;
+   causal bottom-right), m_new = max(m, max x), p = 2^(x - m_new) rounded to bf16 into SMEM
+   for PV, l = l * 2^(m - m_new) + sum of the unrounded p, the row's rescale into SMEM.
+4. O = O * rescale + P V with the same MMA (P and V read back from SMEM).
+
+Why mma.sync and not wgmma: decode is bound by the HBM read of the cache, not by the tensor
+cores (64 rows x one K/V read), and the warp MMA needs neither SMEM matrix descriptors nor
+swizzled layouts nor the asynchronous-proxy fences wgmma does, so every operand here is a
+plain row-major SMEM tile and the kernel could be made right without a GPU to try it on. The
+price is issue rate and synchronous loads (no TMA, no multi-stage ring yet): this is the
+correctness-first kernel of issue 22's scope, not its speed.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+
+from .decode_config import ROW_TILE, WARPS, DecodeConfig
+
+VEC = 8  # bf16 elements per load/store (16 bytes)
+
+
+class DecodeKernel:
+    """The split-KV decode of a BF16 cache (contiguous or paged)."""
+
+    def __init__(self, config: DecodeConfig):
+        self.config = config
+        self.tile_n, self.hdim = config.tile_n, config.head_dim
+        self.threads = config.num_threads
+
+    def shared_storage(self):
+        """Q, K, V, S (fp32), P (bf16), and per-row rescale / sum / max."""
+        m, n, d = ROW_TILE, self.tile_n, self.hdim
+        fields = {
+            "sQ": cute.struct.Align[cute.struct.MemRange[BFloat16, m * d], 128],
+            "sK": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d], 128],
+            "sV": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d], 128],
+            "sS": cute.struct.Align[cute.struct.MemRange[Float32, m * n], 128],
+            "sP": cute.struct.Align[cute.struct.MemRange[BFloat16, m * n], 128],
+            "sAlpha": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
+            "sL": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
+        }
+        return cute.struct(type("DecodeStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, H, D) bf16
+        mK: cute.Tensor,  # (slots, page, Hkv, D) bf16
+        mV: cute.Tensor,  # (slots, page, Hkv, D) bf16
+        mPageTable,  # paged: (B, pages per sequence) int32, else None
+        mSeqlens: cute.Tensor,  # (B,) int32: keys of each sequence (cached + appended)
+        mO: cute.Tensor,  # (splits, B, H, Sq, D) fp32: normalized partial outputs
+        mLSE: cute.Tensor,  # (splits, B, H, Sq) fp32: log2-unit partial LSEs
+        num_splits: Int32,
+        softmax_scale_log2: Float32,  # softmax_scale * log2(e)
+        stream,
+    ):
+        mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        tiled_mma = cute.make_tiled_mma(mma_op, (WARPS, 1, 1))
+        self.storage_t = self.shared_storage()
+        grid = (num_splits, cute.size(mK.shape[2]), cute.size(mQ.shape[0]))
+        self.kernel(mQ, mK, mV, mPageTable, mSeqlens, mO, mLSE, tiled_mma, num_splits,
+                    softmax_scale_log2).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPageTable, mSeqlens: cute.Tensor,
+               mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma: cute.TiledMma, num_splits: Int32,
+               softmax_scale_log2: Float32):
+        cfg = self.config
+        m, n, d = ROW_TILE, self.tile_n, self.hdim
+        gqa = cfg.gqa
+        tidx, _, _ = cute.arch.thread_idx()
+        split, hk, b = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage_t)
+        row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
+        sQ = storage.sQ.get_tensor(row_major(m, d))
+        sK = storage.sK.get_tensor(row_major(n, d))
+        sV = storage.sV.get_tensor(row_major(n, d))
+        # V as PV's (N = D, K = keys) operand: the same SMEM, transposed
+        sVt = storage.sV.get_tensor(cute.make_layout((d, n), stride=(1, d)))
+        sS = storage.sS.get_tensor(row_major(m, n))
+        sP = storage.sP.get_tensor(row_major(m, n))
+        sAlpha = storage.sAlpha.get_tensor(cute.make_layout(m))
+        sL = storage.sL.get_tensor(cute.make_layout(m))
+
+        seqlen_q = mQ.shape[1]
+        seqlen_k = mSeqlens[b]
+        n_tiles = cute.ceil_div(seqlen_k, n)
+        per = cutlass.max(cute.ceil_div(n_tiles, num_splits), 1)
+        t_begin = cutlass.min(n_tiles, split * per)
+        t_end = cutlass.min(n_tiles, t_begin + per)
+
+        # 16-byte cp.async copies: global -> SMEM without registers in between
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                  num_bits_per_copy=16 * 8)
+
+        # ---- Q rows into SMEM (padding rows zero)
+        cpr = d // VEC  # copies per row
+        for i in cutlass.range_constexpr(m * cpr // self.threads):
+            idx = tidx + i * self.threads
+            r = idx // cpr
+            c = idx % cpr
+            dst = cute.local_tile(sQ[r, None], (VEC,), (c,))
+            if r < seqlen_q * gqa:
+                cute.copy(g2s, cute.local_tile(mQ[b, r // gqa, hk * gqa + r % gqa, None], (VEC,), (c,)), dst)
+            else:
+                dst.fill(0.0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # the first tile's barrier publishes Q to every thread
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSsQ = thr_mma.partition_A(sQ)
+        tSsK = thr_mma.partition_B(sK)
+        tSsS = thr_mma.partition_C(sS)
+        tOsP = thr_mma.partition_A(sP)
+        tOsV = thr_mma.partition_B(sVt)
+        tSrQ = thr_mma.make_fragment_A(tSsQ[None, None, 0])
+        tSrK = thr_mma.make_fragment_B(tSsK[None, None, 0])
+        tOrP = thr_mma.make_fragment_A(tOsP[None, None, 0])
+        tOrV = thr_mma.make_fragment_B(tOsV[None, None, 0])
+        acc_O = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, d)))
+        acc_O.fill(0.0)
+        tOcO = thr_mma.partition_C(cute.make_identity_tensor((m, d)))
+
+        # softmax ownership: thread t holds row t // 2, columns (t % 2) * n / 2 ..
+        srow = tidx // 2
+        half = n // 2
+        c_lo = (tidx % 2) * half
+        row_max = -Float32.inf
+        row_sum = Float32(0.0)
+        # keys j < limit are visible to this row: the sequence, and causal j <= j_last - Sq + 1 + token
+        limit = seqlen_k
+        if const_expr(cfg.causal):
+            limit = cutlass.min(seqlen_k, seqlen_k - seqlen_q + srow // gqa + 1)
+
+        for t in cutlass.range(t_begin, t_end, unroll=1):
+            key0 = t * n
+            cute.arch.sync_threads()  # the previous tile's readers of sK, sV, sP are done
+            for i in cutlass.range_constexpr(n * cpr // self.threads):
+                idx = tidx + i * self.threads
+                r = idx // cpr
+                c = idx % cpr
+                dk = cute.local_tile(sK[r, None], (VEC,), (c,))
+                dv = cute.local_tile(sV[r, None], (VEC,), (c,))
+                j = key0 + r
+                if j < seqlen_k:
+                    slot = b
+                    prow = j
+                    if const_expr(cfg.paged):
+                        slot = mPageTable[b, j // cfg.page_size]
+                        prow = j % cfg.page_size
+                    cute.copy(g2s, cute.local_tile(mK[slot, prow, hk, None], (VEC,), (c,)), dk)
+                    cute.copy(g2s, cute.local_tile(mV[slot, prow, hk, None], (VEC,), (c,)), dv)
+                else:
+                    dk.fill(0.0)
+                    dv.fill(0.0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # this thread's copies landed
+            cute.arch.sync_threads()  # and every other thread's
+
+            # S = Q K^T
+            acc_S = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, n)))
+            acc_S.fill(0.0)
+            for kb in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
+                cute.autovec_copy(tSsQ[None, None, kb], tSrQ)
+                cute.autovec_copy(tSsK[None, None, kb], tSrK)
+                cute.gemm(tiled_mma, acc_S, tSrQ, tSrK, acc_S)
+            cute.autovec_copy(acc_S, tSsS)
+            cute.arch.sync_threads()
+
+            # online softmax of row srow, columns c_lo .. c_lo + half (two threads per row)
+            tile_max = -Float32.inf
+            for c in cutlass.range_constexpr(half):
+                x = sS[srow, c_lo + c] * softmax_scale_log2
+                if key0 + c_lo + c >= limit:
+                    x = -Float32.inf
+                sS[srow, c_lo + c] = x
+                tile_max = cute.arch.fmax(tile_max, x)
+            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
+            m_new = cute.arch.fmax(row_max, tile_max)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)  # nothing visible yet: p = 2^-inf = 0, not NaN
+            alpha = cute.math.exp2(row_max - m_use, fastmath=True)
+            tot = Float32(0.0)
+            for c in cutlass.range_constexpr(half):
+                p = cute.math.exp2(sS[srow, c_lo + c] - m_use, fastmath=True)
+                sP[srow, c_lo + c] = p.to(BFloat16)
+                tot = tot + p
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1)
+            row_sum = row_sum * alpha + tot
+            row_max = m_new
+            if tidx % 2 == 0:
+                sAlpha[srow] = alpha
+            cute.arch.sync_threads()
+
+            # O = O * alpha + P V
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                acc_O[i] = acc_O[i] * sAlpha[tOcO[i][0]]
+            for kb in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
+                cute.autovec_copy(tOsP[None, None, kb], tOrP)
+                cute.autovec_copy(tOsV[None, None, kb], tOrV)
+                cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
+
+        # ---- epilogue: o_s = acc / l (0 where nothing was visible), lse_s = m + log2 l (-inf)
+        if tidx % 2 == 0:
+            sL[srow] = row_sum
+            if srow < seqlen_q * gqa:
+                lse = -Float32.inf
+                if row_sum > 0.0:
+                    lse = row_max + cute.math.log2(row_sum, fastmath=False)
+                mLSE[split, b, hk * gqa + srow % gqa, srow // gqa] = lse
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            r = tOcO[i][0]
+            if r < seqlen_q * gqa:
+                l = sL[r]
+                o = Float32(0.0)
+                if l > 0.0:
+                    o = acc_O[i] / l
+                mO[split, b, hk * gqa + r % gqa, r // gqa, tOcO[i][1]] = o
+
+
+def kernel_class(config: DecodeConfig) -> type:
+    """The kernel class for ``config`` (one today; the FP8 / NVFP4 caches will add theirs)."""
+    return DecodeKernel

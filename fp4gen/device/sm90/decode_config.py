@@ -1,0 +1,55 @@
+"""The sm90a split-KV decode kernel's configuration: plain values, no CuTe DSL import, so that
+the lowering can build one and tests can read one without a GPU toolchain
+(``fp4gen.device.sm90.decode`` is the kernel that runs with it, docs/decode.md the design)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+CACHE_FORMATS = ("bf16",)  # what the kernel reads today (fp8 / nvfp4: issue 22, not built)
+ROW_TILE = 64  # query rows per CTA: gqa x q_tokens, padded
+WARPS = 4  # one m16n8k16 MMA row block of 16 rows per warp
+HEAD_DIMS = (64, 128)
+TILE_NS = (64, 128)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything the sm90a decode kernel takes from its plan (fp4gen/lowering/sm90_decode.py:
+    ``config``). The generated module renders one literal of this class; the kernel class and
+    the host (fp4gen/runtime/sm90_decode_host.py) read only these values."""
+
+    kernel_name: str  # the spec's kernel name: the prefix of every message
+    head_dim: int  # 64 or 128
+    causal: bool  # mask causal, bottom-right aligned (else no mask)
+    cache_format: str  # one of CACHE_FORMATS
+    paged: bool  # storage paged(page_size): K/V rows gathered through the page table
+    page_size: Optional[int]  # tokens per page (paged), None for a contiguous cache
+    q_tokens: int  # query tokens per sequence, at most (the spec's kv_cache q_tokens)
+    gqa: int  # query heads per KV head
+    tile_n: int  # keys per tile (the spec's schedule tile_n: the reference's split unit)
+
+    def __post_init__(self):
+        name = self.kernel_name
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"{name}: the sm90a decode kernel takes head_dim {HEAD_DIMS}, not {self.head_dim}")
+        if self.cache_format not in CACHE_FORMATS:
+            raise ValueError(f"{name}: cache format {self.cache_format!r} is not one of {CACHE_FORMATS}")
+        if self.tile_n not in TILE_NS:
+            raise ValueError(f"{name}: tile_n must be one of {TILE_NS}, got {self.tile_n}")
+        if not 1 <= self.q_tokens * self.gqa <= ROW_TILE:
+            raise ValueError(f"{name}: q_tokens x gqa = {self.q_tokens * self.gqa} rows must fit one "
+                             f"{ROW_TILE}-row tile")
+        if self.paged != (self.page_size is not None):
+            raise ValueError(f"{name}: page_size is set exactly when the cache is paged")
+        if self.paged and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"{name}: page_size must be a power of two, got {self.page_size}")
+
+    @property
+    def rows(self) -> int:
+        """The query rows a CTA holds (gqa x q_tokens; the rest of the 64-row tile is padding)."""
+        return self.q_tokens * self.gqa
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * WARPS
