@@ -23,10 +23,13 @@ Causal load balancing (``balanced=True``, Llama 3 / TransformerEngine): the sequ
 costs every rank the same half block. With an FP8 recipe (K or V FP8 in the spec), K/V travel
 as the reference's FP8 payload and scales (``numerics.quant.quantize_fp8``, the spec's
 granularity), half the bytes of BF16; ``last_comm_stats()`` reports the bytes per ring step.
+``set_debug(True)`` records the ring's schedule (``debug_trace()``) and makes early reads of
+received buffers and writes to buffers in flight observable (``_Ring``'s comment).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -39,7 +42,8 @@ from fp4gen.numerics.formats import decode
 from fp4gen.numerics import reference as _ref
 from fp4gen.torch_ops import AttentionInputError
 
-__all__ = ["context_parallel_attention", "shard_for_cp", "unshard", "shard_indices", "last_comm_stats", "MODES"]
+__all__ = ["context_parallel_attention", "shard_for_cp", "unshard", "shard_indices", "last_comm_stats", "set_debug",
+           "debug_trace", "MODES"]
 
 MODES = ("ring", "a2a")
 _WHO = "fp4gen.parallel.context_parallel_attention"
@@ -187,10 +191,68 @@ def _nbytes(ts) -> int:
 # Point-to-point on the ring
 # ---------------------------------------------------------------------------
 
+# Debug mode (``set_debug``; or FP4GEN_CP_DEBUG=1 in the environment): the ring records what it
+# issues and computes in order (``debug_trace``), a received buffer holds NaN until its wait
+# (the transfer lands in a hidden buffer, copied over at the wait, as if the data arrived at the
+# last possible moment: a read before the wait shows up as NaN in the result), and a send buffer
+# that changes while in flight raises. tests/parallel/test_overlap_gloo.py uses all three.
+_DEBUG = {"on": os.environ.get("FP4GEN_CP_DEBUG", "") not in ("", "0"), "trace": []}
+_PHASE = {0: "fwd", 1: "bwd", 2: "dkv"}  # tag -> what travels: forward K/V, backward K/V, dK/dV
+
+
+def set_debug(on: bool = True) -> None:
+    """Turn the ring's debug mode on or off (see above) and clear its trace."""
+    _DEBUG["on"] = bool(on)
+    _DEBUG["trace"].clear()
+
+
+def debug_trace() -> list:
+    """This process's ring events since ``set_debug``, in issue order: ("start" | "finish", phase,
+    step) for a transfer (phase "fwd" / "bwd": K/V, "dkv": dK/dV) and ("compute", "fwd" | "bwd",
+    step) just before a step's block kernels are issued."""
+    return list(_DEBUG["trace"])
+
+
+def _trace(event: str, phase: str, step: int) -> None:
+    if _DEBUG["on"]:
+        _DEBUG["trace"].append((event, phase, step))
+
+
+def _poison(t: torch.Tensor) -> None:
+    """What a debug-mode receive buffer holds before its wait: NaN (0xFF is NaN in E4M3 and E5M2)."""
+    t.fill_(float("nan") if t.is_floating_point() else 255)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One step's transfer in flight. It holds every buffer the transfer touches, so none is
+    freed (and reused by the caching allocator) before ``finish`` waited for it."""
+    reqs: list
+    send: list
+    recv: list  # what ``finish`` returns
+    land: list  # where the transfer writes: ``recv`` itself, or a hidden buffer in debug mode
+    sent: Optional[list]  # debug mode: copies of ``send`` at the start
+    tag: int
+    step: int
+
 
 class _Ring:
-    """isend to the next rank and irecv from the previous one; on CUDA the transfers are issued on
-    a side stream (after the current stream's work), so that they overlap the block compute."""
+    """isend to the next rank and irecv from the previous one, issued before the step's block
+    attention and waited after it (``start`` / ``finish``), so that the transfer of the next
+    K/V block runs while the current one computes.
+
+    CUDA ordering: ``start`` records an event on the current stream after the producers of the
+    send buffers (and the allocation of the receive buffers) and issues the ops on a side stream
+    that waits for that event, so NCCL (whose internal stream follows the side stream) never
+    reads a buffer before it is written, and the current stream goes on with the block kernels.
+    ``finish`` waits the requests (NCCL: the current stream waits the transfer) and makes the
+    current stream wait the side stream; only then does anything read a received buffer. The
+    buffers are ``record_stream``-ed on the side stream and kept referenced in ``_Pending``
+    until the wait. On gloo the same calls are asynchronous (gloo's own threads)."""
 
     _side = {}
 
@@ -204,28 +266,44 @@ class _Ring:
             _Ring._side[device] = torch.cuda.Stream(device)
         self.stream = _Ring._side.get(device)
 
-    def start(self, send: list, tag: int):
+    def start(self, send: list, tag: int, step: int) -> _Pending:
+        debug = _DEBUG["on"]
         recv = [torch.empty_like(t) for t in send]
+        land, sent = recv, None
+        if debug:
+            land = [torch.empty_like(t) for t in send]
+            for t in recv:
+                _poison(t)
+            sent = [t.clone() for t in send]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send] + \
-              [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
+              [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in land]
         if self.cuda:
-            cur = torch.cuda.current_stream()
-            self.stream.wait_stream(cur)  # the payloads are written on the current stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+            self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
                 reqs = dist.batch_isend_irecv(ops)
-            for t in send + recv:
+            for t in send + land:
                 t.record_stream(self.stream)
         else:
             reqs = dist.batch_isend_irecv(ops)
-        return reqs, recv
+        _trace("start", _PHASE.get(tag, str(tag)), step)
+        return _Pending(reqs, list(send), recv, land, sent, tag, step)
 
-    def finish(self, handle) -> list:
-        reqs, recv = handle
-        for r in reqs:
+    def finish(self, p: _Pending) -> list:
+        for r in p.reqs:
             r.wait()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)
-        return recv
+        if p.sent is not None:
+            for i, (now, then) in enumerate(zip(p.send, p.sent)):
+                if not torch.equal(_bits(now), _bits(then)):  # bitwise: NaN payloads compare too
+                    raise RuntimeError(f"fp4gen.parallel (debug): send buffer {i} of {_PHASE.get(p.tag)} step "
+                                       f"{p.step} changed while it was in flight")
+            for r, t in zip(p.recv, p.land):
+                r.copy_(t)
+        _trace("finish", _PHASE.get(p.tag, str(p.tag)), p.step)
+        return p.recv
 
 
 # ---------------------------------------------------------------------------
@@ -273,8 +351,10 @@ def _ring_forward(q, k, v, cfg: _Cfg):
     lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
     for step in range(world):
         src = (rank - step) % world
-        pending = ring.start(kv, tag=0) if step < world - 1 else None
+        # the next block's transfer first, then this block's kernels, then the wait
+        pending = ring.start(kv, tag=0, step=step) if step < world - 1 else None
         kb, vb = wk.decode(kv[:nk]), wv.decode(kv[nk:])
+        _trace("compute", "fwd", step)
         for q0, q1, k0, k1, causal in _blocks(rank, src, world, S, cfg):
             key = cfg.key_diag if causal else cfg.key_full
             ob, lb, _ = torch.ops.fp4gen.attention_fwd(q[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1], key,
@@ -311,10 +391,11 @@ def _ring_backward(q, k, v, o, lse, do, cfg: _Cfg):
     kv_bytes = _nbytes(kv)
     for step in range(world):
         src = (rank - step) % world
-        pending = ring.start(kv, tag=1) if step < world - 1 else None
+        pending = ring.start(kv, tag=1, step=step) if step < world - 1 else None
         kb, vb = wk.decode(kv[:nk]), wv.decode(kv[nk:])
         gk = torch.zeros_like(dkv[0])
         gv = torch.zeros_like(dkv[1])
+        _trace("compute", "bwd", step)
         for q0, q1, k0, k1, causal in _blocks(rank, src, world, S, cfg):
             key = cfg.key_diag if causal else cfg.key_full
             gq, gk_b, gv_b = torch.ops.fp4gen.attention_bwd(
@@ -323,12 +404,12 @@ def _ring_backward(q, k, v, o, lse, do, cfg: _Cfg):
             dq[:, q0:q1] += gq
             gk[:, k0:k1] += gk_b
             gv[:, k0:k1] += gv_b
-        if incoming is not None:
+        if incoming is not None:  # the dK/dV sent after the previous step's kernels, overlapped with these
             dkv = ring.finish(incoming)
         dkv[0] += gk
         dkv[1] += gv
         if world > 1:  # dK/dV go on with their block; after the last step they reach their owner
-            incoming = ring.start(dkv, tag=2)
+            incoming = ring.start(dkv, tag=2, step=step)
         if pending is not None:
             kv = ring.finish(pending)
     if incoming is not None:

@@ -108,6 +108,45 @@ def _faults(fault: str):
         def bad_blocks(rank, src, world, n, cfg):
             return [] if (rank - src) % world == max(1, world - 2) else good(rank, src, world, n, cfg)
         parallel._blocks = bad_blocks
+    elif fault == "sync_ring":  # a blocking ring: each transfer is waited before the step's kernels
+        class SyncRing(parallel._Ring):
+            def start(self, send, tag, step):
+                done = super().start(send, tag, step)
+                done.recv = super().finish(done)
+                return done
+
+            def finish(self, p):
+                return p.recv
+        parallel._Ring = SyncRing
+    elif fault == "late_wait":  # finish hands the buffers out at once and waits only at the next call
+        base = parallel._Ring
+
+        class LateWaitRing(base):
+            def start(self, send, tag, step):
+                LateWaitRing.flush()
+                return super().start(send, tag, step)
+
+            def finish(self, p):
+                LateWaitRing.flush()
+                LateWaitRing.late.append((self, p))
+                return p.recv
+
+            @staticmethod
+            def flush():
+                while LateWaitRing.late:
+                    ring, p = LateWaitRing.late.pop(0)
+                    base.finish(ring, p)
+        LateWaitRing.late = []
+        parallel._Ring = LateWaitRing
+    elif fault == "inplace_decode":  # decode K/V by writing into the buffer that is still being sent
+        good = parallel._Wire.decode
+
+        def bad_decode(self, bufs):
+            if self.fp8 is None:
+                bufs[0].add_(1.0)
+                return bufs[0] - 1.0
+            return good(self, bufs)
+        parallel._Wire.decode = bad_decode
     elif fault:
         raise ValueError(fault)
 
@@ -158,13 +197,19 @@ def _run_case(rank, world, case, out_dir):
     do = torch.randn(B, S, H, D, generator=g).to(dev, dtype)
 
     torch_ops.reset_dispatch_counts()
+    parallel.set_debug(case.get("debug", False))
     ql, kl, vl = (parallel.shard_for_cp(x, None, balanced=balanced).requires_grad_() for x in (q, k, v))
     o_l, lse_l = parallel.context_parallel_attention(ql, kl, vl, group=None, spec=spec, causal=causal, mode=mode,
                                                      balanced=balanced, exchange=case.get("exchange", "auto"),
                                                      full_spec=case.get("full_spec"), backend=backend,
                                                      return_lse=True)
     o_l.backward(parallel.shard_for_cp(do, None, balanced=balanced))
+    late = getattr(parallel._Ring, "flush", None)
+    if late is not None:  # the late_wait fault's last transfer
+        late()
     stats = parallel.last_comm_stats()
+    stats["trace"] = parallel.debug_trace()
+    parallel.set_debug(False)
     stats["dispatch"] = torch_ops.dispatch_counts()
     got = {name: parallel.unshard(t.detach(), None, balanced=balanced).cpu()
            for name, t in (("o", o_l), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
