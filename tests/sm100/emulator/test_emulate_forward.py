@@ -146,13 +146,41 @@ def _lines(ptx):
     return ptx.split("\n")
 
 
+_CODE_CLAMP = 0x4B400007  # MAGIC's bits + 7: the min.s32 that ends each fast code (direct_p.fast_block)
+
+
 def swap_p_nibbles(ptx):
-    """(a) P's E2M1 codes packed high nibble first: every bfi of a 4-bit code at bit 4i goes to
-    bit 4(i^1) (Direct-P fast packs codes with bfi)."""
-    def fix(m):
-        pos = int(m.group(2))
-        return f"{m.group(1)}{pos ^ 4}, 4;"
-    return re.sub(r"(bfi\.b32 [^;]*?, )(\d+), 4;", fix, ptx)
+    """(a) P's E2M1 codes packed high nibble first. Direct-P fast packs eight codes per word
+    as ``bias + sum_k r_k << 4k`` (b503461; r_k is the code's min.s32 against MAGIC + 7, key 0
+    added unshifted): key k's shift becomes 4(k ^ 1), i.e. 4 <-> 0, 8 <-> 12, 16 <-> 20,
+    24 <-> 28 -- key 1 is added unshifted and key 0 with a multiply by 16."""
+    ls = _lines(ptx)
+    codes = set()
+    for s in ls:
+        m = re.match(rf"\s*min\.s32\s+(%r\d+),\s*%r\d+,\s*{_CODE_CLAMP};", s)
+        if m:
+            codes.add(m.group(1))
+    n4 = nadd = 0
+    for i, s in enumerate(ls):
+        m = re.match(r"(\s*)shl\.b32\s+(%r\d+),\s*(%r\d+),\s*(\d+);", s)
+        if not (m and m.group(3) in codes and int(m.group(4)) % 4 == 0 and 4 <= int(m.group(4)) <= 28):
+            continue
+        ind, dst, src, sh = m.group(1), m.group(2), m.group(3), int(m.group(4))
+        if sh != 4:
+            ls[i] = f"{ind}shl.b32 \t{dst}, {src}, {sh ^ 4};"
+            continue
+        ls[i] = f"{ind}mov.b32 \t{dst}, {src};"
+        n4 += 1
+        for j in range(i + 1, len(ls)):  # the add of key 0 (unshifted) and key 1 (shifted by 4)
+            a = re.match(r"(\s*)add\.s32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+);", ls[j])
+            if a and dst in (a.group(3), a.group(4)):
+                k0 = a.group(4) if a.group(3) == dst else a.group(3)
+                assert k0 in codes, ls[j]
+                ls[j] = f"{a.group(1)}mad.lo.s32 \t{a.group(2)}, {k0}, 16, {dst};"
+                nadd += 1
+                break
+    assert n4 and n4 == nadd, (n4, nadd)
+    return "\n".join(ls)
 
 
 def _nth(lines, pred, n=0):
@@ -217,10 +245,6 @@ FAULTS = {"a_nibble_order": swap_p_nibbles, "b_sf_id": wrong_pv_sf_id, "c_p_part
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_planted_fault_makes_o_mismatch(fault):
-    if fault == "a_nibble_order":
-        # not a pass: the fault rewrote bfi packing, which b503461 replaced by integer
-        # multiply-adds; it must be rewritten for that packing (NOTES.md, issue 16)
-        pytest.skip("planted nibble-order fault predates the multiply-add packing of b503461")
     good = _emulate("fa4_fp4_d128", 448)
     assert good.max_abs_err <= _tolerance(good)
     bad = _emulate("fa4_fp4_d128", 448, ptx_mutation=FAULTS[fault])
