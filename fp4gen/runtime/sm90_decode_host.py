@@ -140,6 +140,9 @@ class DecodeHost:
             raise AttentionInputError(f"{who}: num_splits must be an int >= 1, got {num_splits!r}")
         checks.check_same_device(who, q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k,
                                  **({"page_table": page_table} if page_table is not None else {}))
+        if q.device.type != "cuda":
+            raise AttentionInputError(f"{who}: the sm90a decode kernel runs on a CUDA device; q is on {q.device} "
+                                      "(fp4gen.attention_with_kvcache runs the reference there)")
         checks.require_arch(ARCH, kernel=who, device=q.device)
         return B, Sq, H
 

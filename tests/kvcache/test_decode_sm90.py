@@ -1,0 +1,179 @@
+"""The sm90a decode kernel on the CPU (issue 22): the example plans, renders and compiles for
+sm_90a with zero spills; the lowering refuses what the kernel does not read at the spec line
+behind it; the host's argument checks say what is wrong. The GPU runs: test_decode_gpu.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4gen
+from fp4gen.frontend import parse_file, parse_text
+from fp4gen.ir.passes import plan_kernel
+from fp4gen.lowering import LoweringError, refusal, render
+from fp4gen.runtime.checks import AttentionInputError
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = "examples/sm90_decode_bf16_d128.attn"
+
+
+def spec_of(body="format bf16\n    q_tokens 8\n    gqa 8", extra="", head_dim=128, mask="causal"):
+    return parse_text(f"""attention t {{
+  target sm90a
+  head_dim {head_dim}
+  mask {mask}
+{extra}  kv_cache {{
+    {body}
+  }}
+}}""", filename="t.attn")[0]
+
+
+@pytest.fixture(scope="module")
+def example(request):
+    import os
+
+    old = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        yield [plan_kernel(s) for s in parse_file(EXAMPLE)]
+    finally:
+        os.chdir(old)
+
+
+def test_example_plans_and_renders_its_config(example):
+    from fp4gen.lowering.sm90_decode import config
+
+    assert [p.spec.name for p in example] == ["sm90_decode_bf16_d128", "sm90_decode_bf16_paged_d128",
+                                               "sm90_decode_bf16_nomask_d64"]
+    for plan in example:
+        spec, c = plan.spec, plan.spec.kv_cache
+        cfg = config(plan)
+        assert (cfg.head_dim, cfg.gqa, cfg.q_tokens, cfg.tile_n) == (spec.head_dim, c.gqa, c.q_tokens,
+                                                                     spec.schedule.tile_n)
+        assert cfg.causal == (spec.mask.value == "causal")
+        assert cfg.paged == (c.page_size is not None) and cfg.page_size == c.page_size
+        src = render(plan)
+        assert "CONFIG = DecodeConfig(" in src and "def forward(" in src and "decode, _check = " in src
+        committed = (ROOT / "generated" / f"{spec.name}_sm90a.py").read_text()
+        assert committed == src  # `fp4gen regenerate` wrote exactly this
+
+
+@pytest.mark.parametrize("body,extra,mask,path,line,match", [
+    ("format fp8e4m3(scale=token)\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 cache"),
+    ("format nvfp4\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 cache"),
+    ("format bf16\n    q_tokens 8\n    gqa 16", "", "causal", "kv_cache.gqa", 8, "at most 64"),
+    ("format bf16", "  softcap 30\n", "causal", "softcap", 5, "softcap"),
+    ("format bf16", "", "window(64, 0)", "mask", 4, "causal or nothing"),
+])
+def test_what_the_kernel_does_not_read_is_refused_at_its_line(body, extra, mask, path, line, match):
+    spec = spec_of(body, extra, mask=mask)
+    err = refusal(plan_kernel(spec))
+    assert isinstance(err, LoweringError) and err.path == path and match in str(err), err
+    assert spec.loc(path).line == line
+    with pytest.raises(LoweringError, match=match):
+        render(plan_kernel(spec))
+
+
+def test_sm100a_is_refused_at_the_kv_cache_line():
+    from fp4gen.ir.passes import PlanError
+
+    spec = parse_text("attention t {\n  target sm100a\n  head_dim 128\n  kv_cache {\n    format bf16\n  }\n}\n")[0]
+    with pytest.raises(PlanError, match="sm100a has no decode kernel") as e:
+        plan_kernel(spec)
+    assert e.value.loc.line == 4
+
+
+def test_config_refuses_values_the_kernel_cannot_run():
+    from fp4gen.device.sm90.decode_config import DecodeConfig
+
+    ok = dict(kernel_name="t", head_dim=128, causal=True, cache_format="bf16", paged=False, page_size=None,
+              q_tokens=8, gqa=8, tile_n=128)
+    DecodeConfig(**ok)
+    for bad, match in ((dict(head_dim=96), "head_dim"), (dict(cache_format="fp8e4m3"), "cache format"),
+                       (dict(gqa=16), "64-row"), (dict(paged=True), "page_size"),
+                       (dict(paged=True, page_size=48), "power of two"), (dict(tile_n=256), "tile_n")):
+        with pytest.raises(ValueError, match=match):
+            DecodeConfig(**{**ok, **bad})
+
+
+# ------------------------------------------------------------------ host checks (CPU tensors)
+
+def _host(paged=False):
+    from fp4gen.device.sm90.decode_config import DecodeConfig
+    from fp4gen.runtime.sm90_decode_host import DecodeHost
+
+    cfg = DecodeConfig("t", 64, True, "bf16", paged, 16 if paged else None, 4, 2, 128)
+    return DecodeHost(cfg, build=None)
+
+
+def _args(paged=False):
+    bf = torch.bfloat16
+    q = torch.zeros(2, 3, 4, 64, dtype=bf)
+    kc = torch.zeros(4 if paged else 2, 16 if paged else 40, 2, 64, dtype=bf)
+    pt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32) if paged else None
+    return dict(q=q, k_cache=kc, v_cache=kc.clone(), seqlens_k=torch.tensor([5, 30], dtype=torch.int32),
+                page_table=pt, num_splits=2, softmax_scale=None)
+
+
+@pytest.mark.parametrize("paged,change,match", [
+    (False, dict(q=torch.zeros(2, 3, 4, 64)), "q must be a bf16"),
+    (False, dict(q=torch.zeros(2, 5, 4, 64, dtype=torch.bfloat16)), "1 to q_tokens 4"),
+    (False, dict(q=torch.zeros(2, 3, 6, 64, dtype=torch.bfloat16)), "gqa 2"),
+    (False, dict(k_cache=torch.zeros(2, 2, 40, 64, dtype=torch.bfloat16).transpose(1, 2)), "contiguous"),
+    (False, dict(v_cache=torch.zeros(2, 40, 2, 64, dtype=torch.uint8)), "bf16 cache"),
+    (False, dict(page_table=torch.zeros(2, 3, dtype=torch.int32)), "takes no page_table"),
+    (False, dict(seqlens_k=torch.tensor([5, 30, 1], dtype=torch.int32)), "seqlens_k"),
+    (False, dict(num_splits=0), "num_splits"),
+    (True, dict(page_table=None), "needs page_table"),
+    (True, dict(k_cache=torch.zeros(2, 32, 2, 64, dtype=torch.bfloat16),
+                v_cache=torch.zeros(2, 32, 2, 64, dtype=torch.bfloat16)), "page_size is 16"),
+    (False, {}, "runs on a CUDA device"),  # every check passes; the CPU tensors are the last refusal
+])
+def test_host_checks_say_what_is_wrong(paged, change, match):
+    args = {**_args(paged), **change}
+    with pytest.raises(AttentionInputError, match=match):
+        _host(paged).check(**args)
+
+
+def test_the_module_forward_points_to_the_decode_entry():
+    mod = fp4gen.load("sm90_decode_bf16_d128_sm90a")
+    with pytest.raises(AttentionInputError, match="attention_with_kvcache"):
+        mod.forward(None, None, None)
+
+
+def test_cpu_auto_runs_the_reference_for_an_sm90a_spec():
+    spec = spec_of("storage paged(page_size=16)\n    format bf16\n    q_tokens 2\n    gqa 2", head_dim=64)
+    k = torch.randn(2, 40, 2, 64)
+    kc, vc, pt = fp4gen.kv_cache_from(k, k.clone(), spec, capacity=64)
+    o = fp4gen.attention_with_kvcache(torch.randn(2, 1, 4, 64), kc, vc, cache_seqlens=40, page_table=pt, spec=spec)
+    assert o.shape == (2, 1, 4, 64) and torch.isfinite(o).all()
+
+
+# ------------------------------------------------------------------ compile for sm_90a
+
+@pytest.mark.slow
+def test_example_compiles_for_sm90a_with_zero_spills(example):
+    """Every decode module compiles for sm_90a on the CPU; ptxas reports no spill, no stack use
+    beyond the local fragment arrays, no setmaxnreg (the kernel has no warp roles)."""
+    from fp4gen.lowering import ptxas
+
+    for plan in example:
+        kept = ptxas.compile_kept(render(plan), "sm_90a")
+        assert [k.name for k in kept] == [plan.spec.name]
+        reports = ptxas.assemble(kept[0].ptx)
+        assert ptxas.check_helper(kept[0].ptx, reports) == [], plan.spec.name
+        assert all(r.spills == 0 for r in reports)
+        assert "mma.sync.aligned.m16n8k16" in kept[0].ptx and "cp.async" in kept[0].ptx
+
+
+def test_the_spill_gate_can_fail():
+    """A planted report with spills fails the same gate."""
+    from fp4gen.lowering import ptxas
+
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+           "ptxas info    : Function properties for k\n"
+           "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+           "ptxas info    : Used 255 registers\n")
+    reports = ptxas.parse_report(log)
+    assert reports and ptxas.check_helper("", reports) != []
