@@ -461,13 +461,8 @@ def _real_trace(tiles):
     return _REAL[tiles]
 
 
-_ONE_TILE = pytest.mark.xfail(
-    raises=ValueError, strict=True,
-    reason="emulator.run: Sk = 128 gives a host layout stride 0 where the MLIR layout is static")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("tiles", [pytest.param(1, marks=_ONE_TILE), 2, 3, 4])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4])
 def test_fa4_fp4_real_trace_passes_with_in_order_issue(tiles):
     t = _real_trace(tiles)
     # docs/sm100.md: 4 QK^T + 4 PV MMAs per KV tile for FP4
