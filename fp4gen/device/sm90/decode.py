@@ -147,7 +147,7 @@ class DecodeKernel:
         srow = tidx // 2
         half = n // 2
         c_lo = (tidx % 2) * half
-        row_max = -Float32.inf
+        row_max = Float32(-Float32.inf)
         row_sum = Float32(0.0)
         # keys j < limit are visible to this row: the sequence, and causal j <= j_last - Sq + 1 + token
         limit = seqlen_k
@@ -190,11 +190,11 @@ class DecodeKernel:
             cute.arch.sync_threads()
 
             # online softmax of row srow, columns c_lo .. c_lo + half (two threads per row)
-            tile_max = -Float32.inf
+            tile_max = Float32(-Float32.inf)
             for c in cutlass.range_constexpr(half):
                 x = sS[srow, c_lo + c] * softmax_scale_log2
                 if key0 + c_lo + c >= limit:
-                    x = -Float32.inf
+                    x = Float32(-Float32.inf)
                 sS[srow, c_lo + c] = x
                 tile_max = cute.arch.fmax(tile_max, x)
             tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
@@ -227,7 +227,7 @@ class DecodeKernel:
         if tidx % 2 == 0:
             sL[srow] = row_sum
             if srow < seqlen_q * gqa:
-                lse = -Float32.inf
+                lse = Float32(-Float32.inf)
                 if row_sum > 0.0:
                     lse = row_max + cute.math.log2(row_sum, fastmath=False)
                 mLSE[split, b, hk * gqa + srow % gqa, srow // gqa] = lse
