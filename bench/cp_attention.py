@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import shlex
@@ -67,6 +66,7 @@ IMPLS = ("fp4gen-bf16-ring", "fp4gen-fp8-ring", "fp4gen-bf16-a2a", "fp4gen-fp8-a
 CHECK_REF = "fp4gen-bf16-ring"
 # the other ranks wait while rank 0 times single-GPU fp4gen at 256k tokens (minutes at most)
 _TIMEOUT = _dt.timedelta(minutes=30)
+_MESH = {}
 
 _BLOCK = """
 attention cp_{recipe}_{mask}_d{D} {{
@@ -241,7 +241,9 @@ def run_torch_cp(kind, full, shape, args, device, timer):
     import torch.distributed as dist
 
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kind]
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if device.type not in _MESH:  # one mesh (over the default group) for every shape
+        _MESH[device.type] = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = _MESH[device.type]
     set_rotate_method(args.torch_rotate)
     q, k, v, do = (x.transpose(1, 2).contiguous() for x in full)  # SDPA's (B, H, S, D)
     with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2],

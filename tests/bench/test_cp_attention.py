@@ -86,3 +86,25 @@ def test_bad_arguments_are_refused(capsys):
     assert e.value.code == 2 and "unknown implementation fp4gen-fp4-ring" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         m.parse_args(["--passes", "sideways"])
+
+
+@pytest.mark.gpu
+def test_two_gpu_run_small(tmp_path):
+    """The real run at one small shape on 2 GPUs (NCCL): every implementation times, and each O
+    shard matches the BF16 ring's. The lead runs this on nvidia-h200-x2."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (NCCL)")
+    cmd = [sys.executable, str(ROOT / "bench" / "cp_attention.py"), "--nproc", "2", "--seqlens", "8192",
+           "--heads", "16", "--warmup", "1", "--iters", "2", "--out-dir", str(tmp_path), "--name", "small"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "small.json").read_text())["rows"]
+    failed = [r for r in rows if "error" in r]
+    assert failed == [], failed
+    for r in rows:
+        assert r["ms"] > 0 and r["tflops"] > 0, r
+        if r["impl"] != "fp4gen-bf16-ring":
+            want = 0.99 if "fp8" in r["impl"] else 0.999
+            assert r["cosine_vs_fp4gen_bf16_ring"] > want, r

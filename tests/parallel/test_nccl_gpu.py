@@ -74,3 +74,17 @@ def test_nccl_ring_generated_kernels(tmp_path, recipe, factor):
         assert cp_err <= factor * ref_err + 1e-4, (n, cp_err, ref_err)
     if recipe == "fp8":
         assert res["stats"]["exchange_fwd"] == {"k": "fp8e4m3(block=128)", "v": "fp8e4m3(tensor)"}
+
+
+def test_nccl_overlap_schedule_and_late_delivery(tmp_path):
+    """Debug mode on CUDA: the schedule check of the gloo tests, and received buffers that hold
+    NaN until their wait (written on the current stream, copied after the side stream and the
+    NCCL work were waited): a right result means no kernel read a buffer before its wait."""
+    from .test_overlap_gloo import schedule_errors
+    from .test_ring_gloo import _assert_fp32_close
+
+    cases = [dict(name="dbg", spec="fp32", S=1024, H=2, causal=True, mode="ring", device="cuda", backend="reference",
+                  debug=True)]
+    res = harness.run(2, cases, tmp_path, pg_backend="nccl")["dbg"]
+    assert schedule_errors(res["stats"]["trace"], 2) == [], res["stats"]["trace"]
+    _assert_fp32_close(res)
