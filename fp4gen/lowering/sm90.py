@@ -24,8 +24,11 @@ def context(plan) -> dict:
         raise LoweringError(f"sm90 backend got a plan for target {spec.target.value}")
     if sm is None:
         raise LoweringError("plan has no sm90 section (run the planner for target sm90a)")
-    if spec.head_dim not in (64, 128):
-        raise LoweringError(f"sm90 forward supports head_dim 64 and 128, not {spec.head_dim}", "head_dim")
+    from fp4gen.ir.passes.legalize import HEAD_DIMS
+
+    if spec.head_dim not in HEAD_DIMS[Target.SM90A]:
+        raise LoweringError(f"sm90 forward supports head_dim {', '.join(map(str, HEAD_DIMS[Target.SM90A]))}, "
+                            f"not {spec.head_dim}", "head_dim")
     fq, fk, fv, fp = spec.q.format, spec.k.format, spec.v.format, spec.p.format
     if {fq, fk, fv} == {Format.BF16}:
         in_fp8 = False
@@ -66,8 +69,17 @@ def context(plan) -> dict:
                             "(write Q, K, V, P : bf16, or target reference for FP8 varlen)", "layout")
     if sm.tile_m != 64 * sm.consumer_warpgroups:
         raise LoweringError(f"tile_m {sm.tile_m} must be 64 x consumer_warpgroups ({sm.consumer_warpgroups})")
-    if sm.tile_n != 128 or sm.tile_m != 128:
-        raise LoweringError(f"sm90 template is written for 128 x 128 tiles, got {sm.tile_m} x {sm.tile_n}", "schedule.tile")
+    if sm.tile_m != 128:
+        raise LoweringError(f"the sm90 forward runs 128-row query tiles (2 consumer warpgroups), got {sm.tile_m} x {sm.tile_n}",
+                            "schedule.tile")
+    if sm.tile_n % 16 or not 64 <= sm.tile_n <= 128:
+        # the bf16 PV MMA steps 16 keys; more than 128 keys of S do not fit beside O in registers
+        raise LoweringError(f"the sm90 forward runs 64..128 keys per tile in steps of 16, got {sm.tile_m} x {sm.tile_n}",
+                            "schedule.tile")
+    if in_fp8 and sm.tile_n != 128:
+        # one K scale per 128-token block is one scale per key tile (ForwardKernel.tile_mult)
+        raise LoweringError(f"sm90 FP8 runs 128-key tiles (one K scale block each), got {sm.tile_m} x {sm.tile_n}",
+                            "schedule.tile")
     if sm.kv_stages < 2:
         raise LoweringError("sm90 needs at least 2 K/V stages", "schedule.kv_stages")
     if sm.pingpong and not sm.intra_warpgroup_overlap:

@@ -117,8 +117,9 @@ class ForwardHost:
             raise ValueError(f"{cfg.kernel_name} is a Hopper kernel: arch must be {ARCH!r}, got {arch!r}")
         self.compile(arch, tvm_ffi=False)
         names = [cfg.kernel_name]
-        if cfg.in_fp8:
-            names += self.quantizer.compile_only(arch, cfg.head_dim)  # the fused input quantizer
+        if cfg.in_fp8 and cfg.head_dim in self.quantizer.SUPPORTED_HEAD_DIMS:
+            # the fused input quantizer; other head dims (96, 192) quantize on the torch path
+            names += self.quantizer.compile_only(arch, cfg.head_dim)
         return names
 
     # ------------------------------------------------------------------ operands

@@ -37,7 +37,10 @@ TARGET_FORMATS = {
     Target.SM90A: (Format.FP8E4M3, Format.FP8E5M2, Format.BF16, Format.FP16),
 }
 OUTPUT_FORMATS = (Format.BF16, Format.FP16, Format.FP32)
-HEAD_DIMS = {Target.SM90A: (64, 128), Target.SM100A: (64, 128, 192, 256)}
+# the sm90a forward's head dims (its key tile per head dim is the planner's, pipeline.py);
+# its backward takes 64 and 128 only (ir/passes/backward.py: dK, dV live in registers)
+HEAD_DIMS = {Target.SM90A: (64, 96, 128, 192, 256), Target.SM100A: (64, 128, 192, 256)}
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 def _loc(spec: KernelSpec, *paths: str):
@@ -199,6 +202,12 @@ def _check_shape(spec: KernelSpec) -> None:
     if spec.head_dim not in HEAD_DIMS[t]:
         raise PlanError(f"{t.value} supports head_dim {', '.join(map(str, HEAD_DIMS[t]))}, not {spec.head_dim}",
                         spec.loc("head_dim"))
+    if t is Target.SM90A and spec.backward is not None and spec.head_dim not in SM90_BACKWARD_HEAD_DIMS:
+        # here, before the forward is planned, so that check and compile refuse it alike
+        raise PlanError(f"head_dim {spec.head_dim}: the sm90a forward takes it, its backward takes head_dim "
+                        f"{' and '.join(map(str, SM90_BACKWARD_HEAD_DIMS))} only (dK and dV stay in registers: "
+                        f"2 x head_dim/2 fp32 per thread)", spec.loc("head_dim"),
+                        ["drop the backward block (a forward-only kernel), or use head_dim 64 or 128"])
     tile = _loc(spec, "schedule.tile", "schedule")
     if s.kv_stages is not None and not (1 <= s.kv_stages <= 8):
         raise PlanError(f"kv_stages {s.kv_stages} must be between 1 and 8", _loc(spec, "schedule.kv_stages", "schedule"))
@@ -313,6 +322,12 @@ def legalize(spec: KernelSpec) -> KernelPlan:
     _check_backward_formats(spec)
     _check_p_production(spec)
     _check_shape(spec)
+    if spec.target is Target.SM90A:
+        # the forward's key tile per head dim, from the SMEM and register budgets, before
+        # any pass reads it (a tile the spec writes is kept, or refused with the numbers)
+        from .pipeline import sm90_forward_tile
+
+        spec, _ = sm90_forward_tile(spec)
     choices = []
     for name, an, bn in (("QK", "Q", "K"), ("PV", "P", "V")):
         a, b = spec.operand(an), spec.operand(bn)

@@ -122,13 +122,39 @@ def _finish(spec, roles, smem, kv_choices, q, m, n, order, extra_notes=()) -> Pi
                         regs, REGISTERS_PER_SM, order, tuple(notes))
 
 
+# FA3's setmaxnreg splits (producer, consumer) per consumer warpgroup count (total <= 64K registers).
+SM90_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# The sm90a forward's key tiles to try, largest first, when the spec writes no tile: a
+# multiple of 16 keys (the bf16 PV's K step; FP8 takes 128 only, one K scale block per tile).
+SM90_TILE_N_CHOICES = (128, 112, 96, 80, 64)
+# Registers a consumer thread keeps live beside the accumulators: row max / sum / scale / LSE
+# of its 2 rows, the MMA descriptors, loop state, addresses and the softmax's temporaries
+# (24 in all). An estimate, calibrated on the largest kernel: FP8 Direct-P at head_dim 256,
+# 128 x 128 (estimate 236) compiles with zero spills under 240 (ptxas 13.5, 2026-12-02); the
+# register gate (fp4gen verify: ptxas, zero spills) is the proof for each module.
+SM90_CONSUMER_OVERHEAD_REGS = 24
+
+
+def sm90_consumer_registers(d: int, n: int, p_bits: int, l_from_mma: bool) -> tuple[int, str]:
+    """(estimated live registers per consumer thread at its peak, the sum in words): a
+    warpgroup's 64 x d fp32 O accumulator over 128 threads (d/2), the next tile's 64 x n
+    scores (n/2) in flight beside the previous tile's packed P (n x p_bits / 64), the
+    Direct-P l accumulator (64 x 8 fp32: 4), the overhead above."""
+    o, s, p = d // 2, n // 2, n * p_bits // 64
+    lacc = 4 if l_from_mma else 0
+    total = o + s + p + lacc + SM90_CONSUMER_OVERHEAD_REGS
+    return total, (f"O {o} (64 x {d} fp32 / 128 threads) + S {s} + P {p} ({p_bits}-bit)"
+                   + (f" + l {lacc}" if lacc else "") + f" + {SM90_CONSUMER_OVERHEAD_REGS} other = {total}")
+
+
 def _sm90(plan: KernelPlan) -> tuple[PipelinePlan, Sm90Plan]:
     spec = plan.spec
     s, d = spec.schedule, spec.head_dim
-    m, n = s.tile_m, s.tile_n
+    m, n = s.tile_m, s.tile_n  # tile_n: the spec's or legalize's choice (sm90_forward_tile)
     wgs = m // 64
-    # FA3's setmaxnreg splits per consumer count (total <= 64K registers).
-    producer, consumer = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[wgs]
+    producer, consumer = SM90_REGISTER_SPLIT[wgs]
+    l_from_mma = spec.p_production.kind is PKind.DIRECT_P and spec.p.format.is_fp8
+    _, tile_note = sm90_forward_tile(spec)
     roles = [WarpRole("producer", 4, producer, "one warp issues TMA loads of Q, K, V (the others idle)")]
     roles += [WarpRole(f"consumer{w}", 4, consumer, f"wgmma QK^T / PV on query rows {64 * w}..{64 * w + 63}, "
                                                     f"softmax and P in registers") for w in range(wgs)]
@@ -150,12 +176,75 @@ def _sm90(plan: KernelPlan) -> tuple[PipelinePlan, Sm90Plan]:
              "(intra-warpgroup overlap)" + ("; the two consumers take turns on the tensor core (ping-pong)"
                                              if pingpong else ""))
     kv_default = (s.kv_stages or 2,)
-    pp = _finish(spec, roles, smem, kv_default, wgs, m, n, order)
+    pp = _finish(spec, roles, smem, kv_default, wgs, m, n, order, (tile_note,) if tile_note else ())
     sm90 = Sm90Plan(tile_m=m, tile_n=n, consumer_warpgroups=wgs, kv_stages=pp.kv_stages,
                     v_transposed=spec.v.format.is_fp8, intra_warpgroup_overlap=True, pingpong=pingpong,
                     smem_bytes=pp.smem_bytes, producer_registers=producer, consumer_registers=consumer,
-                    l_from_mma=(spec.p_production.kind is PKind.DIRECT_P and spec.p.format.is_fp8))
+                    l_from_mma=l_from_mma)
     return pp, sm90
+
+
+def _sm90_smem_bytes(spec, m: int, n: int, kv: int) -> int:
+    """Q, kv K/V stages and the mbarriers (O is staged in Q's space when nothing else fits)."""
+    d = spec.head_dim
+    return (_bytes(m, d, spec.q.format.bits) + kv * (_bytes(n, d, spec.k.format.bits) + _bytes(n, d, spec.v.format.bits))
+            + (4 * kv + 2) * MBARRIER_BYTES)
+
+
+def sm90_forward_tile(spec) -> tuple:
+    """(spec with its key tile, the note recording why) for the sm90a forward. ``legalize``
+    calls it first, so that every pass plans the chosen tile; ``_sm90`` again, for the note
+    (the choice is a fixed point: the chosen tile is chosen again)."""
+    consumer = SM90_REGISTER_SPLIT[spec.schedule.tile_m // 64][1]
+    l_from_mma = spec.p_production.kind is PKind.DIRECT_P and spec.p.format.is_fp8
+    n, note = _sm90_tile_n(spec, consumer, l_from_mma)
+    if n != spec.schedule.tile_n:
+        spec = replace(spec, schedule=replace(spec.schedule, tile_n=n))
+    return spec, note
+
+
+def _sm90_tile_n(spec, consumer: int, l_from_mma: bool) -> tuple[int, str]:
+    """(keys per tile, the note recording why) for the sm90a forward.
+
+    A tile the spec writes is kept when the consumers' registers hold it (the SMEM budget is
+    ``_finish``'s, refused there with its items); else refused at the tile line with the sum.
+    With no tile written, the largest of ``SM90_TILE_N_CHOICES`` whose Q + 2 K/V stages fit
+    the SMEM limit and whose live registers fit the consumers' setmaxnreg budget (FP8: 128,
+    the K scale block). The note gives both sums (and what the larger tiles need); none for
+    a written 128 x 128, the language's default, so that the plans of those specs read as before."""
+    s, d, m = spec.schedule, spec.head_dim, spec.schedule.tile_m
+    p_bits = spec.p.format.bits
+    kv = s.kv_stages or 2
+
+    def budget(n: int) -> tuple[int, int, str]:
+        need, why = sm90_consumer_registers(d, n, p_bits, l_from_mma)
+        smem = _sm90_smem_bytes(spec, m, n, kv)
+        return smem, need, (f"{kv} K/V stages + Q need {smem} of {SMEM_LIMIT_BYTES} SMEM bytes and ~{need} of "
+                            f"{consumer} registers per consumer thread ({why})")
+
+    if spec.loc("schedule.tile") is not None:
+        smem, need, text = budget(s.tile_n)
+        if need > consumer:
+            raise PlanError(f"tile {m} x {s.tile_n} at head_dim {d}: a consumer thread needs ~{need} registers "
+                            f"({text.split('(', 1)[1][:-1]}) but its setmaxnreg budget is {consumer}", _loc(spec),
+                            [f"use fewer keys per tile (tile {m} x N, N a multiple of 16), or drop the tile line "
+                             "and let the planner choose"])
+        if (m, s.tile_n) == (128, 128):
+            return s.tile_n, ""
+        return s.tile_n, f"tile {m} x {s.tile_n} (the spec's) at head_dim {d}: {text}"
+    choices = (128,) if spec.k.format.is_fp8 else SM90_TILE_N_CHOICES
+    refused = []
+    for n in choices:
+        smem, need, text = budget(n)
+        if smem <= SMEM_LIMIT_BYTES and need <= consumer:
+            return n, (f"tile {m} x {n} chosen for head_dim {d}"
+                       + (" (FP8: one K scale block per key tile)" if spec.k.format.is_fp8 else "")
+                       + f": {text}" + "".join(f"; {r}" for r in refused))
+        refused.append(f"{m} x {n} needs {smem} B SMEM, ~{need} registers")
+    raise PlanError(f"head_dim {d} on sm90a: no key tile fits the budgets ({'; '.join(refused)}; limits "
+                    f"{SMEM_LIMIT_BYTES} B SMEM per CTA, {consumer} registers per consumer thread)",
+                    spec.loc("head_dim"),
+                    ["use a smaller head_dim, fewer kv_stages, or narrower Q/K/V formats"])
 
 
 def plan_pipeline(plan: KernelPlan) -> KernelPlan:

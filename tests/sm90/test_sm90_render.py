@@ -82,7 +82,9 @@ def test_rendered_config_is_the_lowerings(variant, d, causal):
     assert rendered_config(render(plan)) == dataclasses.asdict(sm90_config(plan))
 
 
-GENERATED = sorted((ROOT / "generated").glob("*_sm90a.py"))
+# the forward modules (the decode modules render a DecodeConfig: tests/kvcache check them)
+GENERATED = sorted(p for p in (ROOT / "generated").glob("*_sm90a.py")
+                   if "CONFIG = ForwardConfig(" in p.read_text(encoding="utf-8"))
 
 
 @pytest.mark.parametrize("path", GENERATED, ids=lambda p: p.stem)
@@ -138,12 +140,15 @@ def _with(plan, **spec_changes):
 @pytest.mark.parametrize(
     "mutate,msg",
     [
-        (lambda p: _with(p, head_dim=96), "head_dim"),
+        (lambda p: _with(p, head_dim=80), "head_dim 64, 96, 128, 192, 256"),
         (lambda p: _with(p, q=OperandFormat(Format.NVFP4)), "bf16 or all fp8e4m3"),
         (lambda p: _with(p, o=OperandFormat(Format.FP8E4M3)), "writes O as bf16"),
         (lambda p: _with(p, p_production=PProduction(kind=PKind.TWO_LEVEL)), "two_level"),
         (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, tile_m=64, consumer_warpgroups=1)),
-         "128 x 128"),
+         "128-row query tiles"),
+        (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, tile_n=64)), "FP8 runs 128-key tiles"),
+        (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, tile_n=72)), "steps of 16"),
+        (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, tile_n=144)), "64..128 keys"),
         (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, kv_stages=1)), "2 K/V stages"),
         (lambda p: dataclasses.replace(p, sm90=dataclasses.replace(p.sm90, v_transposed=False)), "transposed"),
         (lambda p: _with(p, v=make_plan("fp8_exp").spec.q), "one scale per tensor"),

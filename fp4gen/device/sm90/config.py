@@ -19,7 +19,7 @@ class ForwardConfig:
     (fp4gen/runtime/sm90_host.py) read only these values."""
 
     kernel_name: str  # the spec's kernel name: the prefix of every message
-    head_dim: int  # 64 or 128
+    head_dim: int  # 64, 96, 128, 192 or 256 (the planner picks tile_n per head dim: ir/passes/pipeline.py)
     causal: bool  # mask causal (bottom-right aligned)
     in_fp8: bool  # Q, K, V in FP8 E4M3 with fp32 scales
     p_mode: str  # one of P_MODES
