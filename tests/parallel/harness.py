@@ -199,6 +199,11 @@ def _run_case(rank, world, case, out_dir):
     torch_ops.reset_dispatch_counts()
     parallel.set_debug(case.get("debug", False))
     ql, kl, vl = (parallel.shard_for_cp(x, None, balanced=balanced).requires_grad_() for x in (q, k, v))
+    kernels = None
+    if case.get("profile"):  # the GPU kernels of one ring forward, for the overlap test
+        kernels = _profile_forward(lambda: parallel.context_parallel_attention(
+            ql, kl, vl, group=None, spec=spec, causal=causal, mode=mode, balanced=balanced,
+            full_spec=case.get("full_spec"), backend=backend), os.path.join(out_dir, f"trace-{rank}.json"))
     o_l, lse_l = parallel.context_parallel_attention(ql, kl, vl, group=None, spec=spec, causal=causal, mode=mode,
                                                      balanced=balanced, exchange=case.get("exchange", "auto"),
                                                      full_spec=case.get("full_spec"), backend=backend,
@@ -211,10 +216,14 @@ def _run_case(rank, world, case, out_dir):
     stats["trace"] = parallel.debug_trace()
     parallel.set_debug(False)
     stats["dispatch"] = torch_ops.dispatch_counts()
+    stats["kernels"] = kernels
     got = {name: parallel.unshard(t.detach(), None, balanced=balanced).cpu()
            for name, t in (("o", o_l), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
     got["lse"] = parallel.unshard(lse_l.detach(), None, seq_dim=2, balanced=balanced).cpu()
     if rank != 0:
+        return
+    if not case.get("compare", True):  # no single-process run or oracle (large profiled cases)
+        torch.save({"case": case, "cp": got, "stats": stats}, os.path.join(out_dir, f"{case['name']}.pt"))
         return
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
     o, lse = fp4gen.attention(qf, kf, vf, spec=spec, causal=causal, return_lse=True, backend=backend)
@@ -229,14 +238,36 @@ def _run_case(rank, world, case, out_dir):
                os.path.join(out_dir, f"{case['name']}.pt"))
 
 
+def _profile_forward(call, trace_path: str) -> list:
+    """[(name, start_us, end_us)] of the GPU kernels of one ``call()`` (after a warm-up call),
+    read from the profiler's Chrome trace (its "kernel" events)."""
+    import json
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        call()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+            if e.get("cat") == "kernel" and e.get("ph") == "X"]
+
+
 def run(world: int, cases: list, tmp_path, fault: str = "", pg_backend: str = "gloo") -> dict:
     """Spawn ``world`` workers (gloo, or nccl with one GPU each) over ``cases``; {case name: the
     saved results of rank 0}."""
     import torch.multiprocessing as mp
 
     out, store = Path(tmp_path) / "out", Path(tmp_path) / "store"
-    out.mkdir()
-    store.mkdir()
+    out.mkdir(parents=True)
+    store.mkdir(parents=True)
     mp.spawn(worker, args=(world, str(store), cases, str(out), fault, pg_backend), nprocs=world, join=True)
     return {c["name"]: torch.load(out / f"{c['name']}.pt") for c in cases}
 

@@ -88,3 +88,24 @@ def test_nccl_overlap_schedule_and_late_delivery(tmp_path):
     res = harness.run(2, cases, tmp_path, pg_backend="nccl")["dbg"]
     assert schedule_errors(res["stats"]["trace"], 2) == [], res["stats"]["trace"]
     _assert_fp32_close(res)
+
+
+def _overlapped(kernels) -> int:
+    """How many NCCL kernels run, at some point, while a non-NCCL kernel runs (same rank)."""
+    nccl = [(s, e) for n, s, e in kernels if "nccl" in n.lower()]
+    work = [(s, e) for n, s, e in kernels if "nccl" not in n.lower()]
+    return sum(any(s < b and a < e for s, e in work) for a, b in nccl)
+
+
+def test_nccl_transfer_overlaps_the_block_kernels(tmp_path):
+    """The profiler's kernel timeline of one ring forward on rank 0: the NCCL send/recv of the
+    next K/V block runs during the current block's kernels. The planted fault, a blocking ring
+    (each transfer waited before the block's kernels), must show no overlap."""
+    case = dict(name="p", spec="fp32", S=16384, H=4, causal=False, mode="ring", device="cuda", backend="reference",
+                profile=True, compare=False)
+    kernels = harness.run(2, [case], tmp_path / "ok", pg_backend="nccl")["p"]["stats"]["kernels"]
+    assert any("nccl" in n.lower() for n, _, _ in kernels), sorted({n for n, _, _ in kernels})[:20]
+    assert _overlapped(kernels) >= 1, kernels
+    blocking = harness.run(2, [case], tmp_path / "sync", pg_backend="nccl", fault="sync_ring")["p"]["stats"]["kernels"]
+    assert any("nccl" in n.lower() for n, _, _ in blocking)
+    assert _overlapped(blocking) == 0, blocking
