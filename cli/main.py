@@ -251,6 +251,8 @@ def cmd_explain(args) -> int:
         row = {"kernel": spec.name, "target": spec.target.value, "here": {"machine": here_name, **here}}
         for gpu, tgt in EXPLAIN_GPUS:
             row[gpu] = {"target": tgt, **_explain_target(spec, tgt)}
+        if spec.transforms:
+            row["transforms"] = _explain_transforms(spec)
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -259,10 +261,26 @@ def cmd_explain(args) -> int:
         parts = [_explain_text(row["here"]["machine"], row["here"])]
         parts += [_explain_text(f"{gpu} ({tgt})", row[gpu]) for gpu, tgt in EXPLAIN_GPUS]
         print(f"{row['kernel']}: " + " | ".join(parts))
+        if "transforms" in row:
+            t = row["transforms"]
+            b, h, n = t["example"]
+            print(f"  transforms {', '.join(t['names'])}: torch passes before and after the attention on every "
+                  f"backend (not fused into the kernel): {t['example_bytes'] / 1e6:.1f} MB of HBM traffic at "
+                  f"B={b}, H={h}, S={n} bf16, predicted {t['example_us']:g} us (fp4gen schedule lists the passes)")
     if any("none" in r[g][p] for r in rows for g, _ in EXPLAIN_GPUS for p in ("forward", "backward")):
         print("(none: fp4gen.attention with backend='auto' raises NoKernelError there; "
               "backend='reference' runs the exact, slow reference)")
     return EXIT_OK
+
+
+def _explain_transforms(spec) -> dict:
+    """The spec's outlier transforms and their cost as the plan records it (ir.plan.transforms_plan)."""
+    from fp4gen.ir.plan import transforms_plan
+
+    t = transforms_plan(spec)
+    return {"names": list(t.transforms), "runs": "torch passes around the attention (every backend), not fused",
+            "example": list(t.example), "example_bytes": t.example_bytes, "example_us": t.example_us,
+            "hadamard_seed": spec.transforms.hadamard_seed}
 
 
 def cmd_schedule(args) -> int:
@@ -315,7 +333,39 @@ def cmd_compile(args) -> int:
 def _accuracy_report(spec, args) -> dict:
     from fp4gen.numerics.accuracy import report
 
+    if spec.transforms:
+        return _accuracy_report_transformed(spec, args)
     return report(spec, seqlen=args.seqlen, heads=args.heads, batch=args.batch, seed=args.seed)
+
+
+def _accuracy_report_transformed(spec, args) -> dict:
+    """The random-input report of a spec with outlier transforms: the inputs ``report`` draws
+    (q, k, v from one seeded generator), through the transforms, the reference and back
+    (``accuracy.report_case``), against float64 attention of the untransformed inputs. Forward
+    only: the report's backward has no transform steps (fp4gen.attention differentiates them)."""
+    import torch
+
+    from fp4gen.driver import UserError
+    from fp4gen.ir.spec import Layout
+    from fp4gen.numerics import accuracy, activations
+
+    if spec.layout is Layout.VARLEN:
+        raise UserError(f"{spec.name}: the accuracy report of a varlen spec with outlier transforms is not "
+                        "implemented; drop the transforms or use a dense spec")
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (args.batch, args.seqlen, args.heads, spec.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    case = activations.Case(f"randn(seed={args.seed})", q, k, v)
+    t = spec.transforms
+    try:
+        rep = accuracy.report_case(spec, case, t.names, hadamard_seed=t.hadamard_seed)
+    except ValueError as e:
+        raise UserError(f"{spec.name}: {e}") from None
+    for key in ("_o", "_o_ref", "per_head"):
+        rep.pop(key, None)
+    if spec.backward is not None:
+        rep.setdefault("notes", []).append("forward only: the transforms' backward runs in fp4gen.attention")
+    return rep
 
 
 def _jsonable(x):
@@ -386,8 +436,8 @@ def _accuracy_inputs(specs, args) -> int:
 
     from fp4gen.numerics.outliers import TRANSFORMS
 
-    transforms = [t.strip() for t in (args.transform or "").split(",") if t.strip()]
-    bad = [t for t in transforms if t not in TRANSFORMS]
+    extra = [t.strip() for t in (args.transform or "").split(",") if t.strip()]
+    bad = [t for t in extra if t not in TRANSFORMS]
     if bad:
         raise UsageError(f"--transform: unknown {', '.join(bad)}; use a comma-separated subset of "
                          f"{', '.join(TRANSFORMS)}")
@@ -398,16 +448,21 @@ def _accuracy_inputs(specs, args) -> int:
     progress = Progress(getattr(args, "quiet", False))
     reports = []
     for i, spec in enumerate(specs, 1):
+        # the spec's own transforms (its K/V options, rotate line), then --transform's
+        transforms = list(dict.fromkeys(spec.transforms.names + tuple(extra)))
         with progress.stage(f"[{i}/{len(specs)}] accuracy of {spec.name} on {len(cases)} input file(s)"):
             try:
-                reports.append(_jsonable(accuracy.report_inputs(spec, cases, transforms)))
+                rep = _report_inputs(accuracy, spec, cases, transforms)
             except ValueError as e:  # a varlen spec, an unknown or inapplicable transform
                 raise UserError(f"{spec.name}: {e}") from None
+            if transforms:
+                rep["transforms"] = transforms
+            reports.append(_jsonable(rep))
     if args.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2, sort_keys=True))
         return EXIT_OK
     for rep in reports:
-        extra = f", transforms {','.join(transforms)}" if transforms else ""
+        extra = f", transforms {','.join(rep['transforms'])}" if rep.get("transforms") else ""
         print(f"{rep['kernel']} ({rep['target']}{extra}): overall cosine {rep['overall_cosine']:.4f}, "
               f"rel-L2 {rep['overall_rel_l2']:.4f}, max abs {rep['overall_max_abs']:.4g}")
         print("| inputs | head | cosine | mean row cosine | rel-L2 | max abs |")
@@ -425,6 +480,19 @@ def _accuracy_inputs(specs, args) -> int:
                 print(f"{c['inputs']}: dq / dk / dv rel-L2 {c['dq_rel_l2']:.4f} / {c['dk_rel_l2']:.4f} / "
                       f"{c['dv_rel_l2']:.4f}")
     return EXIT_OK
+
+
+def _report_inputs(accuracy, spec, cases, transforms) -> dict:
+    """``accuracy.report_inputs`` with the spec's Hadamard seed (``rotate qk hadamard(seed=N)``)."""
+    import torch
+
+    seed = spec.transforms.hadamard_seed
+    reps = [accuracy.report_case(spec, c, transforms, hadamard_seed=seed) for c in cases]
+    o = torch.cat([r.pop("_o").flatten() for r in reps])
+    ref = torch.cat([r.pop("_o_ref").flatten() for r in reps])
+    out = {"kernel": spec.name, "target": spec.target.value, "cases": reps}
+    out.update({f"overall_{k}": v for k, v in accuracy.compare(o, ref).items()})
+    return out
 
 
 def _run_device(name: Optional[str], target: str):
@@ -713,7 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensors, or a folder of *.pt such files (fp4gen.numerics.capture writes them); "
                         "reports per case, per head and overall instead of random inputs")
     a.add_argument("--transform", metavar="T[,T]",
-                   help="with --inputs: outlier transforms before the spec's numerics "
+                   help="with --inputs: outlier transforms before the spec's numerics, besides the spec's own "
                         "(smooth_k, channel_scale_v, hadamard; fp4gen.numerics.outliers)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.add_argument("--quiet", action="store_true", help="no progress lines on stderr (none off a terminal anyway)")

@@ -816,8 +816,58 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     _check_layout(q, k)
     _check_inputs(q, k, v, head_dim)
     _check_sinks_shape(sinks, q, 2, _spec_has_sinks(key))
+    dtype = q.dtype
+    q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks)
     o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks)
+    if post is not None:
+        o, lse = post.o(o).to(dtype), post.lse(lse)
     return (o, lse) if return_lse else o
+
+
+def _transforms_before(key: str, q, k, v, softmax_scale, sinks, packed: bool = False):
+    """The spec's outlier transforms (``transforms``: ``K : ... smooth``, ``V : ...
+    channel_scale``, ``rotate qk hadamard``) as torch steps before the attention op: (q', k', v',
+    Post), Post mapping the op's (O, LSE) back (None when the spec has none). Every backend then
+    runs on the transformed inputs: the kernels do not know about them (separate passes, their
+    HBM bytes in the plan's ``transforms`` record). Autograd differentiates through the steps
+    (shifts and linear maps; the power-of-two V scales are constants). The LSE shift is detached:
+    the op's LSE carries no gradient either. ``packed``: varlen (total, H, D) tensors, taken as
+    one sequence of total tokens (one mean, one scale per channel over all of them: still exact,
+    since every row's keys get the same shift)."""
+    spec = _REGISTRY[key].spec
+    if spec is None or not spec.transforms:
+        return q, k, v, None
+    from fp4gen.numerics import outliers
+
+    t = spec.transforms
+    scale = softmax_scale if softmax_scale is not None else spec.scale
+    dtype = q.dtype
+    if packed:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    try:
+        q2, k2, v2, post = outliers.apply(q, k, v, t.names, scale, softcap=spec.softcap, sinks=sinks,
+                                          hadamard_seed=t.hadamard_seed)
+    except ValueError as e:  # smoothing with a call's softcap or sinks
+        raise AttentionInputError(f"{_WHO}: the spec's transforms ({t}): {e}") from None
+    if post.lse_add is not None:
+        post.lse_add = post.lse_add.detach()
+    if packed:
+        q2, k2, v2 = q2[0], k2[0], v2[0]
+        post = _PackedPost(post)
+    return q2.to(dtype), k2.to(dtype), v2.to(dtype), post
+
+
+class _PackedPost:
+    """``outliers.Post`` for varlen outputs: O (total, H, D), LSE (H, total)."""
+
+    def __init__(self, post):
+        self.post = post
+
+    def o(self, o):
+        return self.post.o(o.unsqueeze(0))[0]
+
+    def lse(self, lse):
+        return self.post.lse(lse.unsqueeze(0))[0]
 
 
 def _spec_has_sinks(key: str) -> bool:
@@ -886,8 +936,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     key, head_dim = _resolve_for_trace(spec, causal, window_size, softcap, sinks is not None, "varlen")
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim)
     _check_sinks_shape(sinks, q, 1, _spec_has_sinks(key))
+    dtype = q.dtype
+    q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks, packed=True)
     o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks, cu_seqlens_q,
                                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if post is not None:
+        o, lse = post.o(o).to(dtype), post.lse(lse)
     return (o, lse) if return_lse else o
 
 
@@ -902,9 +956,17 @@ def explain(spec, device: Union[str, torch.device] = "cuda", *, causal: Optional
     (``overrides``: window_size, softcap, sinks, layout, as a call's arguments).
 
     Returns {"spec_key", "forward", "backward", "reason"} where forward/backward
-    are "generated:<module>" or "reference"."""
+    are "generated:<module>" or "reference", and "transforms" (the outlier transforms run as torch
+    steps around either) when the spec has any."""
     key = spec_key(spec, causal, **overrides)
     entry = _entry(key)
+    out = _explain(key, entry, device, backend)
+    if entry.spec is not None and entry.spec.transforms:
+        out["transforms"] = list(entry.spec.transforms.names)
+    return out
+
+
+def _explain(key: str, entry: _Entry, device, backend: str) -> dict:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         return {"spec_key": key, "forward": "reference", "backward": "reference",

@@ -48,9 +48,11 @@ def lse_shift(q: torch.Tensor, mean_k: torch.Tensor, scale: float) -> torch.Tens
 
 
 def channel_scale_v(v: torch.Tensor):
-    """(v / c, c) with c (B, 1, Hkv, D) = 2**ceil(log2 amax_tokens |v|) per channel."""
+    """(v / c, c) with c (B, 1, Hkv, D) = 2**ceil(log2 amax_tokens |v|) per channel. c is a
+    step function of v (zero derivative almost everywhere), so it is taken detached: autograd
+    then sees v / c and o * c as the linear maps they are."""
     v = v.to(torch.float32)
-    amax = v.abs().amax(dim=1, keepdim=True)
+    amax = v.detach().abs().amax(dim=1, keepdim=True)
     mant, ex = torch.frexp(amax)  # amax = m 2**ex, m in [0.5, 1): the cover is 2**ex (2**(ex-1) if m == 0.5)
     e = torch.where(mant == 0.5, ex - 1, ex).to(torch.int32)
     c = torch.where(amax == 0, torch.ones_like(amax), pow2(torch.clamp(e, -126, 127)))
