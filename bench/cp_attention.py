@@ -25,7 +25,8 @@ iteration's time is the slowest rank's (an all-reduce MAX), and the row reports 
 forward and 2.5x that backward, over the group's time (``tflops``) and per GPU. Scaling:
 ``speedup_vs_single`` = single-GPU fp4gen time of the same recipe at the same S / CP time, and
 ``scaling_efficiency`` = speedup / W; where one GPU did not fit S, against the throughput at
-the largest S that fit (``single_ref_S`` says which). ``cosine_vs_fp4gen_bf16_ring``: each
+the largest S that fit (``single_ref_S`` says which). ``ratio_vs_torch_cp_cudnn``: PyTorch's
+CP cuDNN time / this row's time. ``cosine_vs_fp4gen_bf16_ring``: each
 implementation's O shard against the BF16 ring's, fp32, on rank 0's shard.
 
 Output: JSON (command, date, device, world, rows) written atomically to --out-dir (default
@@ -396,21 +397,26 @@ def worker(rank: int, world: int, args, store_dir: str | None, out_path: str):
                 del full, ref_o
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        if rank == 0:
-            add_scaling(rows)
-            save(args, rows, out_path, device, world)
+                if rank == 0:  # after every shape: a run cut short keeps what it measured
+                    add_scaling(rows)
+                    save(args, rows, out_path, device, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def add_scaling(rows):
-    """speedup_vs_single and scaling_efficiency of every CP row (see the module docstring)."""
+    """speedup_vs_single and scaling_efficiency of every CP row (see the module docstring), and
+    ratio_vs_torch_cp_cudnn (PyTorch CP cuDNN time / this time, same pass and shape)."""
     single = {(r["impl"].split("-")[-1], r["pass"], r["H"], r["S"]): r for r in rows
               if r["impl"].startswith("single-") and "ms" in r}
+    torch_cp = {(r["pass"], r["H"], r["S"]): r for r in rows if r["impl"] == "torch-cp-cudnn" and "ms" in r}
     for r in rows:
         if "ms" not in r or r["impl"].startswith("single-"):
             continue
+        anchor = torch_cp.get((r["pass"], r["H"], r["S"]))
+        if anchor is not None:
+            r["ratio_vs_torch_cp_cudnn"] = anchor["ms"] / r["ms"]
         recipe = "fp8" if "-fp8-" in r["impl"] else "bf16"  # torch CP is BF16
         same = single.get((recipe, r["pass"], r["H"], r["S"]))
         if same is not None:

@@ -67,6 +67,8 @@ def test_scaling_against_the_largest_single_gpu_s():
     assert same["speedup_vs_single"] == 4.0 / 2.5 and same["scaling_efficiency"] == 0.8
     assert larger["single_ref_S"] == 1024 and larger["speedup_vs_single"] == 1.8  # 180 / 100 TFLOP/s
     assert "speedup_vs_single" not in torch_row  # no BF16 single-GPU row to compare with
+    assert same["ratio_vs_torch_cp_cudnn"] == 3.0 / 2.5 and torch_row["ratio_vs_torch_cp_cudnn"] == 1.0
+    assert "ratio_vs_torch_cp_cudnn" not in larger  # PyTorch CP did not run at S = 2048
 
 
 def test_spec_file_has_both_masks_for_both_recipes():
