@@ -56,7 +56,6 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 RECIPES = {
     "bf16": dict(qk="bf16", p="bf16", v="bf16", dO=""),
@@ -321,9 +320,21 @@ def _cosine(a, b) -> float:
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
+def ensure_fp4gen_importable():
+    """fp4gen from this checkout where it is not pip-installed (the GPU machine's plain copy);
+    every spawned rank calls it again."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from checkout import ensure_fp4gen_importable as ensure
+
+    ensure()
+
+
 def worker(rank: int, world: int, args, store_dir: str | None, out_path: str):
     import torch
     import torch.distributed as dist
+
+    ensure_fp4gen_importable()
 
     if args.cpu_smoke:
         torch.set_num_threads(1)
@@ -452,8 +463,7 @@ def _spawned(rank, world, args, store_dir, out_path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    ensure_fp4gen_importable()
     out_dir = Path(args.out_dir or os.environ.get("OUT") or HERE / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = str(out_dir / f"{args.name}.json")
