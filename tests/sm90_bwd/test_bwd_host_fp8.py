@@ -49,8 +49,69 @@ def _per_query_head(x, H: int, n: int):
     return out
 
 
-def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
-    """What the compiled FP8 kernel computes, tile by tile, from the arguments it is given."""
+def matmul(a, b):
+    """The emulators' MMA: an exact-enough fp32 product (``mma_e8m13`` models Hopper's FP8 one)."""
+    return a @ b
+
+
+# Hopper's FP8 wgmma (QGMMA) does not accumulate in full fp32: the products of one k-step
+# (32 for 8-bit operands) and the accumulator are aligned to the largest exponent among them
+# and kept to 13 fraction bits (an e8m13 accumulator), truncated toward zero: public analyses
+# of H100's FP8 GEMMs (DeepSeek-V3's report: "around 14 bits"; software emulations that match
+# the hardware drop 10 of fp32's 23 fraction bits). A model, not a bit-exact transcription.
+FP8_MMA_K = 32
+FP8_ACC_FRAC_BITS = 13
+
+
+def mma_e8m13(a, b, k_step: int = FP8_MMA_K, frac_bits: int = FP8_ACC_FRAC_BITS):
+    """a (..., M, K) @ b (..., K, N) with the FP8 wgmma's accumulation modelled: per k-step the
+    accumulator and the step's products, aligned to the largest exponent, each truncated to
+    ``frac_bits`` fraction bits below it, then summed (float64, returned as float32)."""
+    a, b = a.double(), b.double()
+    acc = torch.zeros(a.shape[:-1] + (b.shape[-1],), dtype=torch.float64)
+    for k0 in range(0, a.shape[-1], k_step):
+        terms = a[..., :, None, k0:k0 + k_step] * b[..., k0:k0 + k_step, :].transpose(-1, -2)[..., None, :, :]
+        terms = torch.cat([acc[..., None], terms], dim=-1)
+        big = terms.abs().amax(-1, keepdim=True)
+        _, e = torch.frexp(big)  # big = m 2^e, m in [0.5, 1): its leading bit is 2^(e - 1)
+        quantum = torch.ldexp(torch.ones_like(big), e - 1 - frac_bits)
+        acc = (torch.trunc(terms / quantum) * quantum).sum(-1)
+    return acc.float()
+
+
+def _visible(mod, key, qry, Sq, Sk, causal_offset, window=None):
+    """(keys, queries) bool: the kernel's mask (keys past Sk, causal, or the config's window;
+    ``window`` overrides it: a planted fault)."""
+    from fp4gen.numerics import masking
+
+    win = window if window is not None else mod.BWD_CONFIG.window
+    ok = key < Sk
+    if win is not None:
+        ok = ok & masking.allowed(qry[0], key[:, 0], Sq, Sk, tuple(win)).T
+    elif mod.BWD_CAUSAL:
+        ok = ok & (key <= qry + causal_offset)
+    return ok
+
+
+def _query_tiles(mod, n, causal_offset, n_tiles, window=None):
+    """[first, end) query tiles key tile ``n``'s CTA walks (the kernel's own trace-time rule)."""
+    win = window if window is not None else mod.BWD_CONFIG.window
+    if win is not None:
+        import dataclasses
+
+        from fp4gen.device.sm90.backward import Backward
+
+        cfg = dataclasses.replace(mod.BWD_CONFIG, window=tuple(win))
+        lo, hi = Backward(cfg).window_query_tiles(n, causal_offset, n_tiles)
+        return range(int(lo), int(hi))
+    m_min = max(n * mod.BWD_TILE_N - causal_offset, 0) // mod.BWD_TILE_M if mod.BWD_CAUSAL else 0
+    return range(m_min, n_tiles)
+
+
+def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa, mma=matmul, window=None):
+    """What the compiled FP8 kernel computes, tile by tile, from the arguments it is given.
+    ``mma``: the product of its FP8 MMAs (S^T, dP^T, dV; ``mma_e8m13`` for the hardware's
+    accumulation); ``window``: a (left, right) that replaces the config's (a planted fault)."""
     assert mod.BWD_S_FP8 and mod.BWD_DO_FP8 and not mod.BWD_DETERMINISTIC
     (q, k, v8, do8, q8, k8, scale_q, scale_k, dot8, scale_v, scale_do, lse2, dsum, dq_acc, dk_h, dv_h) = args
     bf = torch.bfloat16
@@ -86,25 +147,24 @@ def emulate_fp8_kernel(mod, args, softmax_scale, causal_offset, gqa):
         k0 = n * BN
         dK = torch.zeros(B, H, BN, D)
         dV = torch.zeros(B, H, BN, D)
-        m_min = max(k0 - causal_offset, 0) // BM if mod.BWD_CAUSAL else 0
-        for m in range(m_min, sqp // BM):
+        tiles = _query_tiles(mod, n, causal_offset, sqp // BM, window)
+        m_min = tiles.start
+        for m in tiles:
             q0 = m * BM
-            S = Kp[:, :, k0:k0 + BN] @ Qp[:, :, q0:q0 + BM].transpose(-1, -2)  # (keys, queries)
+            S = mma(Kp[:, :, k0:k0 + BN], Qp[:, :, q0:q0 + BM].transpose(-1, -2))  # (keys, queries)
             scale = (sq[:, :, q0][..., None, None] * sk[:, :, k0][..., None, None]) * c
             key = torch.arange(k0, k0 + BN)[:, None]
             qry = torch.arange(q0, q0 + BM)[None, :]
-            bad = key >= Sk
-            if mod.BWD_CAUSAL:
-                bad = bad | (key > qry + causal_offset)
+            bad = ~_visible(mod, key, qry, Sq, Sk, causal_offset, window)
             S = (S * scale).masked_fill(bad, float("-inf"))
             P256 = torch.exp2(S - (lse2[:, :, None, q0:q0 + BM] - 8.0))
-            dP = Vp[:, :, k0:k0 + BN] @ dOp[:, :, q0:q0 + BM].transpose(-1, -2)
+            dP = mma(Vp[:, :, k0:k0 + BN], dOp[:, :, q0:q0 + BM].transpose(-1, -2))
             dS = P256 * (dP * (svdo[..., None, None] / 256.0) - dsum[:, :, None, q0:q0 + BM] / 256.0)
             P8, dSb = _e4m3(P256), dS.to(bf).float()
             qt = dOt_nat[..., q0:q0 + BM]  # (B, H, D, queries)
             if qt.shape[3] < BM:
                 qt = torch.nn.functional.pad(qt, (0, BM - qt.shape[3]))
-            dV += P8 @ qt.transpose(-1, -2)
+            dV += mma(P8, qt.transpose(-1, -2))
             dK += dSb @ Q[:, :, q0:q0 + BM].to(bf).float()
             dq_rows[:, :, q0:q0 + BM] += dSb.transpose(-1, -2) @ Kb[:, :, k0:k0 + BN].to(bf).float()
         rows = slice(k0, min(k0 + BN, Sk))
@@ -138,7 +198,7 @@ def _from_tiles(xt8, perm):
     return nat.transpose(-1, -2)
 
 
-def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=None):
+def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=None, mma=matmul, window=None):
     """What the compiled FP8-dS kernel (``BWD_DS_FP8``) computes, tile by tile, from the
     arguments it is given. As ``emulate_fp8_kernel`` for S, P, dP and dV; dS in e4m3 with one
     power-of-two scale c per 64 x 128 tile, Q's block scale folded in (f = s_q / c): each CTA
@@ -149,7 +209,8 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
     dQ = (c s_k / s_q) dS8 K8 with K8 read from the K^T copy (kt8), dK = sum c dS8^T Q8 with Q8
     read from the Q^T copy (qt8), kept in units of the current c as the kernel keeps its
     accumulator. ``record``: a list that gets (c, whether c came from the tile's max, key tile,
-    query tile) per visited tile, (B, H) tensors for the first two."""
+    query tile) per visited tile, (B, H) tensors for the first two. ``mma``, ``window``: as
+    ``emulate_fp8_kernel`` (here every MMA is FP8)."""
     assert mod.BWD_S_FP8 and mod.BWD_DO_FP8 and mod.BWD_DS_FP8 and not mod.BWD_DETERMINISTIC
     (q, k, v8, do8, q8, k8, scale_q, scale_k, dot8, scale_v, scale_do, qt8, kt8,
      lse2, dsum, dq_acc, dk_h, dv_h) = args
@@ -185,19 +246,18 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
         acc_dK = torch.zeros(B, H, BN, D)  # dK / dk_c
         dk_c = torch.ones(B, H)
         c_next = torch.ones(B, H)
-        m_min = max(k0 - causal_offset, 0) // BM if mod.BWD_CAUSAL else 0
-        for m in range(m_min, sqp // BM):
+        tiles = _query_tiles(mod, n, causal_offset, sqp // BM, window)
+        m_min = tiles.start
+        for m in tiles:
             q0 = m * BM
             s_q = sq[:, :, q0 // QB]  # (B, H): a 64-row tile lies in one 128-token Q block
-            S = Kp[:, :, k0:k0 + BN] @ Qp[:, :, q0:q0 + BM].transpose(-1, -2)  # (keys, queries)
+            S = mma(Kp[:, :, k0:k0 + BN], Qp[:, :, q0:q0 + BM].transpose(-1, -2))  # (keys, queries)
             key = torch.arange(k0, k0 + BN)[:, None]
             qry = torch.arange(q0, q0 + BM)[None, :]
-            bad = key >= Sk
-            if mod.BWD_CAUSAL:
-                bad = bad | (key > qry + causal_offset)
+            bad = ~_visible(mod, key, qry, Sq, Sk, causal_offset, window)
             S = (S * ((s_q * sk[:, :, n]) * c_log2)[..., None, None]).masked_fill(bad, float("-inf"))
             P256 = torch.exp2(S - (lse2[:, :, None, q0:q0 + BM] - 8.0))
-            dP = Vp[:, :, k0:k0 + BN] @ dOp[:, :, q0:q0 + BM].transpose(-1, -2)
+            dP = mma(Vp[:, :, k0:k0 + BN], dOp[:, :, q0:q0 + BM].transpose(-1, -2))
             # f dS^T = (2^8 P^T) (f dP^T / 2^8 - f D / 2^8), f = s_q / c with c this tile's guess
             c = c_next
             f = s_q * (1.0 / c)
@@ -213,13 +273,13 @@ def emulate_fp8_ds_kernel(mod, args, softmax_scale, causal_offset, gqa, record=N
             if record is not None:
                 record.append((c.clone(), redo.clone(), n, m))
             dS8 = _e4m3(dSf)  # (keys, queries)
-            dV += _e4m3(P256) @ dOt[:, :, q0:q0 + BM]
+            dV += mma(_e4m3(P256), dOt[:, :, q0:q0 + BM])
             dq_rows[:, :, q0:q0 + BM] += ((c * sk[:, :, n] / s_q)[..., None, None]
-                                          * (dS8.transpose(-1, -2) @ Kt[:, :, k0:k0 + BN]))
+                                          * mma(dS8.transpose(-1, -2), Kt[:, :, k0:k0 + BN]))
             change = c != dk_c
             acc_dK = torch.where(change[..., None, None], acc_dK * (dk_c / c)[..., None, None], acc_dK)
             dk_c = torch.where(change, c, dk_c)
-            acc_dK += dS8 @ Qt[:, :, q0:q0 + BM]
+            acc_dK += mma(dS8, Qt[:, :, q0:q0 + BM])
         rows = slice(k0, min(k0 + BN, Sk))
         nr = rows.stop - rows.start
         dK = acc_dK * dk_c[..., None, None]
@@ -235,9 +295,10 @@ def cpu_fp8_backward(cpu_backward_checks):
     quantization and preprocessing kernels, the emulated kernel for the launch."""
     monkeypatch = cpu_backward_checks
 
-    def patch(mod, transposed_perms=None):
+    def patch(mod, transposed_perms=None, mma=matmul, window=None):
         """``transposed_perms``: {"q" or "k": a token order per 32} overriding
-        ``TRANSPOSED_TILES``' for that copy (a deliberately wrong layout)."""
+        ``TRANSPOSED_TILES``' for that copy (a deliberately wrong layout); ``mma``, ``window``:
+        passed to the emulated kernel."""
         # the forward module's quantizers with the numerics oracle's arithmetic (fast=False):
         # torch's own CPU float division rounds some scales one ulp away from CUDA's
         def quantize_blockwise(x, transposed=None):
@@ -283,7 +344,8 @@ def cpu_fp8_backward(cpu_backward_checks):
         monkeypatch.setattr(mod._bwd_prep, "scale_per_head", scale_per_head)
         monkeypatch.setattr(mod._bwd_prep, "quantize_per_head", quantize_per_head)
         emulate = emulate_fp8_ds_kernel if getattr(mod, "BWD_DS_FP8", False) else emulate_fp8_kernel
-        monkeypatch.setattr(mod, "_bwd_launch", lambda args, s, off, gqa: emulate(mod, args, s, off, gqa))
+        monkeypatch.setattr(mod, "_bwd_launch",
+                            lambda args, s, off, gqa: emulate(mod, args, s, off, gqa, mma=mma, window=window))
         return mod
     return patch
 
