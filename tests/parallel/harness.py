@@ -179,6 +179,8 @@ def worker(rank: int, world: int, store_dir: str, cases: list, out_dir: str, fau
 
 
 def _run_case(rank, world, case, out_dir):
+    import torch.distributed as dist
+
     import fp4gen
     from fp4gen import parallel, torch_ops
     from fp4gen.numerics import exact
@@ -214,6 +216,8 @@ def _run_case(rank, world, case, out_dir):
         late()
     stats = parallel.last_comm_stats()
     stats["trace"] = parallel.debug_trace()
+    stats["traces"] = [None] * world  # every rank's, in rank order
+    dist.all_gather_object(stats["traces"], stats["trace"])
     parallel.set_debug(False)
     stats["dispatch"] = torch_ops.dispatch_counts()
     stats["kernels"] = kernels

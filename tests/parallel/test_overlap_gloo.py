@@ -51,8 +51,10 @@ def _case(name, **kw):
 @pytest.mark.parametrize("world", [2, 3])
 def test_next_transfer_is_issued_before_the_block(tmp_path, world):
     res = harness.run(world, [_case("t")], tmp_path)["t"]
-    trace = res["stats"]["trace"]
-    assert schedule_errors(trace, world) == [], trace
+    traces = res["stats"]["traces"]
+    assert len(traces) == world and traces[0] == res["stats"]["trace"]
+    for rank, trace in enumerate(traces):
+        assert schedule_errors(trace, world) == [], (rank, trace)
     # debug mode's late delivery changed nothing: no block read a buffer before its wait
     _assert_fp32_close(res)
 
