@@ -376,8 +376,8 @@ def _build():
 
 _HOST = DecodeHost(CONFIG, _build)
 HEAD_DIM, CAUSAL, PAGED, GQA, Q_TOKENS = CONFIG.head_dim, CONFIG.causal, CONFIG.paged, CONFIG.gqa, CONFIG.q_tokens
-# decode(q, k_cache, v_cache, seqlens_k, *, page_table=None, num_splits=1, softmax_scale=None,
-#        return_lse=False, partials=False): the kernel on a bf16 cache (DecodeHost.decode)
+# decode(q, k_cache, v_cache, seqlens_k, *, k_scale=None, v_scale=None, page_table=None, num_splits=1,
+#        softmax_scale=None, return_lse=False, partials=False): the kernel on the cache (DecodeHost.decode)
 decode, _check = _HOST.decode, _HOST.check
 
 

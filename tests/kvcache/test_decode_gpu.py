@@ -25,14 +25,19 @@ HKV = 2
 LENGTHS = (1, 17, 1000, 4096)  # ragged across the batch
 
 
-def spec_of(*, head_dim=128, mask="causal", storage=None, gqa=8, q_tokens=8):
+def _ident(text):
+    return "".join(ch if ch.isalnum() else "_" for ch in text)
+
+
+def spec_of(*, head_dim=128, mask="causal", storage=None, gqa=8, q_tokens=8, fmt="bf16"):
     store = f"    storage  {storage}\n" if storage else ""
-    return parse_text(f"""attention dec_{head_dim}_{mask}_{gqa}_{q_tokens}_{(storage or 'contig').replace('(', '_').replace(')', '').replace('=', '')} {{
+    name = _ident(f"dec_{head_dim}_{mask}_{gqa}_{q_tokens}_{storage or 'contig'}_{fmt}")
+    return parse_text(f"""attention {name} {{
   target   sm90a
   head_dim {head_dim}
   mask     {mask}
   kv_cache {{
-{store}    format   bf16
+{store}    format   {fmt}
     q_tokens {q_tokens}
     gqa      {gqa}
   }}
@@ -64,7 +69,7 @@ def make_case(spec, lengths, sq, *, capacity=None, shuffle_pages=False, seed=0):
 def clone_cache(c):
     from dataclasses import replace
 
-    return replace(c, data=c.data.clone())
+    return replace(c, data=c.data.clone(), scale=None if c.scale is None else c.scale.clone())
 
 
 def run(q, kc, vc, pt, lens, spec, backend, **kw):
@@ -109,6 +114,49 @@ def test_d128_causal_matches_the_reference(storage, gqa, sq, splits):
 @pytest.mark.parametrize("sq,splits", [(1, 1), (4, 3), (2, 7)])
 def test_d64_no_mask_matches_the_reference(storage, sq, splits):
     compare(spec_of(head_dim=64, mask="none", storage=storage, gqa=4, q_tokens=4), LENGTHS, sq, splits)
+
+
+FP8 = ["fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)"]
+
+
+@pytest.mark.parametrize("fmt", FP8, ids=["token", "tensor"])
+@pytest.mark.parametrize("storage", [None, "paged(page_size=64)"], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("sq,splits", [(1, 1), (8, 5), (3, None)])
+def test_fp8_cache_matches_the_reference(fmt, storage, sq, splits):
+    compare(spec_of(storage=storage, gqa=8, fmt=fmt), LENGTHS, sq, splits, shuffle_pages=True)
+
+
+def test_fp8_d64_token_paged16_no_mask():
+    compare(spec_of(head_dim=64, mask="none", storage="paged(page_size=16)", gqa=4, q_tokens=4, fmt=FP8[0]),
+            LENGTHS, 4, 3, shuffle_pages=True, seed=2)
+
+
+@pytest.mark.parametrize("fmt", FP8, ids=["token", "tensor"])
+def test_fp8_appends_are_the_reference_bits(fmt):
+    spec = spec_of(storage="paged(page_size=16)", gqa=4, fmt=fmt)
+    q, kc, vc, pt, lens = make_case(spec, (14, 30, 200), 3, capacity=256, shuffle_pages=True, seed=7)
+    kr, vr = clone_cache(kc), clone_cache(vc)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    kn, vn = (torch.randn(3, 3, HKV, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    o, lse = fp4gen.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, page_table=pt, spec=spec,
+                                           return_lse=True, num_splits=2)
+    o_ref, lse_ref = fp4gen.attention_with_kvcache(q, kr, vr, kn, vn, cache_seqlens=lens, page_table=pt, spec=spec,
+                                                   return_lse=True, num_splits=2, backend="reference")
+    assert torch.equal(kc.data, kr.data) and torch.equal(vc.data, vr.data)
+    if kc.scale is not None:
+        assert torch.equal(kc.scale, kr.scale) and torch.equal(vc.scale, vr.scale)
+    assert_close(o, lse, o_ref, lse_ref, f"{fmt} append")
+
+
+def test_planted_fp8_scale_ignored_is_caught():
+    """The kernel given all-ones V scales (as if it dropped them): the check must fail."""
+    spec = spec_of(gqa=8, fmt=FP8[0])
+    q, kc, vc, pt, lens = make_case(spec, (1000, 300), 1)
+    o_ref, lse_ref = run(q, clone_cache(kc), clone_cache(vc), pt, lens, spec, "reference", num_splits=2)
+    o, lse = _module(spec).decode(q, kc.data, vc.data, lens, k_scale=kc.scale, v_scale=torch.ones_like(vc.scale),
+                                  num_splits=2, return_lse=True)
+    with pytest.raises(AssertionError):
+        assert_close(o, lse, o_ref, lse_ref, "planted V scale")
 
 
 def test_planner_split_and_pages_out_of_order():

@@ -15,7 +15,7 @@ from fp4gen.lowering import LoweringError, refusal, render
 from fp4gen.runtime.checks import AttentionInputError
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = "examples/sm90_decode_bf16_d128.attn"
+EXAMPLES = ("examples/sm90_decode_bf16_d128.attn", "examples/sm90_decode_fp8_d128.attn")
 
 
 def spec_of(body="format bf16\n    q_tokens 8\n    gqa 8", extra="", head_dim=128, mask="causal"):
@@ -36,7 +36,7 @@ def example(request):
     old = os.getcwd()
     os.chdir(ROOT)
     try:
-        yield [plan_kernel(s) for s in parse_file(EXAMPLE)]
+        yield [plan_kernel(s) for ex in EXAMPLES for s in parse_file(ex)]
     finally:
         os.chdir(old)
 
@@ -45,10 +45,14 @@ def test_example_plans_and_renders_its_config(example):
     from fp4gen.lowering.sm90_decode import config
 
     assert [p.spec.name for p in example] == ["sm90_decode_bf16_d128", "sm90_decode_bf16_paged_d128",
-                                               "sm90_decode_bf16_nomask_d64"]
+                                               "sm90_decode_bf16_nomask_d64", "sm90_decode_fp8_token_paged_d128",
+                                               "sm90_decode_fp8_tensor_d128"]
     for plan in example:
         spec, c = plan.spec, plan.spec.kv_cache
         cfg = config(plan)
+        assert cfg.cache_format == str(c.format)
+        assert cfg.fp8 == (c.format.format.value == "fp8e4m3")
+        assert cfg.token_scale == (cfg.fp8 and c.format.granularity.value == "token")
         assert (cfg.head_dim, cfg.gqa, cfg.q_tokens, cfg.tile_n) == (spec.head_dim, c.gqa, c.q_tokens,
                                                                      spec.schedule.tile_n)
         assert cfg.causal == (spec.mask.value == "causal")
@@ -60,8 +64,8 @@ def test_example_plans_and_renders_its_config(example):
 
 
 @pytest.mark.parametrize("body,extra,mask,path,line,match", [
-    ("format fp8e4m3(scale=token)\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 cache"),
-    ("format nvfp4\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 cache"),
+    ("format nvfp4\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 and fp8e4m3"),
+    ("format nvfp4(tensor_scale=fp32)\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 and fp8e4m3"),
     ("format bf16\n    q_tokens 8\n    gqa 16", "", "causal", "kv_cache.gqa", 8, "at most 64"),
     ("format bf16", "  softcap 30\n", "causal", "softcap", 5, "softcap"),
     ("format bf16", "", "window(64, 0)", "mask", 4, "causal or nothing"),
@@ -91,6 +95,7 @@ def test_config_refuses_values_the_kernel_cannot_run():
               q_tokens=8, gqa=8, tile_n=128)
     DecodeConfig(**ok)
     for bad, match in ((dict(head_dim=96), "head_dim"), (dict(cache_format="fp8e4m3"), "cache format"),
+                       (dict(cache_format="nvfp4(block=16, scale=e4m3)"), "cache format"),
                        (dict(gqa=16), "64-row"), (dict(paged=True), "page_size"),
                        (dict(paged=True, page_size=48), "power of two"), (dict(tile_n=256), "tile_n")):
         with pytest.raises(ValueError, match=match):
@@ -99,11 +104,11 @@ def test_config_refuses_values_the_kernel_cannot_run():
 
 # ------------------------------------------------------------------ host checks (CPU tensors)
 
-def _host(paged=False):
+def _host(paged=False, fmt="bf16"):
     from fp4gen.device.sm90.decode_config import DecodeConfig
     from fp4gen.runtime.sm90_decode_host import DecodeHost
 
-    cfg = DecodeConfig("t", 64, True, "bf16", paged, 16 if paged else None, 4, 2, 128)
+    cfg = DecodeConfig("t", 64, True, fmt, paged, 16 if paged else None, 4, 2, 128)
     return DecodeHost(cfg, build=None)
 
 
@@ -134,6 +139,32 @@ def test_host_checks_say_what_is_wrong(paged, change, match):
     args = {**_args(paged), **change}
     with pytest.raises(AttentionInputError, match=match):
         _host(paged).check(**args)
+
+
+def _args8(token):
+    kc = torch.zeros(2, 40, 2, 64, dtype=torch.uint8)
+    sc = (torch.ones(2, 40, 2) if token else torch.ones(2))
+    return {**_args(), "k_cache": kc, "v_cache": kc.clone(), "k_scale": sc, "v_scale": sc.clone()}
+
+
+@pytest.mark.parametrize("token,change,match", [
+    (True, dict(k_cache=torch.zeros(2, 40, 2, 64, dtype=torch.bfloat16)), "uint8"),
+    (True, dict(k_scale=None), "k_scale must be a contiguous float32 tensor \\(2, 40, 2\\)"),
+    (True, dict(v_scale=torch.ones(2)), "v_scale must be"),
+    (False, dict(k_scale=torch.ones(2, 40, 2)), "k_scale must be a contiguous float32 tensor \\(2,\\)"),
+    (False, dict(v_scale=torch.ones(2, dtype=torch.float64)), "v_scale must be"),
+    (True, {}, "runs on a CUDA device"),
+    (False, {}, "runs on a CUDA device"),
+])
+def test_fp8_host_checks_the_scales(token, change, match):
+    fmt = "fp8e4m3(scale=token)" if token else "fp8e4m3(scale=tensor)"
+    with pytest.raises(AttentionInputError, match=match):
+        _host(fmt=fmt).check(**{**_args8(token), **change})
+
+
+def test_a_bf16_cache_takes_no_scales():
+    with pytest.raises(AttentionInputError, match="no scales"):
+        _host().check(**_args(), k_scale=torch.ones(2))
 
 
 def test_the_module_forward_points_to_the_decode_entry():

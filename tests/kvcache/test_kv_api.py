@@ -123,17 +123,18 @@ def test_sm100a_decode_spec_is_refused_at_its_line():
     assert e.value.loc is not None and e.value.loc.line == 5
 
 
-def test_sm90a_fp8_cache_is_refused_at_its_format_line():
-    """sm90a plans a kv_cache spec; its decode kernel reads bf16 caches only, and says so at the
-    format line (what `fp4gen check` reports)."""
+def test_sm90a_nvfp4_cache_is_refused_at_its_format_line():
+    """sm90a plans a kv_cache spec; its decode kernel reads bf16 and fp8 caches, and refuses
+    nvfp4 at the format line (what `fp4gen check` reports)."""
     from fp4gen.ir.passes import plan_kernel
     from fp4gen.lowering import refusal
 
-    spec = spec_of(target="sm90a")
+    spec = spec_of(fmt="nvfp4", target="sm90a")
     err = refusal(plan_kernel(spec))
-    assert err is not None and "bf16 cache" in str(err) and err.path == "kv_cache.format"
+    assert err is not None and "bf16 and fp8e4m3" in str(err) and err.path == "kv_cache.format"
     assert spec.loc(err.path).line == 7
-    assert refusal(plan_kernel(spec_of(fmt="bf16", target="sm90a"))) is None
+    for fmt in ("bf16", "fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)"):
+        assert refusal(plan_kernel(spec_of(fmt=fmt, target="sm90a"))) is None
 
 
 def test_generated_backend_on_the_cpu_raises_no_kernel():
@@ -146,8 +147,8 @@ def test_generated_backend_on_the_cpu_raises_no_kernel():
 
 @pytest.mark.gpu
 def test_cuda_auto_raises_no_kernel_for_a_gpu_target_and_reference_runs():
-    spec = spec_of(target="sm90a")
-    ref_spec = spec_of()
+    spec = spec_of(fmt="nvfp4", target="sm90a")  # a cache format no sm90a kernel reads
+    ref_spec = spec_of(fmt="nvfp4")
     k = torch.randn(2, 40, 2, 64, device="cuda")
     kc, vc, pt = fp4gen.kv_cache_from(k, k.clone(), ref_spec, capacity=64)
     q = torch.randn(2, 1, 4, 64, device="cuda")

@@ -21,6 +21,16 @@ Per key tile (4 warps, 128 threads):
    for PV, l = l * 2^(m - m_new) + sum of the unrounded p, the row's rescale into SMEM.
 4. O = O * rescale + P V with the same MMA (P and V read back from SMEM).
 
+FP8 caches (``fp8e4m3(scale=token|tensor)``): the E4M3 rows are copied into an SMEM staging
+tile and widened to BF16 there (exact: every E4M3 value is a BF16 value), so the same BF16 MMAs
+run on them. The scales stay out of the MMAs, which keeps the reference's arithmetic
+(``numerics.kvcache``: value = e4m3 x scale in fp32): K's scale multiplies S's column (token)
+or the softmax scale (tensor); V's tensor scale multiplies O at the end, and V's per-token scale
+joins P: P' = bf16(p) x s_v(j) in fp32, fed to PV as two BF16 MMAs, hi = bf16(P') and lo =
+bf16(P' - hi), so the product keeps ~16 bits of P' where one bf16 would round it to 8 (the
+reference multiplies bf16(p) by the fp32 dequantized V). Why not FP8 wgmma with Q in E4M3: it
+would round Q to E4M3, which the reference (Q : bf16) does not.
+
 Why mma.sync and not wgmma: decode is bound by the HBM read of the cache, not by the tensor
 cores (64 rows x one K/V read), and the warp MMA needs neither SMEM matrix descriptors nor
 swizzled layouts nor the asynchronous-proxy fences wgmma does, so every operand here is a
@@ -35,18 +45,22 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
+from .. import ptx
 from .decode_config import ROW_TILE, WARPS, DecodeConfig
 
 VEC = 8  # bf16 elements per load/store (16 bytes)
+VEC8 = 16  # e4m3 elements per copy (16 bytes)
 
 
 class DecodeKernel:
-    """The split-KV decode of a BF16 cache (contiguous or paged)."""
+    """The split-KV decode of a BF16 or FP8 cache (contiguous or paged)."""
 
     def __init__(self, config: DecodeConfig):
         self.config = config
         self.tile_n, self.hdim = config.tile_n, config.head_dim
         self.threads = config.num_threads
+        self.fp8 = config.fp8
+        self.token_scale = config.token_scale
 
     def shared_storage(self):
         """Q, K, V, S (fp32), P (bf16), and per-row rescale / sum / max."""
@@ -60,14 +74,23 @@ class DecodeKernel:
             "sAlpha": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
             "sL": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
         }
+        if self.fp8:  # the E4M3 staging tiles (widened into sK, sV)
+            fields["sK8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d], 128]
+            fields["sV8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d], 128]
+        if self.token_scale:  # each key's K and V scale, and P's low half
+            fields["sSK"] = cute.struct.Align[cute.struct.MemRange[Float32, n], 16]
+            fields["sSV"] = cute.struct.Align[cute.struct.MemRange[Float32, n], 16]
+            fields["sPlo"] = cute.struct.Align[cute.struct.MemRange[BFloat16, m * n], 128]
         return cute.struct(type("DecodeStorage", (), {"__annotations__": fields}))
 
     @cute.jit
     def __call__(
         self,
         mQ: cute.Tensor,  # (B, Sq, H, D) bf16
-        mK: cute.Tensor,  # (slots, page, Hkv, D) bf16
-        mV: cute.Tensor,  # (slots, page, Hkv, D) bf16
+        mK: cute.Tensor,  # (slots, page, Hkv, D) bf16, or uint8 E4M3 codes
+        mV: cute.Tensor,  # (slots, page, Hkv, D) bf16, or uint8 E4M3 codes
+        mSK,  # fp8: K's fp32 scales, (slots, page, Hkv) per token or (Hkv,) per tensor; else None
+        mSV,  # fp8: V's, the same shape
         mPageTable,  # paged: (B, pages per sequence) int32, else None
         mSeqlens: cute.Tensor,  # (B,) int32: keys of each sequence (cached + appended)
         mO: cute.Tensor,  # (splits, B, H, Sq, D) fp32: normalized partial outputs
@@ -80,11 +103,11 @@ class DecodeKernel:
         tiled_mma = cute.make_tiled_mma(mma_op, (WARPS, 1, 1))
         self.storage_t = self.shared_storage()
         grid = (num_splits, cute.size(mK.shape[2]), cute.size(mQ.shape[0]))
-        self.kernel(mQ, mK, mV, mPageTable, mSeqlens, mO, mLSE, tiled_mma, num_splits,
+        self.kernel(mQ, mK, mV, mSK, mSV, mPageTable, mSeqlens, mO, mLSE, tiled_mma, num_splits,
                     softmax_scale_log2).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPageTable, mSeqlens: cute.Tensor,
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mSK, mSV, mPageTable, mSeqlens: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma: cute.TiledMma, num_splits: Int32,
                softmax_scale_log2: Float32):
         cfg = self.config
@@ -103,6 +126,25 @@ class DecodeKernel:
         sP = storage.sP.get_tensor(row_major(m, n))
         sAlpha = storage.sAlpha.get_tensor(cute.make_layout(m))
         sL = storage.sL.get_tensor(cute.make_layout(m))
+        sK8 = sV8 = sK8w = sV8w = sKw = sVw = None
+        if const_expr(self.fp8):
+            sK8 = storage.sK8.get_tensor(row_major(n, d))
+            sV8 = storage.sV8.get_tensor(row_major(n, d))
+            # the same tiles as words: 4 E4M3 codes in, 2 bf16 pairs out
+            sK8w = storage.sK8.get_tensor(cute.make_layout(n * d // 4), dtype=cutlass.Uint32)
+            sV8w = storage.sV8.get_tensor(cute.make_layout(n * d // 4), dtype=cutlass.Uint32)
+            sKw = storage.sK.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+            sVw = storage.sV.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+        sSK = sSV = sPlo = None
+        if const_expr(self.token_scale):
+            sSK = storage.sSK.get_tensor(cute.make_layout(n))
+            sSV = storage.sSV.get_tensor(cute.make_layout(n))
+            sPlo = storage.sPlo.get_tensor(row_major(m, n))
+        k_mult = softmax_scale_log2  # what S is multiplied by (a tensor K scale joins it)
+        v_mult = Float32(1.0)  # what O is multiplied by at the end (a tensor V scale)
+        if const_expr(self.fp8 and not self.token_scale):
+            k_mult = softmax_scale_log2 * mSK[hk]
+            v_mult = mSV[hk]
 
         seqlen_q = mQ.shape[1]
         seqlen_k = mSeqlens[b]
@@ -114,6 +156,8 @@ class DecodeKernel:
         # 16-byte cp.async copies: global -> SMEM without registers in between
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                                   num_bits_per_copy=16 * 8)
+        g2s8 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint8,
+                                   num_bits_per_copy=16 * 8)
 
         # ---- Q rows into SMEM (padding rows zero)
         cpr = d // VEC  # copies per row
@@ -134,6 +178,7 @@ class DecodeKernel:
         tSsK = thr_mma.partition_B(sK)
         tSsS = thr_mma.partition_C(sS)
         tOsP = thr_mma.partition_A(sP)
+        tOsPlo = thr_mma.partition_A(sPlo) if const_expr(self.token_scale) else None
         tOsV = thr_mma.partition_B(sVt)
         tSrQ = thr_mma.make_fragment_A(tSsQ[None, None, 0])
         tSrK = thr_mma.make_fragment_B(tSsK[None, None, 0])
@@ -157,32 +202,71 @@ class DecodeKernel:
         for t in cutlass.range(t_begin, t_end, unroll=1):
             key0 = t * n
             cute.arch.sync_threads()  # the previous tile's readers of sK, sV, sP are done
-            for i in cutlass.range_constexpr(n * cpr // self.threads):
-                idx = tidx + i * self.threads
-                r = idx // cpr
-                c = idx % cpr
-                dk = cute.local_tile(sK[r, None], (VEC,), (c,))
-                dv = cute.local_tile(sV[r, None], (VEC,), (c,))
-                j = key0 + r
-                if j < seqlen_k:
-                    slot = b
-                    prow = j
-                    if const_expr(cfg.paged):
-                        slot = mPageTable[b, j // cfg.page_size]
-                        prow = j % cfg.page_size
-                    cute.copy(g2s, cute.local_tile(mK[slot, prow, hk, None], (VEC,), (c,)), dk)
-                    cute.copy(g2s, cute.local_tile(mV[slot, prow, hk, None], (VEC,), (c,)), dv)
-                else:
-                    dk.fill(0.0)
-                    dv.fill(0.0)
+            if const_expr(not self.fp8):
+                for i in cutlass.range(n * cpr // self.threads, unroll=4):
+                    idx = tidx + i * self.threads
+                    r = idx // cpr
+                    c = idx % cpr
+                    dk = cute.local_tile(sK[r, None], (VEC,), (c,))
+                    dv = cute.local_tile(sV[r, None], (VEC,), (c,))
+                    j = key0 + r
+                    if j < seqlen_k:
+                        slot, prow = self.cache_row(mPageTable, b, j)
+                        cute.copy(g2s, cute.local_tile(mK[slot, prow, hk, None], (VEC,), (c,)), dk)
+                        cute.copy(g2s, cute.local_tile(mV[slot, prow, hk, None], (VEC,), (c,)), dv)
+                    else:
+                        dk.fill(0.0)
+                        dv.fill(0.0)
+            else:
+                cpr8 = d // VEC8
+                for i in cutlass.range(n * cpr8 // self.threads, unroll=4):
+                    idx = tidx + i * self.threads
+                    r = idx // cpr8
+                    c = idx % cpr8
+                    dk = cute.local_tile(sK8[r, None], (VEC8,), (c,))
+                    dv = cute.local_tile(sV8[r, None], (VEC8,), (c,))
+                    j = key0 + r
+                    if j < seqlen_k:
+                        slot, prow = self.cache_row(mPageTable, b, j)
+                        cute.copy(g2s8, cute.local_tile(mK[slot, prow, hk, None], (VEC8,), (c,)), dk)
+                        cute.copy(g2s8, cute.local_tile(mV[slot, prow, hk, None], (VEC8,), (c,)), dv)
+                    else:
+                        dk.fill(0)  # E4M3 code 0 is 0.0
+                        dv.fill(0)
+                if const_expr(self.token_scale):
+                    for i in cutlass.range_constexpr(-(-n // self.threads)):
+                        r = tidx + i * self.threads
+                        if r < n:
+                            j = key0 + r
+                            sk = Float32(0.0)  # a key past the sequence: masked, and its V weighs 0
+                            sv = Float32(0.0)
+                            if j < seqlen_k:
+                                slot, prow = self.cache_row(mPageTable, b, j)
+                                sk = mSK[slot, prow, hk]
+                                sv = mSV[slot, prow, hk]
+                            sSK[r] = sk
+                            sSV[r] = sv
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # this thread's copies landed
             cute.arch.sync_threads()  # and every other thread's
+            if const_expr(self.fp8):
+                # widen the E4M3 tiles to BF16 (exact), one word of 4 codes at a time
+                for i in cutlass.range(n * d // 4 // self.threads, unroll=4):
+                    w = tidx + i * self.threads
+                    fk = ptx.e4m3x4_to_f32(sK8w[w])
+                    sKw[2 * w] = ptx.f32x2_to_bf16x2(fk[0], fk[1])
+                    sKw[2 * w + 1] = ptx.f32x2_to_bf16x2(fk[2], fk[3])
+                    fv = ptx.e4m3x4_to_f32(sV8w[w])
+                    sVw[2 * w] = ptx.f32x2_to_bf16x2(fv[0], fv[1])
+                    sVw[2 * w + 1] = ptx.f32x2_to_bf16x2(fv[2], fv[3])
+                cute.arch.sync_threads()
 
             # S = Q K^T
             acc_S = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, n)))
             acc_S.fill(0.0)
-            for kb in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
+            # dynamic k-block loops: unrolled, the compiler hoists every block's operand loads
+            # at once (a K tile's fragments alone are 256 registers)
+            for kb in cutlass.range(cute.size(tSsQ, mode=[2]), unroll=1):
                 cute.autovec_copy(tSsQ[None, None, kb], tSrQ)
                 cute.autovec_copy(tSsK[None, None, kb], tSrK)
                 cute.gemm(tiled_mma, acc_S, tSrQ, tSrK, acc_S)
@@ -192,7 +276,10 @@ class DecodeKernel:
             # online softmax of row srow, columns c_lo .. c_lo + half (two threads per row)
             tile_max = Float32(-Float32.inf)
             for c in cutlass.range_constexpr(half):
-                x = sS[srow, c_lo + c] * softmax_scale_log2
+                if const_expr(self.token_scale):
+                    x = sS[srow, c_lo + c] * sSK[c_lo + c] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
+                else:
+                    x = sS[srow, c_lo + c] * k_mult
                 if key0 + c_lo + c >= limit:
                     x = Float32(-Float32.inf)
                 sS[srow, c_lo + c] = x
@@ -206,7 +293,15 @@ class DecodeKernel:
             tot = Float32(0.0)
             for c in cutlass.range_constexpr(half):
                 p = cute.math.exp2(sS[srow, c_lo + c] - m_use, fastmath=True)
-                sP[srow, c_lo + c] = p.to(BFloat16)
+                pb = p.to(BFloat16)
+                if const_expr(self.token_scale):
+                    # P' = bf16(p) s_v(j), as two bf16 halves for PV
+                    pw = pb.to(Float32) * sSV[c_lo + c]
+                    hi = pw.to(BFloat16)
+                    sP[srow, c_lo + c] = hi
+                    sPlo[srow, c_lo + c] = (pw - hi.to(Float32)).to(BFloat16)
+                else:
+                    sP[srow, c_lo + c] = pb
                 tot = tot + p
             tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1)
             row_sum = row_sum * alpha + tot
@@ -218,10 +313,13 @@ class DecodeKernel:
             # O = O * alpha + P V
             for i in cutlass.range_constexpr(cute.size(acc_O)):
                 acc_O[i] = acc_O[i] * sAlpha[tOcO[i][0]]
-            for kb in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
+            for kb in cutlass.range(cute.size(tOsP, mode=[2]), unroll=1):
                 cute.autovec_copy(tOsP[None, None, kb], tOrP)
                 cute.autovec_copy(tOsV[None, None, kb], tOrV)
                 cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
+                if const_expr(self.token_scale):
+                    cute.autovec_copy(tOsPlo[None, None, kb], tOrP)
+                    cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
 
         # ---- epilogue: o_s = acc / l (0 where nothing was visible), lse_s = m + log2 l (-inf)
         if tidx % 2 == 0:
@@ -239,9 +337,22 @@ class DecodeKernel:
                 o = Float32(0.0)
                 if l > 0.0:
                     o = acc_O[i] / l
+                    if const_expr(self.fp8 and not self.token_scale):
+                        o = o * v_mult
                 mO[split, b, hk * gqa + r % gqa, r // gqa, tOcO[i][1]] = o
 
 
+    @cute.jit
+    def cache_row(self, mPageTable, b, j):
+        """(slot, row) of token j of sequence b: contiguous (b, j); paged through the page table."""
+        slot = b
+        prow = j
+        if const_expr(self.config.paged):
+            slot = mPageTable[b, j // self.config.page_size]
+            prow = j % self.config.page_size
+        return slot, prow
+
+
 def kernel_class(config: DecodeConfig) -> type:
-    """The kernel class for ``config`` (one today; the FP8 / NVFP4 caches will add theirs)."""
+    """The kernel class for ``config`` (one for BF16 and FP8 caches; NVFP4 will add its own)."""
     return DecodeKernel

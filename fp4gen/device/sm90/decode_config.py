@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-CACHE_FORMATS = ("bf16",)  # what the kernel reads today (fp8 / nvfp4: issue 22, not built)
+# what the kernel reads today (nvfp4: issue 22, not built); the spelling of str(CacheFormat)
+CACHE_FORMATS = ("bf16", "fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)")
 ROW_TILE = 64  # query rows per CTA: gqa x q_tokens, padded
 WARPS = 4  # one m16n8k16 MMA row block of 16 rows per warp
 HEAD_DIMS = (64, 128)
@@ -49,6 +50,16 @@ class DecodeConfig:
     def rows(self) -> int:
         """The query rows a CTA holds (gqa x q_tokens; the rest of the 64-row tile is padding)."""
         return self.q_tokens * self.gqa
+
+    @property
+    def fp8(self) -> bool:
+        """An E4M3 cache with fp32 scales."""
+        return self.cache_format.startswith("fp8e4m3")
+
+    @property
+    def token_scale(self) -> bool:
+        """An fp8 cache with one scale per token (else one per KV head)."""
+        return self.cache_format == "fp8e4m3(scale=token)"
 
     @property
     def num_threads(self) -> int:
