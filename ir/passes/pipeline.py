@@ -224,11 +224,15 @@ def _sm90_tile_n(spec, consumer: int, l_from_mma: bool) -> tuple[int, str]:
 
     if spec.loc("schedule.tile") is not None:
         smem, need, text = budget(s.tile_n)
+        over = ([f"Q + {kv} K/V stages need {smem} B of SMEM (a CTA may use {SMEM_LIMIT_BYTES})"]
+                if smem > SMEM_LIMIT_BYTES else [])
         if need > consumer:
-            raise PlanError(f"tile {m} x {s.tile_n} at head_dim {d}: a consumer thread needs ~{need} registers "
-                            f"({text.split('(', 1)[1][:-1]}) but its setmaxnreg budget is {consumer}", _loc(spec),
-                            [f"use fewer keys per tile (tile {m} x N, N a multiple of 16), or drop the tile line "
-                             "and let the planner choose"])
+            over.append(f"a consumer thread needs ~{need} registers ({text.split('(', 1)[1][:-1]}) but its "
+                        f"setmaxnreg budget is {consumer}")
+        if over:
+            raise PlanError(f"tile {m} x {s.tile_n} at head_dim {d}: " + "; ".join(over), _loc(spec),
+                            [f"use fewer keys per tile (tile {m} x N, N a multiple of 16) or fewer kv_stages, "
+                             "or drop the tile line and let the planner choose"])
         if (m, s.tile_n) == (128, 128):
             return s.tile_n, ""
         return s.tile_n, f"tile {m} x {s.tile_n} (the spec's) at head_dim {d}: {text}"
