@@ -20,6 +20,9 @@ outside ``@cute.jit`` code), so each config traces to the code its own rendered 
 - ``intra_wg_overlap``: a warpgroup's QK^T of tile n+1 runs under the softmax of tile n
   (``step_overlap``); else one tile after the other (``step_plain``).
 - ``pingpong``: the consumer warpgroups take turns issuing MMAs (named barriers 1 + wg).
+- ``head_dim``, ``tile_n``: plain sizes of the MMAs, SMEM layouts and TMA boxes (head dims 64,
+  96, 128, 192, 256; 64..128 keys per tile in steps of 16, FP8 128), no code per head dim;
+  the planner picks the tile per head dim (BF16 d192: 112 keys, d256: 80).
 
 Roles: warpgroup 0 is the producer (warp 0 issues the TMA loads of Q, K, V; its registers
 are cut to ``producer_regs``), warpgroups 1.. are the consumers (64 query rows each,
