@@ -97,7 +97,7 @@ class DecodeHost:
         cache's layout against the spec already; a direct caller gets the same errors for what
         the kernel needs): q (B, Sq, H, D) bf16, Sq <= q_tokens, H = gqa x Hkv; the caches
         (slots, page, Hkv, D) contiguous, bf16 or (fp8) uint8 E4M3 codes; fp8: k_scale, v_scale
-        fp32 (slots, page, Hkv) per token or (Hkv,) per tensor; seqlens_k int (B,) keys per
+        fp32 (slots, page, Hkv) per token or (Hkv,) per tensor (made contiguous for the launch); seqlens_k int (B,) keys per
         sequence; page_table int (B, pages) exactly when the cache is paged. Returns (B, Sq, H)."""
         import torch
 
@@ -133,9 +133,8 @@ class DecodeHost:
             if not cfg.fp8:
                 if t is not None:
                     raise AttentionInputError(f"{who}: a bf16 cache has no scales; drop {name}")
-            elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != scale_shape \
-                    or not t.is_contiguous():
-                raise AttentionInputError(f"{who}: {name} must be a contiguous float32 tensor {scale_shape} (the "
+            elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != scale_shape:
+                raise AttentionInputError(f"{who}: {name} must be a float32 tensor {scale_shape} (the "
                                           f"{cfg.cache_format} cache's scales), got {checks.describe(t)}")
         if H != cfg.gqa * Hkv:
             raise AttentionInputError(f"{who}: q has {H} heads, the cache {Hkv} KV heads; this kernel packs gqa "
@@ -195,6 +194,7 @@ class DecodeHost:
         o_s = torch.zeros((num_splits, B, H, Sq, cfg.head_dim), dtype=torch.float32, device=q.device)
         lse_s = torch.full((num_splits, B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
         if B:
+            k_scale, v_scale = (None if t is None else t.contiguous() for t in (k_scale, v_scale))
             tensors = (q.contiguous(), k_cache, v_cache, k_scale, v_scale,
                        None if page_table is None else page_table.to(torch.int32).contiguous(),
                        seqlens_k.to(torch.int32).contiguous(), o_s, lse_s)
