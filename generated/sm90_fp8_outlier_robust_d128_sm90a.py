@@ -359,7 +359,7 @@ PLAN_JSON = (
     ' },\n'
     ' "target": "sm90a", "tmem": null,\n'
     ' "transforms": {\n'
-    '  "example": [1, 16, 16384], "example_bytes": 272629760, "example_us": 63.4, "fused": false,\n'
+    '  "example": [2, 16, 16384], "example_bytes": 545259520, "example_us": 126.8, "fused": false,\n'
     '  "hbm_bytes_per_s": 4300000000000.0,\n'
     '  "notes": [\n'
     '   "separate torch passes around the kernel, not fused into it (future work): each costs HBM traffic the kernel does not have",\n'

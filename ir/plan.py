@@ -399,8 +399,9 @@ class DecodePlan:
 
 # The HBM copy bandwidth of the H200 that the decode planner also uses (ir/passes/decode.py)
 TRANSFORM_HBM_BYTES_PER_S = 4.3e12
-# the shape the record prices as an example: batch 1, 16 heads (MHA), 16k tokens
-TRANSFORM_EXAMPLE = (1, 16, 16384)
+# the shape the record prices as an example: the committed H200 forward rows (bench/results/
+# attention-sm90-fwd-d128-fusedquant-h200.json): batch 2, 16 heads (MHA), 16k tokens
+TRANSFORM_EXAMPLE = (2, 16, 16384)
 TRANSFORM_INPUT_BYTES = 2  # bf16 q, k, v and O
 
 
