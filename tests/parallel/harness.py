@@ -246,17 +246,36 @@ def _profile_forward(call, trace_path: str) -> list:
     """[(name, start_us, end_us)] of the GPU kernels of one ``call()`` (after a warm-up call),
     read from the profiler's Chrome trace (its "kernel" events)."""
     import json
+    import time
 
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
+
+    from fp4gen import parallel
+
+    # Rank 1 issues its first transfer 50 ms late, so rank 0's NCCL kernel waits for it that long
+    # on the GPU: a ring that overlaps runs rank 0's block kernels meanwhile, a blocking one
+    # cannot; without the delay a fast transfer could end before the host launches a kernel.
+    ring = parallel._Ring
+    start = ring.start
+
+    def late_start(self, send, tag, step):
+        if step == 0:
+            time.sleep(0.05)
+        return start(self, send, tag, step)
 
     with torch.no_grad():
         call()
         torch.cuda.synchronize()
         dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
+        if dist.get_rank() == 1:
+            ring.start = late_start
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+        finally:
+            ring.start = start
     prof.export_chrome_trace(trace_path)
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]

@@ -100,8 +100,10 @@ def _overlapped(kernels) -> int:
 
 def test_nccl_transfer_overlaps_the_block_kernels(tmp_path):
     """The profiler's kernel timeline of one ring forward on rank 0: the NCCL send/recv of the
-    next K/V block runs during the current block's kernels. The planted fault, a blocking ring
-    (each transfer waited before the block's kernels), must show no overlap."""
+    next K/V block runs during the current block's kernels (rank 1 posts its side 50 ms late,
+    harness._profile_forward, so the transfer cannot end before rank 0's kernels start). The
+    planted fault, a blocking ring (each transfer waited before the block's kernels), must show
+    no overlap."""
     case = dict(name="p", spec="fp32", S=16384, H=4, causal=False, mode="ring", device="cuda", backend="reference",
                 profile=True, compare=False)
     kernels = harness.run(2, [case], tmp_path / "ok", pg_backend="nccl")["p"]["stats"]["kernels"]
