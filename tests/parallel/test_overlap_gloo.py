@@ -100,3 +100,18 @@ def test_debug_trace_helpers():
         parallel.set_debug(False)
     parallel._trace("compute", "fwd", 1)
     assert parallel.debug_trace() == []
+
+
+def test_fp8_wire_under_late_delivery(tmp_path):
+    """The FP8 exchange in debug mode: payload codes (uint8, poisoned to 0xFF, NaN in E4M3) and
+    fp32 amaxes arrive only at the wait, and the result is still bit-for-bit the one of a run
+    without debug mode."""
+    cases = [_case("dbg", spec="fp8", S=512), _case("plain", spec="fp8", S=512, debug=False)]
+    res = harness.run(2, cases, tmp_path)
+    dbg, plain = res["dbg"], res["plain"]
+    assert dbg["stats"]["exchange_fwd"]["k"].startswith("fp8")
+    for trace in dbg["stats"]["traces"]:
+        assert schedule_errors(trace, 2) == [], trace
+    assert plain["stats"]["trace"] == []
+    for n in harness.OUTPUTS:
+        assert torch.equal(dbg["cp"][n], plain["cp"][n]), n
