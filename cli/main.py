@@ -567,8 +567,11 @@ def cmd_run(args) -> int:
                      max_seqlen_k=max(lengths))
     t0 = time.perf_counter()
     try:
-        o, lse = mod.forward(q, k, v, return_lse=True, **extra)
-        grads = mod.backward(q, k, v, o, lse, do, **extra) if bwd else None
+        if spec.transforms:  # the module's forward knows nothing of them: fp4gen.attention runs them around it
+            o, grads = _run_with_transforms(mod, q, k, v, do, extra, bwd)
+        else:
+            o, lse = mod.forward(q, k, v, return_lse=True, **extra)
+            grads = mod.backward(q, k, v, o, lse, do, **extra) if bwd else None
     except UnsupportedDeviceError as e:  # a GPU of another architecture
         raise UserError(str(e)) from None
     if device.type == "cuda":
@@ -582,11 +585,33 @@ def cmd_run(args) -> int:
           f"{'forward+backward' if bwd else 'forward'} in {elapsed * 1e3:.1f} ms (first call, includes compilation)")
     if sinks is not None:
         print(f"  sink logits: {[round(float(x), 4) for x in sinks]}")
+    if spec.transforms:
+        print(f"  transforms {', '.join(spec.transforms.names)}: torch steps around the kernel (fp4gen.attention)")
     rows = [("o", o, ref_o)] + ([(n, g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_g)] if bwd else [])
     for name, x, ref in rows:
         c = accuracy.compare(x.cpu(), ref)
         print(f"  {name}: cosine {c['cosine']:.6f}  rel_l2 {c['rel_l2']:.6f}  max_abs {c['max_abs']:.4g}")
     return EXIT_OK
+
+
+def _run_with_transforms(mod, q, k, v, do, extra, bwd):
+    """``run`` of a spec with outlier transforms: fp4gen.attention with the module (which applies
+    them and runs the module in between), the gradients through autograd. -> (o, grads or None)."""
+    import torch
+
+    from fp4gen import torch_ops
+
+    backend = "auto" if mod.TARGET == "reference" else "generated"
+    xs = [x.detach().requires_grad_(bwd) for x in (q, k, v)]
+    kw = {"sinks": extra["sinks"]} if "sinks" in extra else {}
+    with torch.set_grad_enabled(bwd):
+        if "cu_seqlens_q" in extra:
+            o = torch_ops.attention_varlen(*xs, extra["cu_seqlens_q"], extra["cu_seqlens_k"], extra["max_seqlen_q"],
+                                           extra["max_seqlen_k"], spec=mod, backend=backend, **kw)
+        else:
+            o = torch_ops.attention(*xs, spec=mod, backend=backend, **kw)
+    grads = torch.autograd.grad(o, xs, do) if bwd else None
+    return o.detach(), grads
 
 
 def cmd_verify(args) -> int:

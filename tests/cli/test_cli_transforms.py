@@ -79,3 +79,20 @@ def test_accuracy_random_runs_the_specs_transforms(cli, tmp_path):
     assert r.rc == 0
     rep = json.loads(r.out)
     assert rep["transforms"] == ["channel_scale_v"] and 0 < rep["rel_l2"] < 0.2
+
+
+def test_run_goes_through_the_transforms(cli, tmp_path, monkeypatch):
+    """`fp4gen run` of a spec with transforms runs them (fp4gen.attention around the module), not
+    the bare module: a Post that is not applied shows in its O error."""
+    body = ("  mask causal\n  Q : fp8e4m3(block=128)\n  K : fp8e4m3(block=128) smooth\n  P : fp8e4m3 via exp\n"
+            "  V : fp8e4m3 channel_scale\n  backward {\n    dO : bf16\n  }")
+    p = _write(tmp_path, body)
+    r = cli("run", p, "--seqlen", "64", "--heads", "2", "--backward")
+    assert r.rc == 0 and "transforms smooth_k, channel_scale_v: torch steps" in r.out
+    rel = float(r.out.split("o: cosine")[1].split("rel_l2")[1].split()[0])
+    assert rel < 0.1
+    from fp4gen.numerics import outliers
+
+    monkeypatch.setattr(outliers.Post, "o", lambda self, x: x)  # planted: O's columns not scaled back
+    bad = cli("run", p, "--seqlen", "64", "--heads", "2")
+    assert float(bad.out.split("o: cosine")[1].split("rel_l2")[1].split()[0]) > 0.3
