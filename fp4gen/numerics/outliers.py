@@ -59,6 +59,9 @@ def channel_scale_v(v: torch.Tensor):
     return v / c, c
 
 
+# a constant of (d, seed): torch.compile bakes it into the graph instead of tracing the seeded
+# torch.Generator, which it cannot (fp4gen.attention with `rotate qk hadamard(seed=N)`)
+@torch.compiler.assume_constant_result
 def hadamard_matrix(d: int, seed: Optional[int] = None) -> torch.Tensor:
     """Orthonormal (d, d) float32: Sylvester's Hadamard / sqrt(d), columns' signs flipped by a
     seeded draw when ``seed`` is given."""

@@ -184,3 +184,22 @@ def test_explain_lists_the_transforms():
     r = torch_ops.explain(spec("all"), "cpu")
     assert r["transforms"] == ["smooth_k", "channel_scale_v", "hadamard"] and r["forward"] == "reference"
     assert "transforms" not in torch_ops.explain(spec("none"), "cpu")
+
+
+@pytest.mark.parametrize("option", ["hadamard", "all"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph(option, backend):
+    """The transform steps trace (the seeded Hadamard matrix is a constant of the graph), forward
+    and backward."""
+    torch._dynamo.reset()
+    s = spec(option, recipe=FP32, head_dim=16)
+    q, k, v = leaves((1, 6, 2, 16), (1, 8, 2, 16), (1, 8, 2, 16))
+
+    def f(q, k, v):
+        return attention(q, k, v, spec=s, causal=True)
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    want = f(q, k, v)
+    assert torch.equal(got, want)
+    for g, ge in zip(grads(got, [q, k, v]), grads(want, [q, k, v])):
+        torch.testing.assert_close(g, ge, rtol=1e-12, atol=1e-12)
