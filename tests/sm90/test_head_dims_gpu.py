@@ -8,13 +8,15 @@ hand-built one; then the example modules (generated/) themselves. Per recipe (BF
 FP8 Direct-P), causal and not, ragged shapes: lengths not a multiple of the tile (112 and 80
 included), Sq != Sk both ways (Sq > Sk leaves the first causal rows with no key: O = 0,
 LSE = -inf exactly where the reference has them), GQA, one key, shorter than one tile,
-large logits. BF16 also in the varlen layout (ragged, empty sequences).
+large logits. BF16 also in the varlen layout at 192 and 256 (causal; ragged, empty
+sequences).
 
 Tolerances: test_sm90_gpu.py's per recipe (TOL: MMA accumulation order, ex2.approx, FP8
 wgmma's reduced-precision accumulation). A wider head sums more products per score, but the
-bound is relative (rel-L2 of O, |dLSE| relative to |LSE|) and the inputs are unit-variance,
-so the per-score relative error does not grow with D; the logit multiplier keeps scores of the
-same spread at every D (q scaled by sqrt(D / 128)).
+softmax scale D^-1/2 keeps the scaled logits (and their rounding and quantization errors,
+sums of D products of unit-variance inputs, ~sqrt(D) each) at the same size at every D; the
+multiplier sets their spread (std ~ mult), and the bounds are relative (rel-L2 of O, |dLSE|
+relative to |LSE|).
 
 Run: ``pytest -q -m gpu tests/sm90/test_head_dims_gpu.py``
 """
@@ -67,7 +69,7 @@ def _module(d, variant, causal, tmp_path_factory, varlen=False):
 
 def _inputs(B, Sq, Sk, H, Hkv, d, mult, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(B, Sq, H, d, device="cuda", generator=g) * mult * (d / 128) ** 0.5).bfloat16()
+    q = (torch.randn(B, Sq, H, d, device="cuda", generator=g) * mult).bfloat16()
     k = torch.randn(B, Sk, Hkv, d, device="cuda", generator=g).bfloat16()
     v = torch.randn(B, Sk, Hkv, d, device="cuda", generator=g).bfloat16()
     return q, k, v
@@ -92,12 +94,13 @@ def test_matches_reference(variant, d, causal, tmp_path_factory):
         _check(o, lse, o_ref, lse_ref, variant, what=what)
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [192, 256])  # the 112- and 80-key tiles (96 runs d128's 128)
 @pytest.mark.parametrize("batch", range(len(VARLEN_BATCHES)))
-def test_bf16_varlen_matches_reference(d, causal, batch, tmp_path_factory):
+def test_bf16_varlen_matches_reference(d, batch, tmp_path_factory):
+    """Causal (per-sequence bottom-right alignment): the harder of the two masks."""
     from fp4gen.numerics import reference
 
+    causal = True
     plan, mod = _module(d, "bf16", causal, tmp_path_factory, varlen=True)
     lengths = VARLEN_BATCHES[batch]
     g = torch.Generator(device="cuda").manual_seed(batch + d)
@@ -113,11 +116,11 @@ def test_bf16_varlen_matches_reference(d, causal, batch, tmp_path_factory):
     _check(o[None], lse[None], o_ref[None], lse_ref[None], "bf16", what=f"varlen d{d} causal={causal} #{batch}")
 
 
+# one example module per new head dim (the others share these configs but for the mask, which
+# test_matches_reference covers at every dim; each module is one more compile)
 EXAMPLE_MODULES = [
-    ("sm90_bf16_d256_sm90a", "bf16"), ("sm90_bf16_causal_d256_sm90a", "bf16"),
-    ("sm90_bf16_causal_d192_sm90a", "bf16"), ("sm90_fp8_directp_d96_sm90a", "fp8_directp"),
-    ("sm90_fp8_directp_causal_d96_sm90a", "fp8_directp"), ("sm90_fp8_exp_causal_d192_sm90a", "fp8_exp"),
-    ("sm90_fp8_directp_d256_sm90a", "fp8_directp"),
+    ("sm90_bf16_causal_d256_sm90a", "bf16"), ("sm90_fp8_directp_d96_sm90a", "fp8_directp"),
+    ("sm90_fp8_exp_causal_d192_sm90a", "fp8_exp"),
 ]
 
 
