@@ -300,7 +300,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     0.0 keep the spec's). num_splits: None = the planner's split-KV rule, or a count of key
     splits per sequence (the result is the same up to float32 rounding). backend: "auto" (the
     reference on the CPU or for a ``target reference`` spec; on CUDA for a ``target sm90a`` spec the
-    sm90a decode kernel, ``fp4gen.device.sm90.decode``: bf16 and fp8 caches, causal or no mask; what it
+    sm90a decode kernel, ``fp4gen.device.sm90.decode``: bf16, fp8 and nvfp4 caches, causal or no mask; what it
     does not run raises NoKernelError saying why), "reference", "generated" (the kernel or
     NoKernelError). With the kernel, new tokens are written by the reference's quantizer first.
     Returns o (B, Sq, H, D) in q's dtype, and with return_lse (o, lse (B, H, Sq) float32).
@@ -413,11 +413,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if k is not None:  # the new tokens go in by the reference's quantizer: both backends store the same bits
             kv.append(kc, vc, lengths, page_table, k, v)
         ends = torch.tensor([L + Sn for L in lengths], dtype=torch.int32, device=q.device)
-        # the cache as stored: fp8 codes with their per-token scales, or the per-KV-head ones
+        # the cache as stored: codes with their per-token / per-block scales, or fp8's per-KV-head
+        # scale; a two-level nvfp4 cache's g beside its block scales
+        nvfp4 = c.format.format.value == "nvfp4"
         ks, vs = (kc.scale, vc.scale) if kc.scale is not None else (kc.tensor_scale, vc.tensor_scale)
-        o, lse = mod.decode(q.to(torch.bfloat16), kc.data, vc.data, ends, k_scale=ks, v_scale=vs,
-                            page_table=page_table, num_splits=num_splits, softmax_scale=spec.softmax_scale,
-                            return_lse=True)
+        gk, gv = (kc.tensor_scale, vc.tensor_scale) if nvfp4 else (None, None)
+        o, lse = mod.decode(q.to(torch.bfloat16), kc.data, vc.data, ends, k_scale=ks, v_scale=vs, k_tensor_scale=gk,
+                            v_tensor_scale=gv, page_table=page_table, num_splits=num_splits,
+                            softmax_scale=spec.softmax_scale, return_lse=True)
     else:
         o, lse = kv.decode(q, kc, vc, lengths, spec, page_table=page_table, k_new=k, v_new=v, sinks=sinks,
                            num_splits=num_splits)

@@ -32,8 +32,8 @@ def context(plan) -> dict:
         raise LoweringError(f"the sm90a decode kernel takes head_dim {' or '.join(map(str, dc.HEAD_DIMS))}, "
                             f"not {spec.head_dim}", "head_dim")
     if str(c.format) not in dc.CACHE_FORMATS:
-        raise LoweringError(f"the sm90a decode kernel reads bf16 and fp8e4m3 caches today, not {c.format} (nvfp4: "
-                            "issue 22; target reference runs it)", "kv_cache.format")
+        raise LoweringError(f"the sm90a decode kernel reads the caches {', '.join(dc.CACHE_FORMATS)}, not {c.format} "
+                            "(target reference runs it)", "kv_cache.format")
     for name, f in (("Q", spec.q), ("P", spec.p), ("O", spec.o)):
         if f.format is not Format.BF16:
             raise LoweringError(f"the sm90a decode kernel takes {name} as bf16, not {f.format.value}", name)

@@ -42,11 +42,18 @@ class DecodeHost:
         sym = cute.sym_int
         b, sq, h, slots, page, hkv, splits = (sym() for _ in range(7))
         d = cfg.head_dim
-        cache_t = cutlass.Uint8 if cfg.fp8 else cutlass.BFloat16  # E4M3 codes as bytes
+        cache_t = cutlass.Uint8 if cfg.fp8 or cfg.nvfp4 else cutlass.BFloat16  # E4M3 / packed E2M1 codes as bytes
+        row = d // 2 if cfg.nvfp4 else d
         q = fake(cutlass.BFloat16, (b, sq, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-        k = fake(cache_t, (slots, page, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-        v = fake(cache_t, (slots, page, hkv, d), stride_order=(3, 2, 1, 0), assumed_align=16)
-        if cfg.token_scale:
+        k = fake(cache_t, (slots, page, hkv, row), stride_order=(3, 2, 1, 0), assumed_align=16)
+        v = fake(cache_t, (slots, page, hkv, row), stride_order=(3, 2, 1, 0), assumed_align=16)
+        gk = gv = None
+        if cfg.nvfp4:
+            sk, sv = (fake(cutlass.Uint8, (slots, page, hkv, d // 16), stride_order=(3, 2, 1, 0), assumed_align=16)
+                      for _ in range(2))
+            if cfg.tensor_scale:
+                gk, gv = (fake(Float32, (hkv,), assumed_align=4) for _ in range(2))
+        elif cfg.token_scale:
             sk, sv = (fake(Float32, (slots, page, hkv), stride_order=(2, 1, 0), assumed_align=4) for _ in range(2))
         elif cfg.fp8:
             sk, sv = (fake(Float32, (hkv,), assumed_align=4) for _ in range(2))
@@ -56,7 +63,7 @@ class DecodeHost:
         lens = fake(Int32, (b,), assumed_align=4)
         o = fake(Float32, (splits, b, h, sq, d), stride_order=(4, 3, 2, 1, 0), assumed_align=16)
         lse = fake(Float32, (splits, b, h, sq), stride_order=(3, 2, 1, 0), assumed_align=4)
-        return q, k, v, sk, sv, pt, lens, o, lse, Int32(1), Float32(1.0)
+        return q, k, v, sk, sv, gk, gv, pt, lens, o, lse, Int32(1), Float32(1.0)
 
     def compile(self, arch=None, tvm_ffi=None):
         """The compiled decode kernel: at run time (``arch`` None) through
@@ -92,13 +99,16 @@ class DecodeHost:
     # ------------------------------------------------------------------ checks
 
     def check(self, q, k_cache, v_cache, seqlens_k, page_table, num_splits, softmax_scale, k_scale=None,
-              v_scale=None):
+              v_scale=None, k_tensor_scale=None, v_tensor_scale=None):
         """The kernel's own argument checks (``fp4gen.attention_with_kvcache`` checked the
         cache's layout against the spec already; a direct caller gets the same errors for what
         the kernel needs): q (B, Sq, H, D) bf16, Sq <= q_tokens, H = gqa x Hkv; the caches
         (slots, page, Hkv, D) contiguous, bf16 or (fp8) uint8 E4M3 codes; fp8: k_scale, v_scale
         fp32 (slots, page, Hkv) per token or (Hkv,) per tensor (made contiguous for the launch); seqlens_k int (B,) keys per
-        sequence; page_table int (B, pages) exactly when the cache is paged. Returns (B, Sq, H)."""
+        sequence; page_table int (B, pages) exactly when the cache is paged; nvfp4: the caches
+        uint8 (slots, page, Hkv, D / 2) (two E2M1 codes a byte), k_scale / v_scale their uint8
+        E4M3 block scales (slots, page, Hkv, D / 16), and with tensor_scale=fp32 k_tensor_scale /
+        v_tensor_scale fp32 (Hkv,). Returns (B, Sq, H)."""
         import torch
 
         from fp4gen.runtime import checks
@@ -114,13 +124,13 @@ class DecodeHost:
         if not 1 <= Sq <= cfg.q_tokens:
             raise AttentionInputError(f"{who}: q holds {Sq} tokens per sequence; this kernel takes 1 to "
                                       f"q_tokens {cfg.q_tokens}")
-        want = torch.uint8 if cfg.fp8 else torch.bfloat16
-        what = "uint8 (E4M3 codes)" if cfg.fp8 else "bf16"
+        want = torch.uint8 if cfg.fp8 or cfg.nvfp4 else torch.bfloat16
+        what = "uint8 (E4M3 codes)" if cfg.fp8 else "uint8 (two E2M1 codes a byte)" if cfg.nvfp4 else "bf16"
+        row = cfg.head_dim // 2 if cfg.nvfp4 else cfg.head_dim
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(t, torch.Tensor) or t.dtype != want or t.dim() != 4 or \
-                    t.shape[3] != cfg.head_dim:
-                raise AttentionInputError(f"{who}: {name} must be a {what} (slots, page, Hkv, D={cfg.head_dim}) "
-                                          f"tensor (the kernel reads a {cfg.cache_format} cache), got "
+            if not isinstance(t, torch.Tensor) or t.dtype != want or t.dim() != 4 or t.shape[3] != row:
+                raise AttentionInputError(f"{who}: {name} must be a {what} (slots, page, Hkv, {row}) tensor (the "
+                                          f"kernel reads a {cfg.cache_format} cache, D={cfg.head_dim}), got "
                                           f"{checks.describe(t)}")
             if not t.is_contiguous():
                 raise AttentionInputError(f"{who}: {name} must be contiguous (slots, page, Hkv, D), got strides "
@@ -128,14 +138,26 @@ class DecodeHost:
         if k_cache.shape != v_cache.shape:
             raise AttentionInputError(f"{who}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
         Hkv = k_cache.shape[2]
-        scale_shape = tuple(k_cache.shape[:3]) if cfg.token_scale else (Hkv,)
+        if cfg.nvfp4:
+            scale_shape, scale_t = tuple(k_cache.shape[:3]) + (cfg.head_dim // 16,), torch.uint8
+        else:
+            scale_shape, scale_t = (tuple(k_cache.shape[:3]) if cfg.token_scale else (Hkv,)), torch.float32
+        scale_name = str(scale_t).removeprefix("torch.")
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not cfg.fp8:
+            if not (cfg.fp8 or cfg.nvfp4):
                 if t is not None:
                     raise AttentionInputError(f"{who}: a bf16 cache has no scales; drop {name}")
-            elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != scale_shape:
-                raise AttentionInputError(f"{who}: {name} must be a float32 tensor {scale_shape} (the "
-                                          f"{cfg.cache_format} cache's scales), got {checks.describe(t)}")
+            elif not isinstance(t, torch.Tensor) or t.dtype != scale_t or tuple(t.shape) != scale_shape:
+                raise AttentionInputError(f"{who}: {name} must be a {scale_name} tensor {scale_shape} "
+                                          f"(the {cfg.cache_format} cache's scales), got {checks.describe(t)}")
+        for name, t in (("k_tensor_scale", k_tensor_scale), ("v_tensor_scale", v_tensor_scale)):
+            if not cfg.tensor_scale:
+                if t is not None:
+                    raise AttentionInputError(f"{who}: a {cfg.cache_format} cache has no per-KV-head tensor scale; "
+                                              f"drop {name}")
+            elif not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (Hkv,):
+                raise AttentionInputError(f"{who}: {name} must be a float32 tensor ({Hkv},) (the two-level nvfp4 "
+                                          f"cache's g), got {checks.describe(t)}")
         if H != cfg.gqa * Hkv:
             raise AttentionInputError(f"{who}: q has {H} heads, the cache {Hkv} KV heads; this kernel packs gqa "
                                       f"{cfg.gqa} query heads per KV head")
@@ -159,7 +181,8 @@ class DecodeHost:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise AttentionInputError(f"{who}: num_splits must be an int >= 1, got {num_splits!r}")
         checks.check_same_device(who, q=q, k_cache=k_cache, v_cache=v_cache, seqlens_k=seqlens_k,
-                                 page_table=page_table, k_scale=k_scale, v_scale=v_scale)
+                                 page_table=page_table, k_scale=k_scale, v_scale=v_scale,
+                                 k_tensor_scale=k_tensor_scale, v_tensor_scale=v_tensor_scale)
         if q.device.type != "cuda":
             raise AttentionInputError(f"{who}: the sm90a decode kernel runs on a CUDA device; q is on {q.device} "
                                       "(fp4gen.attention_with_kvcache runs the reference there)")
@@ -175,12 +198,14 @@ class DecodeHost:
                                   "call fp4gen.attention_with_kvcache(q, k_cache, v_cache, ...) or this module's "
                                   "decode(q, k_cache, v_cache, seqlens_k, ...)")
 
-    def decode(self, q, k_cache, v_cache, seqlens_k, *, k_scale=None, v_scale=None, page_table=None,
-               num_splits: int = 1, softmax_scale=None, return_lse: bool = False, partials: bool = False):
+    def decode(self, q, k_cache, v_cache, seqlens_k, *, k_scale=None, v_scale=None, k_tensor_scale=None,
+               v_tensor_scale=None, page_table=None, num_splits: int = 1, softmax_scale=None, return_lse: bool = False,
+               partials: bool = False):
         """Attend q (B, Sq, H, D) bf16 to the first seqlens_k[b] keys of each sequence of a
         cache (slots, page, Hkv, D) (contiguous: slot b; paged: through page_table) in the
-        config's format (bf16, or uint8 E4M3 codes with ``k_scale``/``v_scale`` as
-        ``numerics.kvcache.CacheTensor`` holds them), masks bottom-right aligned, split into
+        config's format (bf16, or uint8 codes with ``k_scale``/``v_scale`` and, two-level nvfp4,
+        ``k_tensor_scale``/``v_tensor_scale``, as ``numerics.kvcache.CacheTensor`` holds them:
+        ``scale`` and ``tensor_scale``; see ``check``), masks bottom-right aligned, split into
         ``num_splits`` runs of key tiles and combined.
         Returns o (B, Sq, H, D) bf16, with return_lse (o, lse (B, H, Sq) fp32 natural log);
         ``partials``: the uncombined (o_s (splits, B, H, Sq, D), lse_s (splits, B, H, Sq) log2)."""
@@ -189,13 +214,15 @@ class DecodeHost:
         from fp4gen.numerics import kvcache as kv
 
         cfg = self.config
-        B, Sq, H = self.check(q, k_cache, v_cache, seqlens_k, page_table, num_splits, softmax_scale, k_scale, v_scale)
+        B, Sq, H = self.check(q, k_cache, v_cache, seqlens_k, page_table, num_splits, softmax_scale, k_scale, v_scale,
+                              k_tensor_scale, v_tensor_scale)
         scale = float(softmax_scale) if softmax_scale is not None else cfg.head_dim ** -0.5
         o_s = torch.zeros((num_splits, B, H, Sq, cfg.head_dim), dtype=torch.float32, device=q.device)
         lse_s = torch.full((num_splits, B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
         if B:
-            k_scale, v_scale = (None if t is None else t.contiguous() for t in (k_scale, v_scale))
-            tensors = (q.contiguous(), k_cache, v_cache, k_scale, v_scale,
+            k_scale, v_scale, k_tensor_scale, v_tensor_scale = (
+                None if t is None else t.contiguous() for t in (k_scale, v_scale, k_tensor_scale, v_tensor_scale))
+            tensors = (q.contiguous(), k_cache, v_cache, k_scale, v_scale, k_tensor_scale, v_tensor_scale,
                        None if page_table is None else page_table.to(torch.int32).contiguous(),
                        seqlens_k.to(torch.int32).contiguous(), o_s, lse_s)
             self.launch(tensors, (int(num_splits), scale * math.log2(math.e)))
@@ -224,5 +251,5 @@ class DecodeHost:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
             conv = [cute_tensor(t, align4=(torch.float32, torch.int32)) for t in tensors]
             # q and the caches are 16-byte aligned; o_s is fp32 with D contiguous: 16 bytes too
-            conv[7] = cute_tensor(tensors[7])
+            conv[9] = cute_tensor(tensors[9])
             kern(*conv, Int32(scalars[0]), Float32(scalars[1]), stream)

@@ -133,6 +133,7 @@ def test_fp8_d64_token_paged16_no_mask():
 
 @pytest.mark.parametrize("fmt", FP8, ids=["token", "tensor"])
 def test_fp8_appends_are_the_reference_bits(fmt):
+    """New tokens quantized into the cache (the reference's quantizer), crossing a page, then attended."""
     spec = spec_of(storage="paged(page_size=16)", gqa=4, fmt=fmt)
     q, kc, vc, pt, lens = make_case(spec, (14, 30, 200), 3, capacity=256, shuffle_pages=True, seed=7)
     kr, vr = clone_cache(kc), clone_cache(vc)
@@ -142,10 +143,30 @@ def test_fp8_appends_are_the_reference_bits(fmt):
                                            return_lse=True, num_splits=2)
     o_ref, lse_ref = fp4gen.attention_with_kvcache(q, kr, vr, kn, vn, cache_seqlens=lens, page_table=pt, spec=spec,
                                                    return_lse=True, num_splits=2, backend="reference")
-    assert torch.equal(kc.data, kr.data) and torch.equal(vc.data, vr.data)
+    assert torch.equal(kc.data, kr.data) and torch.equal(vc.data, vr.data)  # the same codes appended
     if kc.scale is not None:
         assert torch.equal(kc.scale, kr.scale) and torch.equal(vc.scale, vr.scale)
     assert_close(o, lse, o_ref, lse_ref, f"{fmt} append")
+
+
+NVFP4 = ["nvfp4", "nvfp4(tensor_scale=fp32)"]
+
+
+@pytest.mark.parametrize("fmt", NVFP4, ids=["nvfp4", "two_level"])
+@pytest.mark.parametrize("storage", [None, "paged(page_size=64)"], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("sq,splits", [(1, 1), (8, 5), (3, None)])
+def test_nvfp4_cache_matches_the_reference(fmt, storage, sq, splits):
+    compare(spec_of(storage=storage, gqa=8, fmt=fmt), LENGTHS, sq, splits, shuffle_pages=True)
+
+
+def test_nvfp4_two_level_d64_paged16():
+    compare(spec_of(head_dim=64, storage="paged(page_size=16)", gqa=4, q_tokens=4, fmt=NVFP4[1]),
+            LENGTHS, 2, 4, shuffle_pages=True, seed=4)
+
+
+@pytest.mark.parametrize("fmt", NVFP4, ids=["nvfp4", "two_level"])
+def test_nvfp4_appends_are_the_reference_bits(fmt):
+    test_fp8_appends_are_the_reference_bits(fmt)
 
 
 def test_planted_fp8_scale_ignored_is_caught():
@@ -157,6 +178,18 @@ def test_planted_fp8_scale_ignored_is_caught():
                                   num_splits=2, return_lse=True)
     with pytest.raises(AssertionError):
         assert_close(o, lse, o_ref, lse_ref, "planted V scale")
+
+
+def test_planted_nvfp4_nibble_order_is_caught():
+    """The cache's bytes with their two E2M1 nibbles swapped (the other packing order): the check fails."""
+    spec = spec_of(gqa=8, fmt=NVFP4[0])
+    q, kc, vc, pt, lens = make_case(spec, (1000, 300), 1)
+    o_ref, lse_ref = run(q, clone_cache(kc), clone_cache(vc), pt, lens, spec, "reference", num_splits=2)
+    swap = lambda x: ((x >> 4) | (x << 4)).to(torch.uint8)  # noqa: E731
+    o, lse = _module(spec).decode(q, swap(kc.data), swap(vc.data), lens, k_scale=kc.scale, v_scale=vc.scale,
+                                  num_splits=2, return_lse=True)
+    with pytest.raises(AssertionError):
+        assert_close(o, lse, o_ref, lse_ref, "planted nibble order")
 
 
 def test_planner_split_and_pages_out_of_order():

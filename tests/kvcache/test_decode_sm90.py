@@ -15,7 +15,8 @@ from fp4gen.lowering import LoweringError, refusal, render
 from fp4gen.runtime.checks import AttentionInputError
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ("examples/sm90_decode_bf16_d128.attn", "examples/sm90_decode_fp8_d128.attn")
+EXAMPLES = ("examples/sm90_decode_bf16_d128.attn", "examples/sm90_decode_fp8_d128.attn",
+            "examples/sm90_decode_nvfp4_d128.attn")
 
 
 def spec_of(body="format bf16\n    q_tokens 8\n    gqa 8", extra="", head_dim=128, mask="causal"):
@@ -46,13 +47,15 @@ def test_example_plans_and_renders_its_config(example):
 
     assert [p.spec.name for p in example] == ["sm90_decode_bf16_d128", "sm90_decode_bf16_paged_d128",
                                                "sm90_decode_bf16_nomask_d64", "sm90_decode_fp8_token_paged_d128",
-                                               "sm90_decode_fp8_tensor_d128"]
+                                               "sm90_decode_fp8_tensor_d128", "sm90_decode_nvfp4_paged_d128",
+                                               "sm90_decode_nvfp4_two_level_d64"]
     for plan in example:
         spec, c = plan.spec, plan.spec.kv_cache
         cfg = config(plan)
         assert cfg.cache_format == str(c.format)
         assert cfg.fp8 == (c.format.format.value == "fp8e4m3")
         assert cfg.token_scale == (cfg.fp8 and c.format.granularity.value == "token")
+        assert cfg.nvfp4 == (c.format.format.value == "nvfp4") and cfg.tensor_scale == bool(c.format.tensor_scale)
         assert (cfg.head_dim, cfg.gqa, cfg.q_tokens, cfg.tile_n) == (spec.head_dim, c.gqa, c.q_tokens,
                                                                      spec.schedule.tile_n)
         assert cfg.causal == (spec.mask.value == "causal")
@@ -64,8 +67,6 @@ def test_example_plans_and_renders_its_config(example):
 
 
 @pytest.mark.parametrize("body,extra,mask,path,line,match", [
-    ("format nvfp4\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 and fp8e4m3"),
-    ("format nvfp4(tensor_scale=fp32)\n    gqa 8", "", "causal", "kv_cache.format", 6, "bf16 and fp8e4m3"),
     ("format bf16\n    q_tokens 8\n    gqa 16", "", "causal", "kv_cache.gqa", 8, "at most 64"),
     ("format bf16", "  softcap 30\n", "causal", "softcap", 5, "softcap"),
     ("format bf16", "", "window(64, 0)", "mask", 4, "causal or nothing"),
@@ -95,7 +96,7 @@ def test_config_refuses_values_the_kernel_cannot_run():
               q_tokens=8, gqa=8, tile_n=128)
     DecodeConfig(**ok)
     for bad, match in ((dict(head_dim=96), "head_dim"), (dict(cache_format="fp8e4m3"), "cache format"),
-                       (dict(cache_format="nvfp4(block=16, scale=e4m3)"), "cache format"),
+                       (dict(cache_format="nvfp4"), "cache format"),
                        (dict(gqa=16), "64-row"), (dict(paged=True), "page_size"),
                        (dict(paged=True, page_size=48), "power of two"), (dict(tile_n=256), "tile_n")):
         with pytest.raises(ValueError, match=match):
@@ -160,6 +161,37 @@ def test_fp8_host_checks_the_scales(token, change, match):
     fmt = "fp8e4m3(scale=token)" if token else "fp8e4m3(scale=tensor)"
     with pytest.raises(AttentionInputError, match=match):
         _host(fmt=fmt).check(**{**_args8(token), **change})
+
+
+def test_the_e2m1_table_is_the_numerics_one():
+    from fp4gen.device.sm90.decode import E2M1_VALUES
+    from fp4gen.numerics.formats import E2M1, decode
+
+    want = decode(torch.arange(16, dtype=torch.uint8), E2M1)
+    got = torch.tensor(E2M1_VALUES)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def _args4(two_level):
+    kc = torch.zeros(2, 40, 2, 32, dtype=torch.uint8)
+    sc = torch.zeros(2, 40, 2, 4, dtype=torch.uint8)
+    g = {"k_tensor_scale": torch.ones(2), "v_tensor_scale": torch.ones(2)} if two_level else {}
+    return {**_args(), "k_cache": kc, "v_cache": kc.clone(), "k_scale": sc, "v_scale": sc.clone(), **g}
+
+
+@pytest.mark.parametrize("two_level,change,match", [
+    (False, dict(k_cache=torch.zeros(2, 40, 2, 64, dtype=torch.uint8)), "two E2M1 codes a byte"),
+    (False, dict(k_scale=torch.zeros(2, 40, 2, 4)), "k_scale must be a uint8 tensor \\(2, 40, 2, 4\\)"),
+    (False, dict(v_scale=torch.zeros(2, 40, 2, 8, dtype=torch.uint8)), "v_scale must be"),
+    (False, dict(k_tensor_scale=torch.ones(2)), "no per-KV-head tensor scale"),
+    (True, dict(v_tensor_scale=None), "v_tensor_scale must be a float32 tensor \\(2,\\)"),
+    (True, {}, "runs on a CUDA device"),
+    (False, {}, "runs on a CUDA device"),
+])
+def test_nvfp4_host_checks_the_block_scales(two_level, change, match):
+    fmt = "nvfp4(block=16, scale=e4m3" + (", tensor_scale=fp32)" if two_level else ")")
+    with pytest.raises(AttentionInputError, match=match):
+        _host(fmt=fmt).check(**{**_args4(two_level), **change})
 
 
 def test_a_bf16_cache_takes_no_scales():

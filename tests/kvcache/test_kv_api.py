@@ -123,18 +123,19 @@ def test_sm100a_decode_spec_is_refused_at_its_line():
     assert e.value.loc is not None and e.value.loc.line == 5
 
 
-def test_sm90a_nvfp4_cache_is_refused_at_its_format_line():
-    """sm90a plans a kv_cache spec; its decode kernel reads bf16 and fp8 caches, and refuses
-    nvfp4 at the format line (what `fp4gen check` reports)."""
+def test_sm90a_takes_every_cache_format_and_refuses_softcap_at_its_line():
+    """sm90a plans a kv_cache spec; its decode kernel reads every cache format, and refuses what
+    it does not implement (softcap here) at that line (what `fp4gen check` reports)."""
+    import dataclasses
+
     from fp4gen.ir.passes import plan_kernel
     from fp4gen.lowering import refusal
 
-    spec = spec_of(fmt="nvfp4", target="sm90a")
+    for fmt in ("bf16", "fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)", "nvfp4", "nvfp4(tensor_scale=fp32)"):
+        assert refusal(plan_kernel(spec_of(fmt=fmt, target="sm90a"))) is None, fmt
+    spec = dataclasses.replace(spec_of(target="sm90a"), softcap=30.0)
     err = refusal(plan_kernel(spec))
-    assert err is not None and "bf16 and fp8e4m3" in str(err) and err.path == "kv_cache.format"
-    assert spec.loc(err.path).line == 7
-    for fmt in ("bf16", "fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)"):
-        assert refusal(plan_kernel(spec_of(fmt=fmt, target="sm90a"))) is None
+    assert err is not None and "softcap" in str(err) and err.path == "softcap"
 
 
 def test_generated_backend_on_the_cpu_raises_no_kernel():
@@ -147,13 +148,13 @@ def test_generated_backend_on_the_cpu_raises_no_kernel():
 
 @pytest.mark.gpu
 def test_cuda_auto_raises_no_kernel_for_a_gpu_target_and_reference_runs():
-    spec = spec_of(fmt="nvfp4", target="sm90a")  # a cache format no sm90a kernel reads
-    ref_spec = spec_of(fmt="nvfp4")
+    spec = spec_of(target="sm90a")
+    ref_spec = spec_of()
     k = torch.randn(2, 40, 2, 64, device="cuda")
     kc, vc, pt = fp4gen.kv_cache_from(k, k.clone(), ref_spec, capacity=64)
     q = torch.randn(2, 1, 4, 64, device="cuda")
-    with pytest.raises(fp4gen.NoKernelError, match="backend='reference'"):
-        fp4gen.attention_with_kvcache(q, kc, vc, cache_seqlens=40, page_table=pt, spec=spec)
+    with pytest.raises(fp4gen.NoKernelError, match="backend='reference'"):  # no sm90a decode kernel has windows
+        fp4gen.attention_with_kvcache(q, kc, vc, cache_seqlens=40, page_table=pt, spec=spec, window_size=(16, 0))
     o = fp4gen.attention_with_kvcache(q, kc, vc, cache_seqlens=40, page_table=pt, spec=ref_spec)
     kc_cpu, vc_cpu, _ = fp4gen.kv_cache_from(k.cpu(), k.cpu().clone(), ref_spec, capacity=64)
     o_cpu = fp4gen.attention_with_kvcache(q.cpu(), kc_cpu, vc_cpu, cache_seqlens=40, page_table=pt.cpu(), spec=ref_spec)

@@ -31,6 +31,12 @@ bf16(P' - hi), so the product keeps ~16 bits of P' where one bf16 would round it
 reference multiplies bf16(p) by the fp32 dequantized V). Why not FP8 wgmma with Q in E4M3: it
 would round Q to E4M3, which the reference (Q : bf16) does not.
 
+NVFP4 caches (``nvfp4``, ``nvfp4(tensor_scale=fp32)``): the packed E2M1 rows (element 2i in
+byte i's low nibble) and their E4M3 block scales (one per 16 elements along D) are staged the
+same way and widened to BF16 as e2m1 x e4m3 (x the per-KV-head power of two g): at most 4
+significant bits, so exact in BF16, and the very values ``numerics.kvcache.dequantize_rows``
+computes; the BF16 MMAs then run as for a BF16 cache.
+
 Why mma.sync and not wgmma: decode is bound by the HBM read of the cache, not by the tensor
 cores (64 rows x one K/V read), and the warp MMA needs neither SMEM matrix descriptors nor
 swizzled layouts nor the asynchronous-proxy fences wgmma does, so every operand here is a
@@ -49,11 +55,14 @@ from .. import ptx
 from .decode_config import ROW_TILE, WARPS, DecodeConfig
 
 VEC = 8  # bf16 elements per load/store (16 bytes)
-VEC8 = 16  # e4m3 elements per copy (16 bytes)
+VEC8 = 16  # e4m3 elements (or packed e2m1 bytes) per copy (16 bytes)
+NVFP4_BLOCK = 16  # elements per E4M3 block scale along D
+# the value of each E2M1 code 0..15 (numerics.formats.E2M1; tests compare)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class DecodeKernel:
-    """The split-KV decode of a BF16 or FP8 cache (contiguous or paged)."""
+    """The split-KV decode of a BF16, FP8 or NVFP4 cache (contiguous or paged)."""
 
     def __init__(self, config: DecodeConfig):
         self.config = config
@@ -61,6 +70,7 @@ class DecodeKernel:
         self.threads = config.num_threads
         self.fp8 = config.fp8
         self.token_scale = config.token_scale
+        self.nvfp4 = config.nvfp4
 
     def shared_storage(self):
         """Q, K, V, S (fp32), P (bf16), and per-row rescale / sum / max."""
@@ -77,6 +87,12 @@ class DecodeKernel:
         if self.fp8:  # the E4M3 staging tiles (widened into sK, sV)
             fields["sK8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d], 128]
             fields["sV8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d], 128]
+        if self.nvfp4:  # packed E2M1 staging, the decoded block scales, the code -> value table
+            fields["sK4"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d // 2], 128]
+            fields["sV4"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d // 2], 128]
+            fields["sKsc"] = cute.struct.Align[cute.struct.MemRange[Float32, n * d // NVFP4_BLOCK], 16]
+            fields["sVsc"] = cute.struct.Align[cute.struct.MemRange[Float32, n * d // NVFP4_BLOCK], 16]
+            fields["sLut"] = cute.struct.Align[cute.struct.MemRange[Float32, 16], 16]
         if self.token_scale:  # each key's K and V scale, and P's low half
             fields["sSK"] = cute.struct.Align[cute.struct.MemRange[Float32, n], 16]
             fields["sSV"] = cute.struct.Align[cute.struct.MemRange[Float32, n], 16]
@@ -90,7 +106,9 @@ class DecodeKernel:
         mK: cute.Tensor,  # (slots, page, Hkv, D) bf16, or uint8 E4M3 codes
         mV: cute.Tensor,  # (slots, page, Hkv, D) bf16, or uint8 E4M3 codes
         mSK,  # fp8: K's fp32 scales, (slots, page, Hkv) per token or (Hkv,) per tensor; else None
-        mSV,  # fp8: V's, the same shape
+        mSV,  # fp8: V's, the same shape; nvfp4: K's / V's E4M3 block scale codes (slots, page, Hkv, D / 16)
+        mGK,  # nvfp4(tensor_scale=fp32): K's per-KV-head power of two (Hkv,) fp32, else None
+        mGV,
         mPageTable,  # paged: (B, pages per sequence) int32, else None
         mSeqlens: cute.Tensor,  # (B,) int32: keys of each sequence (cached + appended)
         mO: cute.Tensor,  # (splits, B, H, Sq, D) fp32: normalized partial outputs
@@ -103,11 +121,12 @@ class DecodeKernel:
         tiled_mma = cute.make_tiled_mma(mma_op, (WARPS, 1, 1))
         self.storage_t = self.shared_storage()
         grid = (num_splits, cute.size(mK.shape[2]), cute.size(mQ.shape[0]))
-        self.kernel(mQ, mK, mV, mSK, mSV, mPageTable, mSeqlens, mO, mLSE, tiled_mma, num_splits,
+        self.kernel(mQ, mK, mV, mSK, mSV, mGK, mGV, mPageTable, mSeqlens, mO, mLSE, tiled_mma, num_splits,
                     softmax_scale_log2).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mSK, mSV, mPageTable, mSeqlens: cute.Tensor,
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mSK, mSV, mGK, mGV, mPageTable,
+               mSeqlens: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma: cute.TiledMma, num_splits: Int32,
                softmax_scale_log2: Float32):
         cfg = self.config
@@ -135,6 +154,20 @@ class DecodeKernel:
             sV8w = storage.sV8.get_tensor(cute.make_layout(n * d // 4), dtype=cutlass.Uint32)
             sKw = storage.sK.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
             sVw = storage.sV.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+        sK4w = sV4w = sKsc = sVsc = sLut = sK4 = sV4 = None
+        if const_expr(self.nvfp4):
+            sK4 = storage.sK4.get_tensor(row_major(n, d // 2))
+            sV4 = storage.sV4.get_tensor(row_major(n, d // 2))
+            sK4w = storage.sK4.get_tensor(cute.make_layout(n * d // 8), dtype=cutlass.Uint32)  # 8 codes a word
+            sV4w = storage.sV4.get_tensor(cute.make_layout(n * d // 8), dtype=cutlass.Uint32)
+            sKsc = storage.sKsc.get_tensor(cute.make_layout(n * d // NVFP4_BLOCK))
+            sVsc = storage.sVsc.get_tensor(cute.make_layout(n * d // NVFP4_BLOCK))
+            sLut = storage.sLut.get_tensor(cute.make_layout(16))
+            sKw = storage.sK.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+            sVw = storage.sV.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+            if tidx == 0:  # published by the first tile's barriers
+                for i in cutlass.range_constexpr(16):
+                    sLut[i] = Float32(E2M1_VALUES[i])
         sSK = sSV = sPlo = None
         if const_expr(self.token_scale):
             sSK = storage.sSK.get_tensor(cute.make_layout(n))
@@ -202,7 +235,7 @@ class DecodeKernel:
         for t in cutlass.range(t_begin, t_end, unroll=1):
             key0 = t * n
             cute.arch.sync_threads()  # the previous tile's readers of sK, sV, sP are done
-            if const_expr(not self.fp8):
+            if const_expr(not self.fp8 and not self.nvfp4):
                 for i in cutlass.range(n * cpr // self.threads, unroll=4):
                     idx = tidx + i * self.threads
                     r = idx // cpr
@@ -217,6 +250,9 @@ class DecodeKernel:
                     else:
                         dk.fill(0.0)
                         dv.fill(0.0)
+            elif const_expr(self.nvfp4):
+                self.load_nvfp4(mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0,
+                                seqlen_k, tidx)
             else:
                 cpr8 = d // VEC8
                 for i in cutlass.range(n * cpr8 // self.threads, unroll=4):
@@ -259,6 +295,14 @@ class DecodeKernel:
                     fv = ptx.e4m3x4_to_f32(sV8w[w])
                     sVw[2 * w] = ptx.f32x2_to_bf16x2(fv[0], fv[1])
                     sVw[2 * w + 1] = ptx.f32x2_to_bf16x2(fv[2], fv[3])
+                cute.arch.sync_threads()
+            if const_expr(self.nvfp4):
+                # widen E2M1 x E4M3 (x g) to BF16 (exact), one word of 8 codes at a time
+                for i in cutlass.range(n * d // 8 // self.threads, unroll=2):
+                    w = tidx + i * self.threads
+                    blk = (w * 8) // NVFP4_BLOCK  # row-major (n, d) tile: 16 elements per block
+                    self.widen_e2m1(sK4w[w], sKsc[blk], sLut, sKw, w)
+                    self.widen_e2m1(sV4w[w], sVsc[blk], sLut, sVw, w)
                 cute.arch.sync_threads()
 
             # S = Q K^T
@@ -343,6 +387,54 @@ class DecodeKernel:
 
 
     @cute.jit
+    def load_nvfp4(self, mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0, seqlen_k,
+                   tidx):
+        """One key tile of an NVFP4 cache into SMEM: the packed rows by cp.async (zeros past the
+        sequence), the block scales decoded to fp32 (times g with a tensor scale; 0 past it)."""
+        n, d = self.tile_n, self.hdim
+        cpr4 = d // 2 // VEC8
+        for i in cutlass.range(n * cpr4 // self.threads, unroll=2):
+            idx = tidx + i * self.threads
+            r = idx // cpr4
+            c = idx % cpr4
+            dk = cute.local_tile(sK4[r, None], (VEC8,), (c,))
+            dv = cute.local_tile(sV4[r, None], (VEC8,), (c,))
+            j = key0 + r
+            if j < seqlen_k:
+                slot, prow = self.cache_row(mPageTable, b, j)
+                cute.copy(g2s8, cute.local_tile(mK[slot, prow, hk, None], (VEC8,), (c,)), dk)
+                cute.copy(g2s8, cute.local_tile(mV[slot, prow, hk, None], (VEC8,), (c,)), dv)
+            else:
+                dk.fill(0)  # E2M1 code 0 is 0.0
+                dv.fill(0)
+        nb = d // NVFP4_BLOCK
+        for i in cutlass.range_constexpr(n * nb // self.threads):
+            e = tidx + i * self.threads
+            r = e // nb
+            blk = e % nb
+            j = key0 + r
+            sk = Float32(0.0)
+            sv = Float32(0.0)
+            if j < seqlen_k:
+                slot, prow = self.cache_row(mPageTable, b, j)
+                sk = ptx.e4m3x4_to_f32(cutlass.Uint32(mSK[slot, prow, hk, blk]))[0]
+                sv = ptx.e4m3x4_to_f32(cutlass.Uint32(mSV[slot, prow, hk, blk]))[0]
+                if const_expr(self.config.tensor_scale):
+                    sk = sk * mGK[hk]
+                    sv = sv * mGV[hk]
+            sKsc[e] = sk
+            sVsc[e] = sv
+
+    @cute.jit
+    def widen_e2m1(self, word, scale, sLut, dst, w):
+        """8 E2M1 codes (element k in bits 4k..4k+3) times ``scale`` -> 4 words of bf16 pairs at
+        dst[4w ..]: exact (at most 4 significant bits)."""
+        for k in cutlass.range_constexpr(4):
+            lo = sLut[(word >> (8 * k)) & 0xF] * scale
+            hi = sLut[(word >> (8 * k + 4)) & 0xF] * scale
+            dst[4 * w + k] = ptx.f32x2_to_bf16x2(lo, hi)
+
+    @cute.jit
     def cache_row(self, mPageTable, b, j):
         """(slot, row) of token j of sequence b: contiguous (b, j); paged through the page table."""
         slot = b
@@ -354,5 +446,5 @@ class DecodeKernel:
 
 
 def kernel_class(config: DecodeConfig) -> type:
-    """The kernel class for ``config`` (one for BF16 and FP8 caches; NVFP4 will add its own)."""
+    """The kernel class for ``config`` (one for every cache format)."""
     return DecodeKernel

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# what the kernel reads today (nvfp4: issue 22, not built); the spelling of str(CacheFormat)
-CACHE_FORMATS = ("bf16", "fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)")
+# what the kernel reads; the spelling of str(CacheFormat)
+CACHE_FORMATS = ("bf16", "fp8e4m3(scale=token)", "fp8e4m3(scale=tensor)", "nvfp4(block=16, scale=e4m3)",
+                 "nvfp4(block=16, scale=e4m3, tensor_scale=fp32)")
 ROW_TILE = 64  # query rows per CTA: gqa x q_tokens, padded
 WARPS = 4  # one m16n8k16 MMA row block of 16 rows per warp
 HEAD_DIMS = (64, 128)
@@ -60,6 +61,16 @@ class DecodeConfig:
     def token_scale(self) -> bool:
         """An fp8 cache with one scale per token (else one per KV head)."""
         return self.cache_format == "fp8e4m3(scale=token)"
+
+    @property
+    def nvfp4(self) -> bool:
+        """Packed E2M1 with E4M3 block scales (16 along D)."""
+        return self.cache_format.startswith("nvfp4")
+
+    @property
+    def tensor_scale(self) -> bool:
+        """An nvfp4 cache with the per-KV-head power of two g (two-level)."""
+        return self.cache_format.endswith("tensor_scale=fp32)")
 
     @property
     def num_threads(self) -> int:
