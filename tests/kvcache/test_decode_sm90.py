@@ -240,3 +240,31 @@ def test_the_spill_gate_can_fail():
            "ptxas info    : Used 255 registers\n")
     reports = ptxas.parse_report(log)
     assert reports and ptxas.check_helper("", reports) != []
+
+
+def test_the_api_renders_and_loads_a_module_for_any_decode_spec(tmp_path, monkeypatch):
+    """attention_with_kvcache's kernel path: a spec (here one no example holds) is planned,
+    rendered, stored in the module cache and imported; its decode refuses CPU tensors."""
+    from fp4gen.api import _kv_module
+
+    monkeypatch.setenv("FP4GEN_CACHE_DIR", str(tmp_path))
+    spec = spec_of("storage paged(page_size=32)\n    format nvfp4(tensor_scale=fp32)\n    q_tokens 2\n    gqa 3",
+                   head_dim=64, mask="none")
+    mod = _kv_module(spec)
+    assert mod.KERNEL_NAME == "t" and mod.CONFIG.gqa == 3 and mod.CONFIG.page_size == 32 and mod.CONFIG.tensor_scale
+    assert list(tmp_path.glob("modules/*/t_sm90a_*.py"))
+    assert _kv_module(spec) is mod
+    kc = torch.zeros(4, 32, 1, 32, dtype=torch.uint8)
+    sc = torch.zeros(4, 32, 1, 4, dtype=torch.uint8)
+    with pytest.raises(AttentionInputError, match="runs on a CUDA device"):
+        mod.decode(torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16), kc, kc, torch.tensor([5], dtype=torch.int32),
+                   k_scale=sc, v_scale=sc, k_tensor_scale=torch.ones(1), v_tensor_scale=torch.ones(1),
+                   page_table=torch.zeros(1, 4, dtype=torch.int32))
+
+
+def test_what_no_kernel_runs_raises_no_kernel_with_the_line():
+    from fp4gen.api import _kv_module
+
+    spec = spec_of("format bf16\n    q_tokens 8\n    gqa 16")
+    with pytest.raises(fp4gen.NoKernelError, match=r"at most 64.*spec line t.attn:8.*backend='reference'"):
+        _kv_module(spec)
