@@ -194,6 +194,26 @@ def test_the_lowering_refuses_smem_p_it_does_not_implement():
     assert ei.value.path == "schedule.p_source"
 
 
+@pytest.mark.parametrize("example,what", [("fa4_nvfp8_d128", "P : fp8e4m3 via exp"),
+                                          ("sage3_fp4_d128", "P : nvfp4 via two_level")])
+def test_every_other_recipe_refuses_smem_p_at_its_line(tmp_path, example, what):
+    """`fp4gen check` on each sm100a recipe without an SMEM-P kernel: the refusal names the
+    p_source statement's file:line:col and the implemented form, exit 1."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "examples" / f"{example}.attn").read_text()
+    text = re.sub(r"(\n\s*schedule\s*\{)", r"\1\n    p_source smem", text, count=1)
+    bad = tmp_path / f"{example}.attn"
+    bad.write_text(text)
+    exe = Path(sys.executable).parent / "fp4gen"
+    r = subprocess.run([str(exe), "check", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1
+    line_no = next(i for i, ln in enumerate(text.splitlines(), 1) if "p_source smem" in ln)
+    assert (f"{bad}:{line_no}:14: error: kernel '{example}' (sm100a): cannot compile for sm100a: sm100a "
+            f"lowering implements p_source smem for P : mxfp4 via direct_p only (this plan: {what})") in r.stdout + r.stderr
+
+
 CACHE = Path(os.environ.get("FP4GEN_PSMEM_CACHE", "/tmp/fp4gen_psmem_cache"))
 
 
