@@ -29,13 +29,16 @@ def _ident(text):
     return "".join(ch if ch.isalnum() else "_" for ch in text)
 
 
-def spec_of(*, head_dim=128, mask="causal", storage=None, gqa=8, q_tokens=8, fmt="bf16"):
+def spec_of(*, head_dim=128, mask="causal", storage=None, gqa=8, q_tokens=8, fmt="bf16", tile_n=128):
     store = f"    storage  {storage}\n" if storage else ""
-    name = _ident(f"dec_{head_dim}_{mask}_{gqa}_{q_tokens}_{storage or 'contig'}_{fmt}")
+    name = _ident(f"dec_{head_dim}_{mask}_{gqa}_{q_tokens}_{storage or 'contig'}_{fmt}_{tile_n}")
     return parse_text(f"""attention {name} {{
   target   sm90a
   head_dim {head_dim}
   mask     {mask}
+  schedule {{
+    tile 128 x {tile_n}
+  }}
   kv_cache {{
 {store}    format   {fmt}
     q_tokens {q_tokens}
@@ -190,6 +193,14 @@ def test_planted_nvfp4_nibble_order_is_caught():
                                   num_splits=2, return_lse=True)
     with pytest.raises(AssertionError):
         assert_close(o, lse, o_ref, lse_ref, "planted nibble order")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", FP8[0], NVFP4[1]], ids=["bf16", "fp8_token", "nvfp4_two_level"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_key_tiles_of_64(fmt, head_dim):
+    """schedule tile 128 x 64: 64-key tiles (the reference splits by the same tiles)."""
+    compare(spec_of(head_dim=head_dim, storage="paged(page_size=16)", gqa=8, fmt=fmt, tile_n=64), LENGTHS, 5, 3,
+            shuffle_pages=True, seed=6)
 
 
 def test_planner_split_and_pages_out_of_order():

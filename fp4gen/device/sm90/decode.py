@@ -71,6 +71,11 @@ class DecodeKernel:
         self.fp8 = config.fp8
         self.token_scale = config.token_scale
         self.nvfp4 = config.nvfp4
+        m, n, d = ROW_TILE, self.tile_n, self.hdim
+        # every copy and widening loop splits its work evenly over the CTA's threads
+        for work in (m * d // VEC, n * d // VEC, n * d // VEC8, n * d // 2 // VEC8, n * d // NVFP4_BLOCK,
+                     n * d // 4, n * d // 8):
+            assert work % self.threads == 0, (config, work)
 
     def shared_storage(self):
         """Q, K, V, S (fp32), P (bf16), and per-row rescale / sum / max."""
