@@ -630,36 +630,28 @@ class Backward:
                     ds_f = scale_q * ds_inv_c  # = s_q / c exactly
                     scale_vdo_f = scale_vdo * ds_f
                     dsum_f = ds_f * (1.0 / P_FP8_SCALE)
-                for j in cutlass.range_constexpr(n_cols):
-                    dp_scale = None  # dP^T as the MMA gave it
-                    if cutlass.const_expr(cfg.ds_fp8):
-                        # f dS^T = (2^8 P^T) * (f dP^T / 2^8 - f D / 2^8)
-                        dsum = dsum_row[j] * dsum_f
-                        dp_scale = scale_vdo_f
-                    elif cutlass.const_expr(cfg.do_fp8):
-                        # dS^T = (2^8 P^T) * (dP^T / 2^8 - D / 2^8), dP^T = scale_v * scale_do * (V8 dO8^T)
-                        dsum = dsum_row[j] * (1.0 / P_FP8_SCALE)
-                        dp_scale = scale_vdo
-                    else:
-                        dsum = dsum_row[j]
-                    if cutlass.const_expr(cfg.softcap > 0):
-                        lse2 = self.lse2_of(lse_row, j)
-                    for r in cutlass.range_constexpr(n_rows):
-                        dp = dP[r, j]
-                        if cutlass.const_expr(dp_scale is not None):
-                            dp = dp * dp_scale
-                        if cutlass.const_expr(cfg.softcap > 0):
-                            # P^T from the capped score c2 tanh; dS^T through d(c2 tanh(x / c2))/dx
-                            # = 1 - tanh^2 (a masked entry: P = 0 and a finite factor, so dS = 0)
-                            th = S[r, j]
-                            p = ptx.ex2(th * cfg.softcap_log2 - lse2)
-                            S[r, j] = p
-                            dP[r, j] = (p * (dp - dsum)) * (1.0 - th * th)
-                        else:
+                # dS^T's per-query terms: D in dP^T's units and dP^T's scale (None: as the MMA gave it)
+                dsum_scale, dp_scale = None, None
+                if cutlass.const_expr(cfg.ds_fp8):
+                    # f dS^T = (2^8 P^T) * (f dP^T / 2^8 - f D / 2^8)
+                    dsum_scale, dp_scale = dsum_f, scale_vdo_f
+                elif cutlass.const_expr(cfg.do_fp8):
+                    # dS^T = (2^8 P^T) * (dP^T / 2^8 - D / 2^8), dP^T = scale_v * scale_do * (V8 dO8^T)
+                    dsum_scale, dp_scale = 1.0 / P_FP8_SCALE, scale_vdo
+                if cutlass.const_expr(cfg.softcap > 0):
+                    self.softcap_ds(acc_S, acc_dP, lse_row, dsum_row, dsum_scale, dp_scale, tdVrP)
+                else:
+                    for j in cutlass.range_constexpr(n_cols):
+                        dsum = dsum_row[j] if dsum_scale is None else dsum_row[j] * dsum_scale
+                        for r in cutlass.range_constexpr(n_rows):
+                            dp = dP[r, j]
+                            if cutlass.const_expr(dp_scale is not None):
+                                dp = dp * dp_scale
                             dP[r, j] = S[r, j] * (dp - dsum)  # dS^T
                 if cutlass.const_expr(cfg.ds_fp8):
                     # both A operands converted before any MMA reads them (S^T and dP^T die here)
-                    dlayout.pack_p_fp8(acc_S, tdVrP, False)  # e4m3 (RNE, saturating), queries permuted as dO^T
+                    if cutlass.const_expr(cfg.softcap == 0):  # (with a softcap: softcap_ds did)
+                        dlayout.pack_p_fp8(acc_S, tdVrP, False)  # e4m3 (RNE, saturating), queries permuted as dO^T
                     # this thread's max f |dS| (a tree: short dependency chains): does it overflow e4m3
                     # with this tile's c, does it use less than a sixteenth of its range
                     ds_loc = tree_max([ptx.absmax2(acc_dP[2 * i], acc_dP[2 * i + 1])
@@ -703,7 +695,9 @@ class Backward:
                 else:
                     # both A operands converted before any MMA reads them: S^T and dP^T die here,
                     # which keeps the live registers of the MMA warpgroups under 240
-                    if cutlass.const_expr(cfg.do_fp8):
+                    if cutlass.const_expr(cfg.softcap > 0):
+                        pass  # P^T is in dV's A fragment already (softcap_ds)
+                    elif cutlass.const_expr(cfg.do_fp8):
                         dlayout.pack_p_fp8(acc_S, tdVrP, False)  # e4m3 (RNE, saturating), queries permuted as dO^T
                     else:
                         dlayout.store_p_bf16(acc_S, tdVrP)
@@ -775,6 +769,55 @@ class Backward:
         tile's first query sees (``window_query_tiles``' inverse; without a left bound it is 0)."""
         cfg = self.config
         return cutlass.max(m_block * cfg.tile_m + causal_offset - cfg.window[0], 0) // cfg.tile_n
+
+    def softcap_ds(self, acc_s, acc_dp, lse_row, dsum_row, dsum_scale, dp_scale, frg_p):
+        """dS^T with a softcap, once dP^T is there (S^T holding tanh(x / c2), masked entries at
+        SOFTCAP_FILL): P^T = exp2(c2 tanh - LSE2) and dS^T = P^T (dP^T - D) (1 - tanh^2), the
+        derivative of c2 tanh(x / c2) (a masked entry: P = 0 times a finite factor). P^T goes
+        straight into dV's A fragment (bf16, or e4m3 as ``layout.pack_p_fp8`` packs it: RNE,
+        saturating, queries permuted as dO^T) a register word at a time, so the tanh tile's
+        registers die as the loop goes instead of holding a full P^T tile beside the LSE2 and D
+        rows to its end (which spilled 4 B in BF16 and FP8 causal; docs/backward.md has what
+        is left). Same arithmetic, same order, as the loop without a softcap. A trace-time
+        helper."""
+        cfg = self.config
+        S, dP = dlayout.acc_mn(acc_s), dlayout.acc_mn(acc_dp)
+        n_rows, n_cols = cute.size(S, mode=[0]), cute.size(S, mode=[1])
+        words = cute.recast_tensor(frg_p, cutlass.Uint32)
+        if cutlass.const_expr(cfg.do_fp8):
+            # pack_p_fp8's words: word rh + 2 kh + 4 kb, byte b from accumulator element
+            # (b & 1) + 2 rh + 4 (4 kb + 2 kh + (b >> 1))
+            word_of = {}
+            for kb in range(cute.size(acc_s) // 16):
+                for kh in range(2):
+                    for rh in range(2):
+                        src = tuple((b & 1) + 2 * rh + 4 * (4 * kb + 2 * kh + (b >> 1)) for b in range(4))
+                        word_of[src] = rh + 2 * kh + 4 * kb
+            group = 4
+        else:
+            assert cute.size(frg_p) == cute.size(acc_s)  # store_p_bf16: bf16 element i is element i
+            group = 2
+        for j0 in range(0, n_cols, group):
+            for r in range(n_rows):
+                ps, idx = [], []
+                for j in range(j0, j0 + group):
+                    dsum = dsum_row[j] if dsum_scale is None else dsum_row[j] * dsum_scale
+                    dp = dP[r, j]
+                    if cutlass.const_expr(dp_scale is not None):
+                        dp = dp * dp_scale
+                    th = S[r, j]
+                    p = ptx.ex2(th * cfg.softcap_log2 - self.lse2_of(lse_row, j))
+                    dP[r, j] = (p * (dp - dsum)) * (1.0 - th * th)
+                    ps.append(p)
+                    idx.append(cute.crd2idx((r, j), S.layout))
+                if cutlass.const_expr(cfg.do_fp8):
+                    if tuple(idx) not in word_of:
+                        raise AssertionError(f"softcap_ds: elements {idx} are not one word of pack_p_fp8")
+                    words[word_of[tuple(idx)]] = ptx.cvt_e4m3x4(ps[0], ps[1], ps[2], ps[3])
+                else:
+                    if idx[1] != idx[0] + 1 or idx[0] % 2:
+                        raise AssertionError(f"softcap_ds: elements {idx} are not one bf16x2 word")
+                    words[idx[0] // 2] = ptx.f32x2_to_bf16x2(ps[0], ps[1])
 
     def lse2_of(self, lse_row, j: int):
         """Query ``j``'s LSE2 as P's exponent subtracts it: FP8 P is produced as 2^8 P (a
