@@ -488,7 +488,10 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
         sf_names += [f"SFP{j}" for j in range(q)] + [f"SFV{j}" for j in range(q)]
     within("mlir.tcgen05.cp.dst", f.s2t_dst, sf_names)
     running_max = pp.kind.value == "exp" or spec.p.format.value != "mxfp4"
-    st_names = ([] if p_smem else [f"P{j}" for j in range(q)]) + ([f"O{j}" for j in range(q)] if running_max else [])
+    # O is stored to by the online max's rescale, and by the guard's headroom rebase of
+    # Direct-P (numerics.directp.rebase)
+    o_rescaled = running_max or spec.guard.kind.value == "sample"
+    st_names = ([] if p_smem else [f"P{j}" for j in range(q)]) + ([f"O{j}" for j in range(q)] if o_rescaled else [])
     within("mlir.tcgen05.st.dst", f.tmem_st, st_names, need_first=False)
     # every publish part of every stage is stored at its planned column (P first + part offset)
     want_p = {f"P{j} part {p.index}": regs[f"P{j}"][0] + p.p_columns[0]

@@ -2,8 +2,9 @@
 and within the recipe's documented error of exact attention (docs/numerics.md sections 6-7:
 cosine > 0.95, rel-L2 < 0.3 at moderate logits), where the guard's sampled reference misses
 the row maximum by more than E8M0 / fp32 can hold (found 2026-12-02: q, k 8x gave NaN in 22k
-of CTA 0's 32k O entries). The fix is numerics.directp.rebase; the last test plants its
-absence back and shows these checks fail without it.
+of CTA 0's 32k O entries). The fix is numerics.directp.rebase (and its copy in the sm100a
+forward, checked through the emulator at the end); test_without_the_rebase_the_checks_fail
+plants its absence back and shows these checks fail without it.
 
 Exact attention runs on the operands as the recipe quantizes them (NVFP4 Q/K): at these
 logits softmax is almost one-hot, and Q/K rounding alone can move a row's argmax, which is
@@ -126,3 +127,22 @@ def test_without_the_rebase_the_checks_fail(monkeypatch):
     for case in ("x8", "one_huge_logit"):
         o, lse, _, _ = _check(*CASES[case]())
         assert not (torch.isfinite(o).all() and torch.isfinite(lse).all()), case
+
+
+# ------------------------------------------------ the sm100a kernel, emulated on the CPU
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", [("fa4_fp4_d128", "x8"), ("fa4_fp4_d128", "one_huge_logit"),
+                                       ("fa4_nvmx_accurate_d128", "x8")])
+def test_emulated_kernel_follows_the_rebase(name, case):
+    """CTA 0 of the compiled kernel (fp4gen.lowering.emulator, ~1 min of CPU each): O and LSE
+    as the rebased reference's, no NaN. x8 rebases the guarded stages (the subtracting tile
+    loop); the huge logit an unguarded one (fa4_fp4's m = 0 loop, which then subtracts m)."""
+    from fp4gen.lowering.emulator.run import emulate_forward, o_tolerance
+
+    src = (ROOT / "generated" / f"{name}_sm100a.py").read_text()
+    res = emulate_forward(src, seqlen_q=256, seqlen_k=448, inputs=CASES[case](), strict_aligned=True)
+    assert torch.isfinite(res.out).all() and torch.isfinite(res.lse).all()
+    assert res.max_abs_err <= o_tolerance(res), res.max_abs_err
+    assert res.max_lse_err <= 1e-3, res.max_lse_err
+    assert not res.notes, res.notes[:2]

@@ -71,6 +71,24 @@ def pow2_e8m0(e: Int32) -> Float32:
     return Float32(cutlass.select_(e == Int32(-127), v * Float32(0.5), v))
 
 
+REBASE_E = 64  # numerics.directp.REBASE_E
+
+
+@cute.jit
+def rebase_shift(t_max: Float32, m: Float32):
+    """The guard's headroom rebase (numerics.directp.rebase) for one row and KV tile: with
+    u = t_max - m the tile's maximum over the row reference, d = floor(u) where
+    REBASE_E < u < inf, else 0. Returns (d, fac): the reference moves to m + d, O and l are
+    scaled by fac = 2^-d, built from the exponent field (exact; 0 for d > 126). A NaN or -inf
+    u (a NaN score, a fully masked tile) compares false and leaves d = 0."""
+    u = t_max - m
+    d = Float32(cutlass.select_(u > Float32(REBASE_E), cute.math.floor(u, fastmath=True), Float32(0.0)))
+    d = Float32(cutlass.select_(u < Float32.inf, d, Float32(0.0)))
+    e = Int32(min(d, Float32(126.0)))
+    fac = i32_as_f32((Int32(127) - e) << Int32(23))
+    return d, Float32(cutlass.select_(d > Float32(126.0), Float32(0.0), fac))
+
+
 @cute.jit
 def fast_code(t: Float32, m: Float32, e_b: Float32, a: cutlass.Constexpr, b: cutlass.Constexpr) -> Float32:
     """Fast policy: rne(clamp(a*x + b, 0, 7)) + 1.5*2^23 (the code is in the low bits)."""

@@ -570,6 +570,13 @@ class AttentionFwdSm100:
             cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, 32)))
         thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
         thr_ost = tcgen05.make_tmem_copy(o_st, tOtO_c[None, (None, 0)]).get_slice(t)
+        if const_expr(cfg.direct_p and cfg.guard):  # the rebase's O rescale, 16 columns at a time
+            tOtO_16 = cute.make_tensor(tOtO.iterator, cute.logical_divide(
+                cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, 16)))
+            thr_old16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(16)), Float32),
+                                               tOtO_16[None, (None, 0)]).get_slice(t)
+            thr_ost16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(16)), Float32),
+                                               tOtO_16[None, (None, 0)]).get_slice(t)
 
         row = (m_block * cfg.q_stages + j) * cfg.tile_m + t
         # causal masking is bottom-right aligned: row r sees key c iff c <= r + seqlen_k - seqlen_q
@@ -693,6 +700,35 @@ class AttentionFwdSm100:
                     m_ref = m_new_s
                 else:
                     m_ref = m_run
+                bmaxes = []
+                if const_expr(cfg.direct_p):
+                    # the blocks' maxima, for e_B below and the guard's rebase
+                    for b in cutlass.range_constexpr(n_blocks):
+                        bmax = -Float32.inf
+                        for c in cutlass.range_constexpr(32):
+                            bmax = cute.arch.fmax(bmax, tS_rc[b][c])
+                        bmaxes.append(bmax)
+                    if const_expr(cfg.guard):
+                        # headroom rebase (numerics.directp.rebase): a tile more than REBASE_E
+                        # binades above the row reference moves it up by an integer d, and O, l
+                        # by the exact 2^-d (O where P is published, below); else d = 0, fac = 1
+                        t_max = bmaxes[0]
+                        for b in cutlass.range_constexpr(1, n_blocks):
+                            t_max = cute.arch.fmax(t_max, bmaxes[b])
+                        d_shift, fac = dp.rebase_shift(t_max, m_run)
+                        m_run = m_run + d_shift
+                        m_ref = m_run
+                        l_run = l_run * fac
+                        # tile 0's PV overwrites O_j (ACCUMULATE off): nothing there to scale
+                        o_alpha = Float32(cutlass.select_(i == 0, Float32(1.0), fac))
+                        if const_expr(not subtract_m):
+                            # the m = 0 copy codes t itself: a warp in which a row has rebased
+                            # (m != 0) subtracts m in place first, which is bit for bit the
+                            # subtracting copy's first step (t - 0 = t in its other rows)
+                            if cute.arch.vote_any_sync(m_ref != Float32(0.0)):
+                                for c in cutlass.range_constexpr(0, cfg.tile_n, 2):
+                                    tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1] = cute.arch.sub_packed_f32x2(
+                                        (tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1]), (m_ref, m_ref))
                 # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
                 # the row of the scale bytes' addresses, read again here: carried from the
                 # prologue through both tile loops, ptxas spilled it (4 bytes) in the masked one
@@ -762,10 +798,7 @@ class AttentionFwdSm100:
                     for b in cutlass.range_constexpr(n_blocks):
                         lsum = Float32(0.0)
                         if const_expr(cfg.direct_p):
-                            bmax = -Float32.inf
-                            for c in cutlass.range_constexpr(32):
-                                bmax = cute.arch.fmax(bmax, tS_rc[b][c])
-                            e_b = dp.block_exponent(bmax - m_ref)
+                            e_b = dp.block_exponent(bmaxes[b] - m_ref)
                             e_bf = Float32(e_b)
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
@@ -832,6 +865,21 @@ class AttentionFwdSm100:
                                     for e in cutlass.range_constexpr(32):
                                         reg[e] = reg[e] * o_alpha
                                     cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                    if const_expr(cfg.direct_p and cfg.guard and part == 0):
+                        # O_j *= 2^-d of this tile's rebase, where the exp path rescales (above, same
+                        # reasons), by the whole warp when any row rebased. In 16-column chunks, each
+                        # store waited for before the next load: 32-column chunks spilled 176 B
+                        # (the branch runs only on a rebase, so its speed does not matter).
+                        if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
+                            for cchunk in cutlass.range_constexpr(cfg.head_dim // 16):
+                                o_src = thr_old16.partition_S(tOtO_16[None, (None, cchunk)])
+                                reg = cute.make_rmem_tensor(thr_old16.partition_D(tOtO_16[None, (None, cchunk)]).shape, Float32)
+                                cute.copy(thr_old16, o_src, reg)
+                                cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
+                                for e in cutlass.range_constexpr(16):
+                                    reg[e] = reg[e] * o_alpha
+                                cute.copy(thr_ost16, reg, thr_ost16.partition_D(tOtO_16[None, (None, cchunk)]))
+                                cute.arch.fence_view_async_tmem_store()
                     cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
