@@ -138,3 +138,35 @@ def test_example_modules_match_reference(name, variant):
         o, lse = mod.forward(q, k, v, return_lse=True)
         o_ref, lse_ref = reference.forward(q, k, v, spec)
         _check(o, lse, o_ref, lse_ref, variant, what=what)
+
+
+# the other extensions at the new widths (each compiles spill-free: fp4gen verify,
+# 2026-12-02): a sliding window with Gemma's softcap at the 80-key tile, learned sinks with
+# FP8 Direct-P at 192, a softcap on FP8 Direct-P at 256 (the largest register set), a two-sided
+# window with FP8 exp at 96
+EXTENDED = [
+    (256, "bf16", "window(255, 0)", "  softcap 30\n", 30.0, False),
+    (192, "fp8_directp", "causal", "  sinks learned\n", 0.0, True),
+    (256, "fp8_directp", "none", "  softcap 30\n", 30.0, False),
+    (96, "fp8_exp", "window(100, 7)", "", 0.0, False),
+]
+
+
+@pytest.mark.parametrize("d,variant,mask,extra,softcap,sinks", EXTENDED)
+def test_window_softcap_sinks_at_new_head_dims(d, variant, mask, extra, softcap, sinks, tmp_path_factory):
+    import dataclasses
+
+    from fp4gen.numerics import reference
+
+    plan = plan_of(d, variant, mask, extra)
+    name = f"hdx{EXTENDED.index((d, variant, mask, extra, softcap, sinks))}_{variant}_d{d}"
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, name=name))
+    mod = load_module(plan, str(tmp_path_factory.mktemp("sm90hdx")))
+    for B, Sq, Sk, H, Hkv, mult in [(1, 1000, 1000, 2, 2, 1.0), (2, 300, 700, 2, 1, 1.0),
+                                    (1, 700, 300, 2, 2, 1.0), (1, 513, 513, 2, 2, 30.0 if softcap else 8.0)]:
+        what = f"{variant} d{d} {mask}{' softcap' if softcap else ''}{' sinks' if sinks else ''} {Sq}x{Sk} x{mult}"
+        q, k, v = _inputs(B, Sq, Sk, H, Hkv, d, mult, seed=Sq + 3 * Sk + d)
+        kw = {"sinks": torch.linspace(-4.0, 12.0, H, device="cuda")} if sinks else {}
+        o, lse = mod.forward(q, k, v, return_lse=True, **kw)
+        o_ref, lse_ref = reference.forward(q, k, v, plan.spec, **kw)
+        _check(o, lse, o_ref, lse_ref, variant, softcap=softcap, what=what)
