@@ -11,6 +11,8 @@
     fp4gen regenerate [--check] [--root DIR]   generated/ from examples/*.attn
     fp4gen selftest [--json]                   Blackwell smoke kit: unit kernels + sm100a examples (sm_100 only)
     fp4gen perf SPEC... [--gpu G] [--json]     predicted TFLOP/s and ratio to FA4 BF16 from the SASS (a model)
+    fp4gen tune SPEC [--kernel K] [--shapes B,S,H[,D] ...] [--budget-s N] [--limit N] [--write] [--dry-run] [--json]
+                                               time the sm90a schedule choices on the GPU; --write keeps the fastest
     fp4gen demo                                compile + schedule + accuracy of the paper's recipe
 
 Exit status: 0 success; 1 a spec error or another user error (one-line
@@ -656,6 +658,94 @@ def cmd_perf(args) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
 
 
+def _tune_shapes(texts, spec) -> list:
+    """``--shapes`` for kernel ``spec``: B,S,H[,D] each; D, when given, must be its head dim."""
+    from fp4gen import tune
+    from fp4gen.driver import UserError
+
+    if not texts:
+        return [tune.DEFAULT_SHAPE + (spec.head_dim,)]
+    shapes = []
+    for t in texts:
+        parts = t.split(",")
+        try:
+            nums = [int(x) for x in parts]
+        except ValueError:
+            nums = []
+        if len(nums) not in (3, 4) or min(nums) < 1:
+            raise UserError(f"--shapes: '{t}' is not B,S,H or B,S,H,D (positive integers)")
+        if len(nums) == 4 and nums[3] != spec.head_dim:
+            raise UserError(f"--shapes {t}: D is {nums[3]} but kernel '{spec.name}' has head_dim {spec.head_dim}")
+        b, s, h = nums[:3]
+        if s > MAX_SEQLEN or h > MAX_HEADS or b > MAX_BATCH or b * s * h > MAX_ROWS:
+            raise UserError(f"--shapes {t}: at most S {MAX_SEQLEN}, H {MAX_HEADS}, B {MAX_BATCH} and "
+                            f"B x S x H {MAX_ROWS}")
+        shapes.append((b, s, h, spec.head_dim))
+    return shapes
+
+
+def cmd_tune(args) -> int:
+    """Enumerate, compile, check and time each sm90a kernel's schedule candidates (docs/tune.md);
+    without an sm_90 GPU (or with --dry-run) list and compile them, exit 0."""
+    import fp4gen
+    from fp4gen import tune
+    from fp4gen.driver import UserError, select_specs
+
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise UsageError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    text, digest = tune.read_spec(args.spec)
+    specs = select_specs(fp4gen.parse_text(text, filename=str(args.spec)), args.kernel)
+    kernels = [s for s in specs if tune.tunable(s) is None]
+    passed = [f"{s.name}: {tune.tunable(s)}" for s in specs if tune.tunable(s) is not None]
+    if not kernels:
+        raise UserError(f"{args.spec}: no sm90a kernel to tune ({'; '.join(passed)})")
+    shapes = {s.name: _tune_shapes(args.shapes, s) for s in kernels}
+    device, name = (None, "--dry-run") if args.dry_run else tune.cuda_device()
+    if args.write and device is None:
+        raise UserError(f"--write needs measured times, and timing needs an sm_90 GPU ({name})")
+    timer = checker = None
+    if device is not None:
+        timer, checker = tune.gpu_timer(device), tune.gpu_checker(device)
+    progress = Progress(args.json or args.quiet)
+    log = (lambda m: print(f"fp4gen tune: {m}", file=sys.stderr, flush=True)) if progress.enabled else (lambda m: None)
+    results = []
+    t0 = time.monotonic()
+    for spec in kernels:
+        left = None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - t0))
+        try:
+            results.append(tune.tune_kernel(text, str(args.spec), spec.name, shapes[spec.name], compiler=None,
+                                            checker=checker, timer=timer, budget_s=left, limit=args.limit, log=log))
+        except tune.TuneError as e:
+            raise UserError(str(e)) from None
+    if args.json:
+        print(json.dumps({"spec": str(args.spec), "device": name if device is not None else None,
+                          "timed": device is not None, "not_tuned": passed,
+                          "kernels": [r.as_json() for r in results]}, indent=2))
+    else:
+        if device is None:
+            print(f"timing needs an sm_90 GPU ({name}): candidates listed and compiled, nothing measured")
+        for line in passed:
+            print(f"not tuned: {line}")
+        print("\n\n".join(tune.table(r, shapes[r.kernel]) for r in results))
+    if device is None:
+        return EXIT_OK
+    missing = [r.kernel for r in results if r.winner is None]
+    if args.write:
+        comments = {r.kernel: tune.tune_comment(r, name, shapes[r.kernel]) for r in results if r.winner}
+        try:
+            tune.write_back(args.spec, text, digest, results, comments)
+        except tune.TuneError as e:
+            raise UserError(str(e)) from None
+        if not args.json:
+            chosen = ", ".join(f"{r.kernel} {r.winner.tile_m} x {r.winner.tile_n} kv_stages {r.winner.kv_stages}"
+                               for r in results if r.winner)
+            print(f"wrote {args.spec} ({chosen or 'nothing chosen'})")
+    if missing:
+        _err(f"no correct candidate was timed for {', '.join(missing)}: nothing chosen")
+        return EXIT_USER
+    return EXIT_OK
+
+
 def cmd_selftest(args) -> int:
     """Unit kernels of the risky tcgen05 forms, then every sm100a example against its reference
     backend, on an sm_100 GPU; elsewhere the list of what it would run (exit 0)."""
@@ -837,6 +927,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "from each kernel's SASS (see 'fp4gen perf --help')")
     pf.add_argument("perf_args", nargs=argparse.REMAINDER)
     pf.set_defaults(func=cmd_perf)
+
+    tu = sub.add_parser("tune", help="time each sm90a kernel's legal schedules (tile, kv_stages) on the GPU; "
+                        "--write keeps the fastest correct one in the spec (docs/tune.md)")
+    tu.add_argument("spec", metavar="SPEC")
+    tu.add_argument("--kernel", help="tune only this kernel")
+    tu.add_argument("--shapes", nargs="+", metavar="B,S,H[,D]",
+                    help="shapes to time (default 2,4096,16 at the kernel's head dim); the winner is the "
+                         "fastest over all of them (geometric mean of ratios to the fastest)")
+    tu.add_argument("--budget-s", type=float, metavar="N", help="stop compiling/timing new candidates after N s")
+    tu.add_argument("--limit", type=_int_between(1, 1000), metavar="N",
+                    help="try only the first N candidates (the planner's own choice first)")
+    tu.add_argument("--write", action="store_true",
+                    help="write the winning schedule block into SPEC (atomic; refused if SPEC changed meanwhile)")
+    tu.add_argument("--dry-run", action="store_true", help="list and compile the candidates, time nothing "
+                    "(what happens anyway without an sm_90 GPU)")
+    tu.add_argument("--device", action="store_true", help="time on the GPU (the default when there is one; "
+                    "accepted for the command line of issue 20)")
+    tu.add_argument("--json", action="store_true", help="print the results as JSON")
+    tu.add_argument("--quiet", action="store_true", help="no progress lines on stderr (none off a terminal anyway)")
+    tu.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("regenerate", help="rebuild generated/ from examples/*.attn")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
