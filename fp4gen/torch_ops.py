@@ -110,7 +110,8 @@ class _Entry:
     spec: Optional[KernelSpec]
     # a generated module the caller handed over explicitly (spec=module)
     module: Optional[ModuleType] = None
-    # generated-module lookups by architecture: arch -> (module or None, reason)
+    # generated-module lookups by architecture: arch -> (module or None, reason); also the ops'
+    # per-call plans (``_plan``), under tuple keys, so that clearing the lookups drops them too
     found: dict = dataclasses.field(default_factory=dict)
 
 
@@ -387,10 +388,16 @@ def _reference():
     return reference
 
 
+_ARCH_BY_DEVICE: dict = {}
+
+
 def _arch_of(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return None
-    return _ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(device))
+    arch = _ARCH_BY_DEVICE.get(device)  # a device's capability never changes: ask CUDA once
+    if arch is None:
+        arch = _ARCH_BY_DEVICE[device] = _ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(device), "")
+    return arch or None
 
 
 def _find_generated(entry: _Entry, arch: str):
@@ -518,6 +525,33 @@ def _ref_spec(entry: _Entry, softmax_scale: Optional[float]) -> KernelSpec:
     return s
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What an op call runs, derived only from (spec key, device, backend, pass, sinks given,
+    varlen): the module (None: the reference) and the module's forward-state options."""
+
+    mod: Optional[ModuleType]
+    keeps_state: bool
+    state_opts: dict
+
+
+def _plan(entry: _Entry, device: torch.device, backend: str, need_backward: bool, has_sinks: bool,
+          varlen: bool) -> _Plan:
+    """``_choose`` + ``_module_for_extras`` + the state flags, once per key: the ops run this on
+    every call (issue 24: no per-call Python work that can be cached). Kept in ``entry.found``
+    (cleared with the lookups it derives from) and keyed on ``_arch_of`` too (tests replace it).
+    A refusal raises every time (not cached)."""
+    ck = ("plan", device, backend, need_backward, has_sinks, varlen, _arch_of)
+    plan = entry.found.get(ck)
+    if plan is None:
+        mod, _ = _choose(entry, device, backend, need_backward=need_backward, strict=True)
+        mod = _module_for_extras(mod, True if has_sinks else None, True if varlen else None,
+                                 backward=need_backward)
+        plan = _Plan(mod, _keeps_forward_state(mod), forward_state_options(mod) if mod is not None else {})
+        entry.found[ck] = plan
+    return plan
+
+
 # ---------------------------------------------------------------------------
 # The custom ops
 # ---------------------------------------------------------------------------
@@ -594,8 +628,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     entry = _entry(spec_key)
-    mod, _ = _choose(entry, q.device, backend, strict=True)
-    mod = _module_for_extras(mod, sinks, cu_seqlens_q)
+    plan = _plan(entry, q.device, backend, False, sinks is not None, cu_seqlens_q is not None)
+    mod = plan.mod
     state = []
     sink_kw = {"sinks": sinks} if sinks is not None else {}
     if cu_seqlens_q is not None and mod is not None:  # the generated varlen kernel
@@ -611,8 +645,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
         # kernels load through TMA and want dense rows; views of a fused QKV are not
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         prepared = None
-        if _keeps_forward_state(mod):
-            prepared = mod.quantize_inputs(q, k, v, **forward_state_options(mod))
+        if plan.keeps_state:
+            prepared = mod.quantize_inputs(q, k, v, **plan.state_opts)
         kw = {"prepared": prepared} if prepared is not None else {}
         o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw, **sink_kw)
         if prepared is not None:
@@ -660,15 +694,15 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _entry(spec_key)
-    mod, _ = _choose(entry, q.device, backend, need_backward=True, strict=True)
-    mod = _module_for_extras(mod, sinks, cu_seqlens_q, backward=True)
+    plan = _plan(entry, q.device, backend, True, sinks is not None, cu_seqlens_q is not None)
+    mod = plan.mod
     if cu_seqlens_q is not None:
         dq, dk, dv = _reference().backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k,
                                                   _ref_spec(entry, softmax_scale), sinks=sinks,
                                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         _COUNTS[("bwd", "reference")] += 1
     elif mod is not None:
-        kw = {"prepared": _prepared_from_state(state)} if (state and _keeps_forward_state(mod)) else {}
+        kw = {"prepared": _prepared_from_state(state)} if (state and plan.keeps_state) else {}
         dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
                                   softmax_scale=softmax_scale, **kw)
         _COUNTS[("bwd", "generated")] += 1
@@ -748,6 +782,37 @@ def _check_layout(q, k) -> None:
             "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
 
 
+# The argument checks' verdicts: a key (``_checked_key``) is here when every check passed for
+# tensors of those shapes, strides, dtypes and devices with that spec key: the checks read
+# nothing else (tma=False: no data pointer), so an identical call skips them (issue 24: ~30 us
+# of Python per call). Bounded: a workload that keeps changing shapes starts over.
+_CHECKED: set = set()
+_CHECKED_MAX = 4096
+
+
+def _signature(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _checked_key(kind: str, key: str, head_dim: int, tensors: tuple, extra: tuple = ()):
+    """The cache key of a call's checks, or None (not cached: tracing under torch.compile, or
+    an argument that is not a tensor, whose check must raise)."""
+    if torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
+    return (kind, key, head_dim, tuple(_signature(t) for t in tensors), extra)
+
+
+def _remember_checked(ck) -> None:
+    if ck is None:
+        return
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED.add(ck)
+
+
 def _check_overrides(window_size, softcap, sinks, return_lse) -> tuple:
     from fp4gen.numerics.masking import check_window
 
@@ -813,9 +878,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     checks.check_softmax_scale(_WHO, softmax_scale)
     window_size, softcap = _check_overrides(window_size, softcap, sinks, return_lse)
     key, head_dim = _resolve_for_trace(spec, causal, window_size, softcap, sinks is not None, "dense")
-    _check_layout(q, k)
-    _check_inputs(q, k, v, head_dim)
-    _check_sinks_shape(sinks, q, 2, _spec_has_sinks(key))
+    ck = _checked_key("dense", key, head_dim, (q, k, v, sinks))
+    if ck is None or ck not in _CHECKED:
+        _check_layout(q, k)
+        _check_inputs(q, k, v, head_dim)
+        _check_sinks_shape(sinks, q, 2, _spec_has_sinks(key))
+        _remember_checked(ck)
     dtype = q.dtype
     q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks)
     o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks)
@@ -934,8 +1002,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     checks.check_softmax_scale(_WHO, softmax_scale)
     window_size, softcap = _check_overrides(window_size, softcap, sinks, return_lse)
     key, head_dim = _resolve_for_trace(spec, causal, window_size, softcap, sinks is not None, "varlen")
-    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim)
-    _check_sinks_shape(sinks, q, 1, _spec_has_sinks(key))
+    ck = _checked_key("varlen", key, head_dim, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
+                      (type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k))
+    if ck is None or ck not in _CHECKED:
+        _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim)
+        _check_sinks_shape(sinks, q, 1, _spec_has_sinks(key))
+        _remember_checked(ck)
     dtype = q.dtype
     q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks, packed=True)
     o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks, cu_seqlens_q,
