@@ -51,6 +51,9 @@ def context(plan) -> dict:
     if d.tile_n not in dc.TILE_NS:
         raise LoweringError(f"the sm90a decode kernel reads key tiles of {' or '.join(map(str, dc.TILE_NS))}, "
                             f"not {d.tile_n}", "schedule.tile")
+    stages = spec.schedule.kv_stages or 1  # unset: one stage (the ring is opt-in until it has run on a GPU)
+    if stages not in (1, 2):
+        raise LoweringError(f"the sm90a decode kernel loads K/V in 1 or 2 stages, not {stages}", "schedule.kv_stages")
     cfg = dc.DecodeConfig(
         kernel_name=spec.name,
         head_dim=spec.head_dim,
@@ -61,9 +64,11 @@ def context(plan) -> dict:
         q_tokens=c.q_tokens,
         gqa=c.gqa,
         tile_n=d.tile_n,
+        kv_stages=stages,
     )
     origins = {k: Comment(spec.origin(k)) for k in ("head_dim", "mask", "kv_cache.format", "kv_cache.storage",
-                                                   "kv_cache.q_tokens", "kv_cache.gqa", "schedule.tile")}
+                                                   "kv_cache.q_tokens", "kv_cache.gqa", "schedule.tile",
+                                                   "schedule.kv_stages")}
     return dict(
         kernel_name=Comment(spec.name),
         spec_file=Comment(spec.source_file),
@@ -84,12 +89,14 @@ def config(plan):
 # the spec line (origins key) behind each DecodeConfig value, for its comment
 _FIELD_SOURCE = {"head_dim": "head_dim", "causal": "mask", "cache_format": "kv_cache.format",
                  "paged": "kv_cache.storage", "page_size": "kv_cache.storage", "q_tokens": "kv_cache.q_tokens",
-                 "gqa": "kv_cache.gqa", "tile_n": "schedule.tile"}
+                 "gqa": "kv_cache.gqa", "tile_n": "schedule.tile", "kv_stages": "schedule.kv_stages"}
 
 
 def _config_fields(cfg, origins) -> list:
     rows = []
     for f in dataclasses.fields(cfg):
+        if f.default is not dataclasses.MISSING and getattr(cfg, f.name) == f.default:
+            continue  # a default is not rendered: the modules of specs without it stay as they were
         if f.name == "kernel_name":
             rows.append((Code(f.name), Code("KERNEL_NAME"), Comment("the spec's kernel name")))
         else:

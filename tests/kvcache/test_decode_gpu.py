@@ -29,15 +29,16 @@ def _ident(text):
     return "".join(ch if ch.isalnum() else "_" for ch in text)
 
 
-def spec_of(*, head_dim=128, mask="causal", storage=None, gqa=8, q_tokens=8, fmt="bf16", tile_n=128):
+def spec_of(*, head_dim=128, mask="causal", storage=None, gqa=8, q_tokens=8, fmt="bf16", tile_n=128, kv_stages=1):
     store = f"    storage  {storage}\n" if storage else ""
-    name = _ident(f"dec_{head_dim}_{mask}_{gqa}_{q_tokens}_{storage or 'contig'}_{fmt}_{tile_n}")
+    name = _ident(f"dec_{head_dim}_{mask}_{gqa}_{q_tokens}_{storage or 'contig'}_{fmt}_{tile_n}_{kv_stages}")
     return parse_text(f"""attention {name} {{
   target   sm90a
   head_dim {head_dim}
   mask     {mask}
   schedule {{
     tile 128 x {tile_n}
+    kv_stages {kv_stages}
   }}
   kv_cache {{
 {store}    format   {fmt}
@@ -201,6 +202,14 @@ def test_key_tiles_of_64(fmt, head_dim):
     """schedule tile 128 x 64: 64-key tiles (the reference splits by the same tiles)."""
     compare(spec_of(head_dim=head_dim, storage="paged(page_size=16)", gqa=8, fmt=fmt, tile_n=64), LENGTHS, 5, 3,
             shuffle_pages=True, seed=6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", FP8[0], FP8[1], NVFP4[1]], ids=["bf16", "fp8_token", "fp8_tensor", "nvfp4_2l"])
+@pytest.mark.parametrize("storage", [None, "paged(page_size=64)"], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("sq,splits", [(1, 1), (3, 2)])
+def test_two_stage_load_ring(fmt, storage, sq, splits):
+    """schedule kv_stages 2: tile t + 1's copies fly while tile t computes (opt-in until it has run)."""
+    compare(spec_of(storage=storage, gqa=8, fmt=fmt, kv_stages=2), LENGTHS, sq, splits, shuffle_pages=True, seed=8)
 
 
 def test_planner_split_and_pages_out_of_order():

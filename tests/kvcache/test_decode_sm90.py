@@ -89,6 +89,31 @@ def test_sm100a_is_refused_at_the_kv_cache_line():
     assert e.value.loc.line == 4
 
 
+def test_every_variant_fits_the_smem_of_one_sm():
+    """Hopper gives a CTA at most 227 KB of SMEM; every format x head dim x tile x stages fits."""
+    from fp4gen.device.sm90.decode import DecodeKernel
+    from fp4gen.device.sm90.decode_config import CACHE_FORMATS, DecodeConfig
+
+    for fmt in CACHE_FORMATS:
+        for d in (64, 128):
+            for tile_n in (64, 128):
+                for stages in (1, 2):
+                    cfg = DecodeConfig("t", d, True, fmt, False, None, 8, 8, tile_n, kv_stages=stages)
+                    assert DecodeKernel(cfg).shared_storage().size_in_bytes() <= 227 * 1024, cfg
+
+
+def test_kv_stages_comes_from_the_spec_and_renders_only_when_set():
+    from fp4gen.lowering.sm90_decode import config
+
+    two = spec_of("format bf16", extra="  schedule {\n    kv_stages 2\n  }\n")
+    assert config(plan_kernel(two)).kv_stages == 2 and "kv_stages=2,  # t.attn:6: kv_stages 2" in render(plan_kernel(two))
+    assert config(plan_kernel(spec_of("format bf16"))).kv_stages == 1
+    assert "kv_stages" not in render(plan_kernel(spec_of("format bf16"))).split("CONFIG = ")[1]
+    three = spec_of("format bf16", extra="  schedule {\n    kv_stages 3\n  }\n")
+    err = refusal(plan_kernel(three))
+    assert err is not None and err.path == "schedule.kv_stages" and three.loc(err.path).line == 6
+
+
 def test_config_refuses_values_the_kernel_cannot_run():
     from fp4gen.device.sm90.decode_config import DecodeConfig
 
@@ -98,7 +123,8 @@ def test_config_refuses_values_the_kernel_cannot_run():
     for bad, match in ((dict(head_dim=96), "head_dim"), (dict(cache_format="fp8e4m3"), "cache format"),
                        (dict(cache_format="nvfp4"), "cache format"),
                        (dict(gqa=16), "64-row"), (dict(paged=True), "page_size"),
-                       (dict(paged=True, page_size=48), "power of two"), (dict(tile_n=256), "tile_n")):
+                       (dict(paged=True, page_size=48), "power of two"), (dict(tile_n=256), "tile_n"),
+                       (dict(kv_stages=3), "kv_stages")):
         with pytest.raises(ValueError, match=match):
             DecodeConfig(**{**ok, **bad})
 

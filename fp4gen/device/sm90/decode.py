@@ -71,6 +71,10 @@ class DecodeKernel:
         self.fp8 = config.fp8
         self.token_scale = config.token_scale
         self.nvfp4 = config.nvfp4
+        # load stages: the copy targets (a bf16 cache's operand tiles, else the staging tiles and
+        # scales) come in kv_stages copies; a widened operand tile is rewritten every tile
+        self.stages = config.kv_stages
+        self.k_stages = 1 if self.fp8 or self.nvfp4 else self.stages
         m, n, d = ROW_TILE, self.tile_n, self.hdim
         # every copy and widening loop splits its work evenly over the CTA's threads
         for work in (m * d // VEC, n * d // VEC, n * d // VEC8, n * d // 2 // VEC8, n * d // NVFP4_BLOCK,
@@ -80,27 +84,28 @@ class DecodeKernel:
     def shared_storage(self):
         """Q, K, V, S (fp32), P (bf16), and per-row rescale / sum / max."""
         m, n, d = ROW_TILE, self.tile_n, self.hdim
+        st, kst = self.stages, self.k_stages
         fields = {
             "sQ": cute.struct.Align[cute.struct.MemRange[BFloat16, m * d], 128],
-            "sK": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d], 128],
-            "sV": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d], 128],
+            "sK": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d * kst], 128],
+            "sV": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d * kst], 128],
             "sS": cute.struct.Align[cute.struct.MemRange[Float32, m * n], 128],
             "sP": cute.struct.Align[cute.struct.MemRange[BFloat16, m * n], 128],
             "sAlpha": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
             "sL": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
         }
         if self.fp8:  # the E4M3 staging tiles (widened into sK, sV)
-            fields["sK8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d], 128]
-            fields["sV8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d], 128]
+            fields["sK8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d * st], 128]
+            fields["sV8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d * st], 128]
         if self.nvfp4:  # packed E2M1 staging, the decoded block scales, the code -> value table
-            fields["sK4"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d // 2], 128]
-            fields["sV4"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d // 2], 128]
-            fields["sKsc"] = cute.struct.Align[cute.struct.MemRange[Float32, n * d // NVFP4_BLOCK], 16]
-            fields["sVsc"] = cute.struct.Align[cute.struct.MemRange[Float32, n * d // NVFP4_BLOCK], 16]
+            fields["sK4"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d // 2 * st], 128]
+            fields["sV4"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d // 2 * st], 128]
+            fields["sKsc"] = cute.struct.Align[cute.struct.MemRange[Float32, n * d // NVFP4_BLOCK * st], 16]
+            fields["sVsc"] = cute.struct.Align[cute.struct.MemRange[Float32, n * d // NVFP4_BLOCK * st], 16]
             fields["sLut"] = cute.struct.Align[cute.struct.MemRange[Float32, 16], 16]
         if self.token_scale:  # each key's K and V scale, and P's low half
-            fields["sSK"] = cute.struct.Align[cute.struct.MemRange[Float32, n], 16]
-            fields["sSV"] = cute.struct.Align[cute.struct.MemRange[Float32, n], 16]
+            fields["sSK"] = cute.struct.Align[cute.struct.MemRange[Float32, n * st], 16]
+            fields["sSV"] = cute.struct.Align[cute.struct.MemRange[Float32, n * st], 16]
             fields["sPlo"] = cute.struct.Align[cute.struct.MemRange[BFloat16, m * n], 128]
         return cute.struct(type("DecodeStorage", (), {"__annotations__": fields}))
 
@@ -142,41 +147,46 @@ class DecodeKernel:
         storage = cutlass.utils.SmemAllocator().allocate(self.storage_t)
         row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
         sQ = storage.sQ.get_tensor(row_major(m, d))
-        sK = storage.sK.get_tensor(row_major(n, d))
-        sV = storage.sV.get_tensor(row_major(n, d))
+        st, kst = self.stages, self.k_stages
+
+        def staged(rng, rows, cols, count, dtype=None):  # (rows, cols, stage), row-major per stage
+            return rng.get_tensor(cute.make_layout((rows, cols, count), stride=(cols, 1, rows * cols)), dtype=dtype)
+
+        sK_all = staged(storage.sK, n, d, kst)
+        sV_all = staged(storage.sV, n, d, kst)
         # V as PV's (N = D, K = keys) operand: the same SMEM, transposed
-        sVt = storage.sV.get_tensor(cute.make_layout((d, n), stride=(1, d)))
+        sVt_all = storage.sV.get_tensor(cute.make_layout((d, n, kst), stride=(1, d, n * d)))
         sS = storage.sS.get_tensor(row_major(m, n))
         sP = storage.sP.get_tensor(row_major(m, n))
         sAlpha = storage.sAlpha.get_tensor(cute.make_layout(m))
         sL = storage.sL.get_tensor(cute.make_layout(m))
         sK8 = sV8 = sK8w = sV8w = sKw = sVw = None
-        if const_expr(self.fp8):
-            sK8 = storage.sK8.get_tensor(row_major(n, d))
-            sV8 = storage.sV8.get_tensor(row_major(n, d))
-            # the same tiles as words: 4 E4M3 codes in, 2 bf16 pairs out
-            sK8w = storage.sK8.get_tensor(cute.make_layout(n * d // 4), dtype=cutlass.Uint32)
-            sV8w = storage.sV8.get_tensor(cute.make_layout(n * d // 4), dtype=cutlass.Uint32)
+        if const_expr(self.fp8 or self.nvfp4):
+            # the widened operand tiles as words of two bf16
             sKw = storage.sK.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
             sVw = storage.sV.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+        if const_expr(self.fp8):
+            sK8 = staged(storage.sK8, n, d, st)
+            sV8 = staged(storage.sV8, n, d, st)
+            # the same tiles as words: 4 E4M3 codes in, 2 bf16 pairs out
+            sK8w = staged(storage.sK8, 1, n * d // 4, st, cutlass.Uint32)
+            sV8w = staged(storage.sV8, 1, n * d // 4, st, cutlass.Uint32)
         sK4w = sV4w = sKsc = sVsc = sLut = sK4 = sV4 = None
         if const_expr(self.nvfp4):
-            sK4 = storage.sK4.get_tensor(row_major(n, d // 2))
-            sV4 = storage.sV4.get_tensor(row_major(n, d // 2))
-            sK4w = storage.sK4.get_tensor(cute.make_layout(n * d // 8), dtype=cutlass.Uint32)  # 8 codes a word
-            sV4w = storage.sV4.get_tensor(cute.make_layout(n * d // 8), dtype=cutlass.Uint32)
-            sKsc = storage.sKsc.get_tensor(cute.make_layout(n * d // NVFP4_BLOCK))
-            sVsc = storage.sVsc.get_tensor(cute.make_layout(n * d // NVFP4_BLOCK))
+            sK4 = staged(storage.sK4, n, d // 2, st)
+            sV4 = staged(storage.sV4, n, d // 2, st)
+            sK4w = staged(storage.sK4, 1, n * d // 8, st, cutlass.Uint32)  # 8 codes a word
+            sV4w = staged(storage.sV4, 1, n * d // 8, st, cutlass.Uint32)
+            sKsc = staged(storage.sKsc, 1, n * d // NVFP4_BLOCK, st)
+            sVsc = staged(storage.sVsc, 1, n * d // NVFP4_BLOCK, st)
             sLut = storage.sLut.get_tensor(cute.make_layout(16))
-            sKw = storage.sK.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
-            sVw = storage.sV.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
             if tidx == 0:  # published by the first tile's barriers
                 for i in cutlass.range_constexpr(16):
                     sLut[i] = Float32(E2M1_VALUES[i])
         sSK = sSV = sPlo = None
         if const_expr(self.token_scale):
-            sSK = storage.sSK.get_tensor(cute.make_layout(n))
-            sSV = storage.sSV.get_tensor(cute.make_layout(n))
+            sSK = staged(storage.sSK, 1, n, st)
+            sSV = staged(storage.sSV, 1, n, st)
             sPlo = storage.sPlo.get_tensor(row_major(m, n))
         k_mult = softmax_scale_log2  # what S is multiplied by (a tensor K scale joins it)
         v_mult = Float32(1.0)  # what O is multiplied by at the end (a tensor V scale)
@@ -213,11 +223,11 @@ class DecodeKernel:
 
         thr_mma = tiled_mma.get_slice(tidx)
         tSsQ = thr_mma.partition_A(sQ)
-        tSsK = thr_mma.partition_B(sK)
+        tSsK = thr_mma.partition_B(sK_all[None, None, 0])
         tSsS = thr_mma.partition_C(sS)
         tOsP = thr_mma.partition_A(sP)
         tOsPlo = thr_mma.partition_A(sPlo) if const_expr(self.token_scale) else None
-        tOsV = thr_mma.partition_B(sVt)
+        tOsV = thr_mma.partition_B(sVt_all[None, None, 0])
         tSrQ = thr_mma.make_fragment_A(tSsQ[None, None, 0])
         tSrK = thr_mma.make_fragment_B(tSsK[None, None, 0])
         tOrP = thr_mma.make_fragment_A(tOsP[None, None, 0])
@@ -237,67 +247,39 @@ class DecodeKernel:
         if const_expr(cfg.causal):
             limit = cutlass.min(seqlen_k, seqlen_k - seqlen_q + srow // gqa + 1)
 
+        ops = (mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK_all, sV_all, sK8, sV8, sK4, sV4, sKsc, sVsc, sSK, sSV,
+               g2s, g2s8, b, hk, seqlen_k, tidx)
+        if const_expr(st == 2):  # the ring's first tile
+            if t_begin < t_end:
+                self.issue(ops, t_begin * n, 0)
+            cute.arch.cp_async_commit_group()
         for t in cutlass.range(t_begin, t_end, unroll=1):
             key0 = t * n
-            cute.arch.sync_threads()  # the previous tile's readers of sK, sV, sP are done
-            if const_expr(not self.fp8 and not self.nvfp4):
-                for i in cutlass.range(n * cpr // self.threads, unroll=4):
-                    idx = tidx + i * self.threads
-                    r = idx // cpr
-                    c = idx % cpr
-                    dk = cute.local_tile(sK[r, None], (VEC,), (c,))
-                    dv = cute.local_tile(sV[r, None], (VEC,), (c,))
-                    j = key0 + r
-                    if j < seqlen_k:
-                        slot, prow = self.cache_row(mPageTable, b, j)
-                        cute.copy(g2s, cute.local_tile(mK[slot, prow, hk, None], (VEC,), (c,)), dk)
-                        cute.copy(g2s, cute.local_tile(mV[slot, prow, hk, None], (VEC,), (c,)), dv)
-                    else:
-                        dk.fill(0.0)
-                        dv.fill(0.0)
-            elif const_expr(self.nvfp4):
-                self.load_nvfp4(mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0,
-                                seqlen_k, tidx)
+            stage = 0
+            if const_expr(st == 2):
+                stage = (t - t_begin) % 2
+            cute.arch.sync_threads()  # the previous tile's readers of the stage refilled now are done
+            if const_expr(st == 1):
+                self.issue(ops, key0, 0)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)  # this thread's copies landed
             else:
-                cpr8 = d // VEC8
-                for i in cutlass.range(n * cpr8 // self.threads, unroll=4):
-                    idx = tidx + i * self.threads
-                    r = idx // cpr8
-                    c = idx % cpr8
-                    dk = cute.local_tile(sK8[r, None], (VEC8,), (c,))
-                    dv = cute.local_tile(sV8[r, None], (VEC8,), (c,))
-                    j = key0 + r
-                    if j < seqlen_k:
-                        slot, prow = self.cache_row(mPageTable, b, j)
-                        cute.copy(g2s8, cute.local_tile(mK[slot, prow, hk, None], (VEC8,), (c,)), dk)
-                        cute.copy(g2s8, cute.local_tile(mV[slot, prow, hk, None], (VEC8,), (c,)), dv)
-                    else:
-                        dk.fill(0)  # E4M3 code 0 is 0.0
-                        dv.fill(0)
-                if const_expr(self.token_scale):
-                    for i in cutlass.range_constexpr(-(-n // self.threads)):
-                        r = tidx + i * self.threads
-                        if r < n:
-                            j = key0 + r
-                            sk = Float32(0.0)  # a key past the sequence: masked, and its V weighs 0
-                            sv = Float32(0.0)
-                            if j < seqlen_k:
-                                slot, prow = self.cache_row(mPageTable, b, j)
-                                sk = mSK[slot, prow, hk]
-                                sv = mSV[slot, prow, hk]
-                            sSK[r] = sk
-                            sSV[r] = sv
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)  # this thread's copies landed
+                if t + 1 < t_end:
+                    self.issue(ops, key0 + n, 1 - stage)  # the next tile, under this one's math
+                cute.arch.cp_async_commit_group()  # (empty on the last tile: the count stays uniform)
+                cute.arch.cp_async_wait_group(1)  # this tile's copies landed; the next may be in flight
             cute.arch.sync_threads()  # and every other thread's
+            kstage = stage if const_expr(kst == 2) else 0
+            tSsK_t = thr_mma.partition_B(sK_all[None, None, kstage])  # this tile's stage
+            tOsV_t = thr_mma.partition_B(sVt_all[None, None, kstage])
             if const_expr(self.fp8):
                 # widen the E4M3 tiles to BF16 (exact), one word of 4 codes at a time
                 for i in cutlass.range(n * d // 4 // self.threads, unroll=4):
                     w = tidx + i * self.threads
-                    fk = ptx.e4m3x4_to_f32(sK8w[w])
+                    fk = ptx.e4m3x4_to_f32(sK8w[0, w, stage])
                     sKw[2 * w] = ptx.f32x2_to_bf16x2(fk[0], fk[1])
                     sKw[2 * w + 1] = ptx.f32x2_to_bf16x2(fk[2], fk[3])
-                    fv = ptx.e4m3x4_to_f32(sV8w[w])
+                    fv = ptx.e4m3x4_to_f32(sV8w[0, w, stage])
                     sVw[2 * w] = ptx.f32x2_to_bf16x2(fv[0], fv[1])
                     sVw[2 * w + 1] = ptx.f32x2_to_bf16x2(fv[2], fv[3])
                 cute.arch.sync_threads()
@@ -306,8 +288,8 @@ class DecodeKernel:
                 for i in cutlass.range(n * d // 8 // self.threads, unroll=2):
                     w = tidx + i * self.threads
                     blk = (w * 8) // NVFP4_BLOCK  # row-major (n, d) tile: 16 elements per block
-                    self.widen_e2m1(sK4w[w], sKsc[blk], sLut, sKw, w)
-                    self.widen_e2m1(sV4w[w], sVsc[blk], sLut, sVw, w)
+                    self.widen_e2m1(sK4w[0, w, stage], sKsc[0, blk, stage], sLut, sKw, w)
+                    self.widen_e2m1(sV4w[0, w, stage], sVsc[0, blk, stage], sLut, sVw, w)
                 cute.arch.sync_threads()
 
             # S = Q K^T
@@ -317,7 +299,7 @@ class DecodeKernel:
             # at once (a K tile's fragments alone are 256 registers)
             for kb in cutlass.range(cute.size(tSsQ, mode=[2]), unroll=1):
                 cute.autovec_copy(tSsQ[None, None, kb], tSrQ)
-                cute.autovec_copy(tSsK[None, None, kb], tSrK)
+                cute.autovec_copy(tSsK_t[None, None, kb], tSrK)
                 cute.gemm(tiled_mma, acc_S, tSrQ, tSrK, acc_S)
             cute.autovec_copy(acc_S, tSsS)
             cute.arch.sync_threads()
@@ -326,7 +308,7 @@ class DecodeKernel:
             tile_max = Float32(-Float32.inf)
             for c in cutlass.range_constexpr(half):
                 if const_expr(self.token_scale):
-                    x = sS[srow, c_lo + c] * sSK[c_lo + c] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
+                    x = sS[srow, c_lo + c] * sSK[0, c_lo + c, stage] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
                 else:
                     x = sS[srow, c_lo + c] * k_mult
                 if key0 + c_lo + c >= limit:
@@ -345,7 +327,7 @@ class DecodeKernel:
                 pb = p.to(BFloat16)
                 if const_expr(self.token_scale):
                     # P' = bf16(p) s_v(j), as two bf16 halves for PV
-                    pw = pb.to(Float32) * sSV[c_lo + c]
+                    pw = pb.to(Float32) * sSV[0, c_lo + c, stage]
                     hi = pw.to(BFloat16)
                     sP[srow, c_lo + c] = hi
                     sPlo[srow, c_lo + c] = (pw - hi.to(Float32)).to(BFloat16)
@@ -364,7 +346,7 @@ class DecodeKernel:
                 acc_O[i] = acc_O[i] * sAlpha[tOcO[i][0]]
             for kb in cutlass.range(cute.size(tOsP, mode=[2]), unroll=1):
                 cute.autovec_copy(tOsP[None, None, kb], tOrP)
-                cute.autovec_copy(tOsV[None, None, kb], tOrV)
+                cute.autovec_copy(tOsV_t[None, None, kb], tOrV)
                 cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
                 if const_expr(self.token_scale):
                     cute.autovec_copy(tOsPlo[None, None, kb], tOrP)
@@ -392,8 +374,64 @@ class DecodeKernel:
 
 
     @cute.jit
+    def issue(self, ops, key0, st):
+        """Start the copies of the key tile at ``key0`` into load stage ``st``: cp.async for the
+        rows (zeros past the sequence), plain loads for per-token / per-block scales."""
+        (mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK_all, sV_all, sK8, sV8, sK4, sV4, sKsc, sVsc, sSK, sSV,
+         g2s, g2s8, b, hk, seqlen_k, tidx) = ops
+        n, d = self.tile_n, self.hdim
+        if const_expr(self.nvfp4):
+            self.load_nvfp4(mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0,
+                            seqlen_k, tidx, st)
+        elif const_expr(self.fp8):
+            cpr8 = d // VEC8
+            for i in cutlass.range(n * cpr8 // self.threads, unroll=4):
+                idx = tidx + i * self.threads
+                r = idx // cpr8
+                c = idx % cpr8
+                dk = cute.local_tile(sK8[r, None, st], (VEC8,), (c,))
+                dv = cute.local_tile(sV8[r, None, st], (VEC8,), (c,))
+                j = key0 + r
+                if j < seqlen_k:
+                    slot, prow = self.cache_row(mPageTable, b, j)
+                    cute.copy(g2s8, cute.local_tile(mK[slot, prow, hk, None], (VEC8,), (c,)), dk)
+                    cute.copy(g2s8, cute.local_tile(mV[slot, prow, hk, None], (VEC8,), (c,)), dv)
+                else:
+                    dk.fill(0)  # E4M3 code 0 is 0.0
+                    dv.fill(0)
+            if const_expr(self.token_scale):
+                for i in cutlass.range_constexpr(-(-n // self.threads)):
+                    r = tidx + i * self.threads
+                    if r < n:
+                        j = key0 + r
+                        sk = Float32(0.0)  # a key past the sequence: masked, and its V weighs 0
+                        sv = Float32(0.0)
+                        if j < seqlen_k:
+                            slot, prow = self.cache_row(mPageTable, b, j)
+                            sk = mSK[slot, prow, hk]
+                            sv = mSV[slot, prow, hk]
+                        sSK[0, r, st] = sk
+                        sSV[0, r, st] = sv
+        else:
+            cpr = d // VEC
+            for i in cutlass.range(n * cpr // self.threads, unroll=4):
+                idx = tidx + i * self.threads
+                r = idx // cpr
+                c = idx % cpr
+                dk = cute.local_tile(sK_all[r, None, st], (VEC,), (c,))
+                dv = cute.local_tile(sV_all[r, None, st], (VEC,), (c,))
+                j = key0 + r
+                if j < seqlen_k:
+                    slot, prow = self.cache_row(mPageTable, b, j)
+                    cute.copy(g2s, cute.local_tile(mK[slot, prow, hk, None], (VEC,), (c,)), dk)
+                    cute.copy(g2s, cute.local_tile(mV[slot, prow, hk, None], (VEC,), (c,)), dv)
+                else:
+                    dk.fill(0.0)
+                    dv.fill(0.0)
+
+    @cute.jit
     def load_nvfp4(self, mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0, seqlen_k,
-                   tidx):
+                   tidx, st):
         """One key tile of an NVFP4 cache into SMEM: the packed rows by cp.async (zeros past the
         sequence), the block scales decoded to fp32 (times g with a tensor scale; 0 past it)."""
         n, d = self.tile_n, self.hdim
@@ -402,8 +440,8 @@ class DecodeKernel:
             idx = tidx + i * self.threads
             r = idx // cpr4
             c = idx % cpr4
-            dk = cute.local_tile(sK4[r, None], (VEC8,), (c,))
-            dv = cute.local_tile(sV4[r, None], (VEC8,), (c,))
+            dk = cute.local_tile(sK4[r, None, st], (VEC8,), (c,))
+            dv = cute.local_tile(sV4[r, None, st], (VEC8,), (c,))
             j = key0 + r
             if j < seqlen_k:
                 slot, prow = self.cache_row(mPageTable, b, j)
@@ -427,8 +465,8 @@ class DecodeKernel:
                 if const_expr(self.config.tensor_scale):
                     sk = sk * mGK[hk]
                     sv = sv * mGV[hk]
-            sKsc[e] = sk
-            sVsc[e] = sv
+            sKsc[0, e, st] = sk
+            sVsc[0, e, st] = sv
 
     @cute.jit
     def widen_e2m1(self, word, scale, sLut, dst, w):

@@ -30,6 +30,8 @@ class DecodeConfig:
     q_tokens: int  # query tokens per sequence, at most (the spec's kv_cache q_tokens)
     gqa: int  # query heads per KV head
     tile_n: int  # keys per tile (the spec's schedule tile_n: the reference's split unit)
+    # Fields with a default: a module renders them only when it sets them.
+    kv_stages: int = 1  # K/V load stages: 2 loads tile t + 1 while tile t computes (the spec's kv_stages)
 
     def __post_init__(self):
         name = self.kernel_name
@@ -42,6 +44,8 @@ class DecodeConfig:
         if not 1 <= self.q_tokens * self.gqa <= ROW_TILE:
             raise ValueError(f"{name}: q_tokens x gqa = {self.q_tokens * self.gqa} rows must fit one "
                              f"{ROW_TILE}-row tile")
+        if self.kv_stages not in (1, 2):
+            raise ValueError(f"{name}: kv_stages must be 1 or 2, got {self.kv_stages}")
         if self.paged != (self.page_size is not None):
             raise ValueError(f"{name}: page_size is set exactly when the cache is paged")
         if self.paged and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
