@@ -389,3 +389,31 @@ def test_cli_dry_run_compiles_two_candidates(cli, tmp_path, monkeypatch):
     mods = list((tmp_path / "cache" / "modules").rglob("small_d64_sm90a_*.py"))
     assert len(mods) == 2
     assert path.read_text() == SMALL
+
+
+def test_cli_timed_path_with_a_fake_gpu_writes_the_winner(cli, tmp_path, monkeypatch):
+    """cmd_tune's GPU branch end to end, with the device, compiler, checker and timer faked."""
+    import fp4gen
+
+    tune = _tune()
+    path = tmp_path / "small.attn"
+    path.write_text(SMALL)
+    fast = (80, 3)
+    monkeypatch.setattr(tune, "cuda_device", lambda: ("cpu", "Fake GPU"))
+    monkeypatch.setattr(tune, "compile_candidate", lambda c, filename: FakeModule(c))
+    monkeypatch.setattr(tune, "gpu_checker", lambda dev: (lambda m, c: (True, "fake check")))
+    monkeypatch.setattr(tune, "gpu_timer", lambda dev: (
+        lambda m, c, s: 0.25 if (c.tile_n, c.kv_stages) == fast else 1.0 + c.tile_n / 1000))
+    r = cli("tune", path, "--shapes", "1,1024,4", "2,4096,8,64", "--write")
+    assert r.rc == 0, r.err
+    assert "chosen: tile 128 x 80, kv_stages 3" in r.out and f"wrote {path}" in r.out
+    new = path.read_text()
+    assert "# tune: fp4gen tune on Fake GPU" in new and "1,1024,4,64: 0.2500" in new
+    specs = {s.name: s for s in fp4gen.parse_text(new, filename=str(path))}
+    sch = specs["small_d64"].schedule
+    assert (sch.tile_n, sch.kv_stages) == fast
+    # the JSON report of the same run
+    r = cli("tune", path, "--json", "--shapes", "1,1024,4")
+    out = json.loads(r.out)
+    assert r.rc == 0 and out["timed"] and out["kernels"][0]["winner"]["tile_n"] == 80
+    assert any(c["current"] and c["tile_n"] == 80 for c in out["kernels"][0]["candidates"])
