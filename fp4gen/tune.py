@@ -563,7 +563,9 @@ def tune_comment(res: KernelResult, device_name: str, shapes, when: Optional[dat
     for s in shapes:
         k = shape_key(s)
         line = f"  {k}: {w.medians_ms[k]:.4f}"
-        if auto is not None and auto is not w:
+        if auto is w:
+            line += " (the planner's auto choice)"
+        elif auto is not None:
             line += f" (planner's auto {auto.tile_m} x {auto.tile_n}, kv_stages {auto.kv_stages}: {auto.medians_ms[k]:.4f})"
         lines.append(line)
     n = sum(c.status == "timed" for c in res.candidates)
