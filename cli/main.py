@@ -660,7 +660,7 @@ def cmd_perf(args) -> int:
 
 def _tune_shapes(texts, spec) -> list:
     """``--shapes`` for kernel ``spec``: B,S,H[,D] each; D, when given, must be its head dim."""
-    from fp4gen import tune
+    from fp4gen.cli import tune
     from fp4gen.driver import UserError
 
     if not texts:
@@ -688,7 +688,7 @@ def cmd_tune(args) -> int:
     """Enumerate, compile, check and time each sm90a kernel's schedule candidates (docs/tune.md);
     without an sm_90 GPU (or with --dry-run) list and compile them, exit 0."""
     import fp4gen
-    from fp4gen import tune
+    from fp4gen.cli import tune
     from fp4gen.driver import UserError, select_specs
 
     if args.budget_s is not None and not args.budget_s > 0:

@@ -39,7 +39,7 @@ attention other {   # not tuned: its bytes must not move
 
 
 def _tune():
-    from fp4gen import tune
+    from fp4gen.cli import tune
 
     return tune
 

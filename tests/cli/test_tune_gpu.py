@@ -31,7 +31,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture
 def device(cache, monkeypatch):
-    from fp4gen import tune
+    from fp4gen.cli import tune
 
     monkeypatch.setenv("FP4GEN_CACHE_DIR", str(cache))  # both tests share their compiles
     dev, name = tune.cuda_device()
@@ -56,7 +56,7 @@ class Planted:
 
 def test_tune_chooses_the_fastest_correct_and_writes_it_back(tmp_path, device):
     import fp4gen
-    from fp4gen import tune
+    from fp4gen.cli import tune
 
     dev, name = device
     path = tmp_path / "spec.attn"
