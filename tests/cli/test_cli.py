@@ -258,6 +258,11 @@ READER = """
 import sys, time, pathlib
 p = pathlib.Path(sys.argv[1]); want = pathlib.Path(sys.argv[2]).read_bytes()
 seen = 0
+# the reading window opens when the first write lands: on a loaded machine the writers' imports
+# alone can outlast a window counted from the reader's start (seen = 0 failed the test once)
+first = time.time() + 240
+while not p.exists() and time.time() < first:
+    time.sleep(0.001)
 deadline = time.time() + float(sys.argv[3])
 while time.time() < deadline:
     try:
