@@ -621,8 +621,7 @@ def _module_for_extras(mod, sinks, cu_seqlens_q, backward: bool = False):
                        f"{' in its backward' if backward else ''}")
 
 
-@torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
+def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
                   softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0,
@@ -661,6 +660,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: s
     return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous(), state
 
 
+attention_fwd = torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())(_attention_fwd_impl)
+
+
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend, sinks=None, cu_seqlens_q=None,
                         cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
@@ -686,8 +688,7 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend, sinks=None, c
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32), state
 
 
-@torch.library.custom_op("fp4gen::attention_bwd", mutates_args=())
-def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+def _attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, do: torch.Tensor, state: list[torch.Tensor], spec_key: str,
                   softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
                   cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
@@ -712,6 +713,9 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         _COUNTS[("bwd", "reference")] += 1
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
             dv.to(v.dtype).contiguous())
+
+
+attention_bwd = torch.library.custom_op("fp4gen::attention_bwd", mutates_args=())(_attention_bwd_impl)
 
 
 @attention_bwd.register_fake
@@ -746,6 +750,51 @@ def _backward(ctx, do, dlse, dstate):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Eager calls skip the custom op's dispatch: torch.library's Python autograd wrapper (argument
+# flattening, default filling, alias checks) costs more per call than fp4gen's own host work
+# (bench/host_overhead.py). The same implementation and autograd formula run through a plain
+# autograd.Function instead; whatever must see one opaque node (torch.compile, export, a dispatch
+# or function mode, tensor subclasses such as fake tensors, functorch transforms) gets the op.
+def _eager_fast_path(*tensors) -> bool:
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k, max_q, max_k):
+        o, lse, state = _attention_fwd_impl(q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k, max_q, max_k)
+        ctx.save_for_backward(q, k, v, o, lse, sinks, cu_q, cu_k, *state)
+        ctx.spec_key, ctx.softmax_scale, ctx.backend, ctx.max_seqlen = key, softmax_scale, backend, (max_q, max_k)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: its backward has no backward
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sinks, cu_q, cu_k, *state = ctx.saved_tensors
+        dq, dk, dv = _attention_bwd_impl(q, k, v, o, lse, do.contiguous(), list(state), ctx.spec_key,
+                                         ctx.softmax_scale, ctx.backend, sinks, cu_q, cu_k, *ctx.max_seqlen)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[6]:
+            dsinks = _reference().sinks_grad(o, lse, do, sinks).to(sinks.dtype)
+        return dq, dk, dv, None, None, None, dsinks, None, None, None, None
+
+
+def _attention_op(q, k, v, key, softmax_scale, backend, sinks=None, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    """(o, lse) of one call: the custom op, or in plain eager mode the same work without its dispatch."""
+    if _eager_fast_path(q, k, v, sinks, cu_q, cu_k):
+        return _EagerAttention.apply(q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k, max_q, max_k)
+    if cu_q is None:
+        o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks)
+    else:
+        o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k,
+                                                    max_q, max_k)
+    return o, lse
 
 
 # ---------------------------------------------------------------------------
@@ -886,7 +935,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         _remember_checked(ck)
     dtype = q.dtype
     q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks)
-    o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks)
+    o, lse = _attention_op(q, k, v, key, softmax_scale, backend, sinks)
     if post is not None:
         o, lse = post.o(o).to(dtype), post.lse(lse)
     return (o, lse) if return_lse else o
@@ -1010,8 +1059,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         _remember_checked(ck)
     dtype = q.dtype
     q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks, packed=True)
-    o, lse, _ = torch.ops.fp4gen.attention_fwd(q, k, v, key, softmax_scale, backend, sinks, cu_seqlens_q,
-                                                cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse = _attention_op(q, k, v, key, softmax_scale, backend, sinks, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k)
     if post is not None:
         o, lse = post.o(o).to(dtype), post.lse(lse)
     return (o, lse) if return_lse else o

@@ -184,3 +184,33 @@ def test_no_host_sync_calls_in_the_op_path():
         text = f.read_text()
         hits = [m.group(0) for m in re.finditer(r"\.(item|tolist|cpu|numpy)\(\)", text)]
         assert not hits, f"{f.name}: {hits}"
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_eager_fast_path_equals_the_custom_op(sinks, monkeypatch):
+    """Eager calls run the op's implementation through an autograd.Function (no torch.library
+    dispatch): the same outputs and gradients, sinks' included, as through the op."""
+    from tests.torch_ops.conftest import fp32_spec
+
+    spec = fp32_spec(head_dim=16, causal=True, name="hostpath_eager")
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, 24, h, 16, generator=g) for h in (4, 2, 2)]
+    s0 = torch.randn(4, generator=g) if sinks else None
+
+    def run():
+        q, k, v = (t.clone().requires_grad_(True) for t in base)
+        s = s0.clone().requires_grad_(True) if sinks else None
+        o, lse = attention(q, k, v, spec=spec, sinks=s, return_lse=True)
+        (o.square().sum() + 0 * lse.sum()).backward()
+        return [o, lse, q.grad, k.grad, v.grad] + ([s.grad] if sinks else [])
+
+    calls = []
+    orig = torch_ops._EagerAttention.apply
+    monkeypatch.setattr(torch_ops._EagerAttention, "apply", lambda *a: calls.append(1) or orig(*a))
+    fast = run()
+    assert calls, "the eager call did not take the fast path"
+    monkeypatch.setattr(torch_ops, "_eager_fast_path", lambda *t: False)
+    slow = run()
+    assert len(calls) == 1
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
