@@ -425,7 +425,7 @@ def cuda_timer(mod, spec, shape, device, *, warmup: int = 5, reps: int = 21) -> 
     from fp4gen.ir.spec import Layout, Sinks
 
     B, S, H, D = shape
-    per_set = 3 * B * S * H * D * 2
+    per_set = 3 * B * S * H * D * (1 if spec.q.format.is_fp8 else 2)  # what the kernel reads: fp8 or bf16 q, k, v
     nsets = max(2, min(32, math.ceil(2 * l2_bytes(device) / per_set)))
     gen = torch.Generator().manual_seed(1)
     sets = []
