@@ -416,9 +416,10 @@ def l2_bytes(device) -> int:
 
 
 def cuda_timer(mod, spec, shape, device, *, warmup: int = 5, reps: int = 21) -> float:
-    """Median milliseconds of one forward at ``shape`` (B, S, H, D): CUDA events around each
-    call, ``warmup`` calls first, inputs rotated over enough sets that one call's reads are not
-    left in L2 by the call before (sets x bytes >= 2 x L2). FP8 kernels time the kernel alone,
+    """Milliseconds of one forward at ``shape`` (B, S, H, D): the median over ``reps`` samples,
+    each CUDA events around one pass over the input sets (divided by their number), after
+    ``warmup`` calls; enough sets that a call's inputs are not in L2 from the call before
+    (sets x bytes >= 2 x L2). FP8 kernels time the kernel alone,
     on inputs quantized beforehand (the schedule does not change the quantization)."""
     import torch
 
@@ -446,13 +447,16 @@ def cuda_timer(mod, spec, shape, device, *, warmup: int = 5, reps: int = 21) -> 
         once(i)
     torch.cuda.synchronize(device)
     times = []
-    for i in range(reps):
+    # one sample: a pass over every set, back to back, so that the launches queue behind the
+    # running kernel and the host's per-call work is not timed as GPU idle time
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        once(i)
+        for i in range(nsets):
+            once(i)
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / nsets)
     return statistics.median(times)
 
 
