@@ -603,8 +603,11 @@ class Backward:
                         acc_S[i] = dsoftmax.tanh_approx(acc_S[i] * tanh_scale)
                 # mask keys past the end (causal: and keys after the query's diagonal; window: and
                 # keys outside it)
-                dmask.apply_keys_by_queries(S, c_mn, key0, q0, bn, bm, seqlen_k, cfg.causal, causal_offset,
-                                            cfg.window, SOFTCAP_FILL if cfg.softcap > 0 else None)
+                if cutlass.const_expr(cfg.softcap > 0 and cfg.window is not None):
+                    self.softcap_window_mask(S, c_mn, key0, q0, seqlen_k, causal_offset)
+                else:
+                    dmask.apply_keys_by_queries(S, c_mn, key0, q0, bn, bm, seqlen_k, cfg.causal, causal_offset,
+                                                cfg.window, SOFTCAP_FILL if cfg.softcap > 0 else None)
                 # P^T = exp2(S^T * c - LSE2): rows of the forward's softmax, recomputed. Column
                 # by column, so each query's LSE2 / D (L1-resident) is live for two values only.
                 # FP8 dV: P is produced scaled by 2^8 (the FP8 operand of dV, as in the FP8 forward)
@@ -825,6 +828,43 @@ class Backward:
         if self.config.do_fp8:
             return lse_row[j] - P_LOG2_SCALE
         return lse_row[j]
+
+    @cute.jit
+    def softcap_window_mask(self, s_mn: cute.Tensor, c_mn: cute.Tensor, key0: Int32, q0: Int32, seqlen_k: Int32,
+                            causal_offset: Int32):
+        """``mask.apply_keys_by_queries``' rule for a window (keys past ``seqlen_k``, and key j
+        seen by the queries i with j - offset - right <= i <= j - offset + left), entries set to
+        SOFTCAP_FILL, with per-row bounds: each of the thread's key rows gets its first and last
+        visible query relative to the thread's first query column, and the columns, which lie
+        at constant distances from that one, compare against them as immediates. The
+        per-element form keeps a sum per query column live next to the in-flight dP^T, which
+        made the FP8 window + softcap backwards spill. Only a tile that crosses a bound is
+        walked."""
+        cfg = self.config
+        bm, bn = cfg.tile_m, cfg.tile_n
+        left, right = cfg.window
+        need_mask = key0 + bn > seqlen_k
+        if cutlass.const_expr(right >= 0):
+            need_mask = need_mask | (key0 + bn - 1 > q0 + causal_offset + right)
+        if cutlass.const_expr(left >= 0):
+            need_mask = need_mask | (key0 < q0 + (bm - 1) + causal_offset - left)
+        if need_mask:
+            col0 = c_mn[0, 0][1]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                kr = c_mn[r, 0][0]
+                row_out = kr >= seqlen_k - key0
+                # this row's key, relative to the thread's first query: queries (relative) from
+                # key - offset - right to key - offset + left see it
+                rel = key0 + kr - causal_offset - q0 - col0
+                for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    dj = c_mn[0, j][1] - col0  # a constant
+                    bad = row_out
+                    if cutlass.const_expr(right >= 0):
+                        bad = bad | (dj < rel - right)
+                    if cutlass.const_expr(left >= 0):
+                        bad = bad | (dj > rel + left)
+                    if bad:
+                        s_mn[r, j] = Float32(SOFTCAP_FILL)
 
     @cute.jit
     def store_ds_fp8(self, acc_ds, frg_dk, smem_addr):
