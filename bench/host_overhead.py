@@ -152,7 +152,9 @@ def install(spec, mod):
 
 def case_inputs(name: str, requires_grad: bool):
     b, s, h, hkv, d = SHAPES[name]
-    dt = torch.bfloat16
+    # bf16 as a model's activations; the transforms' torch steps compute, and CPU bf16 kernels are
+    # slow enough to hide the path in them: float32 there
+    dt = torch.float32 if name == "transforms" else torch.bfloat16
     if name == "varlen":
         q, k, v = torch.randn(b * s, h, d, dtype=dt), torch.randn(b * s, hkv, d, dtype=dt), \
             torch.randn(b * s, hkv, d, dtype=dt)
@@ -227,7 +229,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--label", default="", help="a note stored with the run (e.g. before/after)")
     ap.add_argument("--torch-ops", help="time this fp4gen/torch_ops.py instead of the installed one")
+    ap.add_argument("--compare", metavar="OLD_TORCH_OPS",
+                    help="same run, interleaved: this torch_ops.py (before) against the installed one (after), "
+                         "--processes pairs of processes; the JSON has both and after/before")
+    ap.add_argument("--processes", type=int, default=3, help="process pairs for --compare (default 3)")
     a = ap.parse_args(argv)
+    if a.compare:
+        return compare(a, argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(1)
     ref = stub_reference()
     torch_ops._reference = lambda: ref
@@ -254,6 +262,48 @@ def main(argv=None) -> int:
                "device": f"CPU ({platform.processor() or platform.machine()}), 1 torch thread",
                "torch": torch.__version__, "python": platform.python_version(),
                "calls": a.calls, "rounds": a.rounds, "rows": rows}
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def compare(a, argv) -> int:
+    """Alternate before/after processes (one torch_ops each: the custom ops register once per
+    process); per case the median over processes of each process's median."""
+    import subprocess
+    import tempfile
+
+    runs: dict = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.processes):
+            for which in ("before", "after"):
+                out = Path(tmp) / f"{which}{i}.json"
+                cmd = [sys.executable, __file__, "--calls", str(a.calls), "--rounds", str(a.rounds),
+                       "--cases", a.cases, "--json", str(out)]
+                if which == "before":
+                    cmd += ["--torch-ops", a.compare]
+                print(f"[{which} {i + 1}/{a.processes}]", flush=True)
+                subprocess.run(cmd, check=True)
+                runs[which].append(json.loads(out.read_text()))
+    rows = []
+    fields = ("fwd_us_median", "fwd_bwd_us_median", "stub_us")
+    for j, name in enumerate(a.cases.split(",")):
+        row = {"case": name, "shape_bshkvd": list(SHAPES[name])}
+        for which in ("before", "after"):
+            for f in fields:
+                row[f"{which}_{f}"] = round(statistics.median(r["rows"][j][f] for r in runs[which]), 2)
+        for f in ("fwd_us_median", "fwd_bwd_us_median"):
+            row[f"after_over_before_{f}"] = round(row[f"after_{f}"] / row[f"before_{f}"], 3)
+        rows.append(row)
+        print(f"{name:11s} fwd {row['before_fwd_us_median']:7.1f} -> {row['after_fwd_us_median']:7.1f} us   "
+              f"fwd+bwd {row['before_fwd_bwd_us_median']:7.1f} -> {row['after_fwd_bwd_us_median']:7.1f} us")
+    if a.json:
+        first = runs["after"][0]
+        out = {"command": "python3 bench/host_overhead.py " + " ".join(argv), "date": first["date"],
+               "label": a.label, "device": first["device"], "torch": first["torch"], "python": first["python"],
+               "calls": a.calls, "rounds": a.rounds, "processes": a.processes,
+               "note": "us per call of this thread's CPU time, stub kernels (bench/host_overhead.py's docstring); "
+                       "before = --compare's torch_ops.py, after = the installed one; medians over processes",
+               "rows": rows}
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
