@@ -844,13 +844,11 @@ def _signature(t):
 
 
 def _checked_key(kind: str, key: str, head_dim: int, tensors: tuple, extra: tuple = ()):
-    """The cache key of a call's checks, or None (not cached: tracing under torch.compile, or
-    an argument that is not a tensor, whose check must raise)."""
-    if torch.compiler.is_compiling():
+    """The cache key of a call's checks, or None (not cached: tracing (torch.compile, export, fake
+    or symbolic shapes, which may not hash), or an argument that is not a tensor, whose check must
+    raise): the calls ``_eager_fast_path`` takes."""
+    if not _eager_fast_path(*tensors):
         return None
-    for t in tensors:
-        if t is not None and not isinstance(t, torch.Tensor):
-            return None
     return (kind, key, head_dim, tuple(_signature(t) for t in tensors), extra)
 
 

@@ -214,3 +214,18 @@ def test_eager_fast_path_equals_the_custom_op(sinks, monkeypatch):
     assert len(calls) == 1
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fake_tensors_take_the_op_and_are_not_cached(stubbed):
+    """Fake tensors (as non-strict export and shape propagation pass them) go through the custom
+    op's fake implementation, and their checks run every time (symbolic shapes may not hash)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec, counts = stubbed("dense", "hostpath_fake")
+    with FakeTensorMode():
+        q, k, v = _qkv(grad=False)
+        for _ in range(2):
+            o = attention(q, k, v, spec=spec)
+            assert o.shape == q.shape
+    assert counts["check_qkv"] == 2
+    assert "forward" not in counts  # the fake implementation ran, not the module
