@@ -1,7 +1,8 @@
 """No host sync on fp4gen.attention's forward + backward on an H200 (skipped without Hopper): after a
 warm-up call (the first compiles and may read the device), an identical training call runs under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing CUDA call (an
-.item(), a .cpu(), a bool() of a GPU tensor, a blocking copy). Cases: the FP8 ds8 training recipe
+.item(), a .cpu(), a bool() of a GPU tensor, a blocking copy; torch's own synchronizing calls:
+a raw cudaStreamSynchronize inside a launcher would not show). Cases: the FP8 ds8 training recipe
 (dense and GQA), the BF16 varlen forward (a known sync, xfail), the outlier transforms.
 
     .venv/bin/python -m pytest -q -m gpu tests/torch_ops/test_host_path_gpu.py
