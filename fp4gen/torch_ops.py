@@ -621,15 +621,14 @@ def _module_for_extras(mod, sinks, cu_seqlens_q, backward: bool = False):
                        f"{' in its backward' if backward else ''}")
 
 
-def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
-                  softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
-                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _fwd_run(q, k, v, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+             max_seqlen_k):
+    """The forward op's work: (o, lse, prepared), ``prepared`` the forward state as the backward
+    takes it (V^T dropped: the backward does not read it), None when it keeps none."""
     entry = _entry(spec_key)
     plan = _plan(entry, q.device, backend, False, sinks is not None, cu_seqlens_q is not None)
     mod = plan.mod
-    state = []
+    prepared = None
     sink_kw = {"sinks": sinks} if sinks is not None else {}
     if cu_seqlens_q is not None and mod is not None:  # the generated varlen kernel
         o, lse = mod.forward_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k,
@@ -643,13 +642,12 @@ def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_
     elif mod is not None:
         # kernels load through TMA and want dense rows; views of a fused QKV are not
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        prepared = None
         if plan.keeps_state:
             prepared = mod.quantize_inputs(q, k, v, **plan.state_opts)
         kw = {"prepared": prepared} if prepared is not None else {}
         o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw, **sink_kw)
         if prepared is not None:
-            state = _forward_state(prepared)
+            prepared = (prepared[0], prepared[1], None) + tuple(prepared[3:])
         _COUNTS[("fwd", "generated")] += 1
     else:
         extra = {"sinks": sinks} if sinks is not None else {}  # (the tests' stand-in backend takes none)
@@ -657,7 +655,17 @@ def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_
         _COUNTS[("fwd", "reference")] += 1
     # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq), varlen
     # (H, total_q); the forward state (empty unless the backward reuses the forward's FP8 Q/K).
-    return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous(), state
+    return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous(), prepared
+
+
+def _attention_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_key: str,
+                        softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
+                        cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                        max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    o, lse, prepared = _fwd_run(q, k, v, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k)
+    return o, lse, (_forward_state(prepared) if prepared is not None else [])
 
 
 attention_fwd = torch.library.custom_op("fp4gen::attention_fwd", mutates_args=())(_attention_fwd_impl)
@@ -689,11 +697,18 @@ def _attention_fwd_fake(q, k, v, spec_key, softmax_scale, backend, sinks=None, c
 
 
 def _attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                  lse: torch.Tensor, do: torch.Tensor, state: list[torch.Tensor], spec_key: str,
-                  softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
-                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        lse: torch.Tensor, do: torch.Tensor, state: list[torch.Tensor], spec_key: str,
+                        softmax_scale: Optional[float], backend: str, sinks: Optional[torch.Tensor] = None,
+                        cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                        max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_run(q, k, v, o, lse, do, _prepared_from_state(state) if state else None, spec_key, softmax_scale,
+                    backend, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _bwd_run(q, k, v, o, lse, do, prepared, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k):
+    """The backward op's work; ``prepared`` as ``_fwd_run`` returns it."""
     entry = _entry(spec_key)
     plan = _plan(entry, q.device, backend, True, sinks is not None, cu_seqlens_q is not None)
     mod = plan.mod
@@ -703,7 +718,7 @@ def _attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: to
                                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         _COUNTS[("bwd", "reference")] += 1
     elif mod is not None:
-        kw = {"prepared": _prepared_from_state(state)} if (state and plan.keeps_state) else {}
+        kw = {"prepared": prepared} if (prepared is not None and plan.keeps_state) else {}
         dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
                                   softmax_scale=softmax_scale, **kw)
         _COUNTS[("bwd", "generated")] += 1
@@ -767,8 +782,9 @@ def _eager_fast_path(*tensors) -> bool:
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k, max_q, max_k):
-        o, lse, state = _attention_fwd_impl(q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k, max_q, max_k)
-        ctx.save_for_backward(q, k, v, o, lse, sinks, cu_q, cu_k, *state)
+        # the forward state stays in its FP8 dtypes here (the op passes it as bytes, _forward_state)
+        o, lse, prepared = _fwd_run(q, k, v, key, softmax_scale, backend, sinks, cu_q, cu_k, max_q, max_k)
+        ctx.save_for_backward(q, k, v, o, lse, sinks, cu_q, cu_k, *(prepared or ()))
         ctx.spec_key, ctx.softmax_scale, ctx.backend, ctx.max_seqlen = key, softmax_scale, backend, (max_q, max_k)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -776,9 +792,9 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the op: its backward has no backward
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, sinks, cu_q, cu_k, *state = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd_impl(q, k, v, o, lse, do.contiguous(), list(state), ctx.spec_key,
-                                         ctx.softmax_scale, ctx.backend, sinks, cu_q, cu_k, *ctx.max_seqlen)
+        q, k, v, o, lse, sinks, cu_q, cu_k, *prepared = ctx.saved_tensors
+        dq, dk, dv = _bwd_run(q, k, v, o, lse, do.contiguous(), tuple(prepared) or None, ctx.spec_key,
+                              ctx.softmax_scale, ctx.backend, sinks, cu_q, cu_k, *ctx.max_seqlen)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[6]:
             dsinks = _reference().sinks_grad(o, lse, do, sinks).to(sinks.dtype)
