@@ -865,7 +865,12 @@ def _checked_key(kind: str, key: str, head_dim: int, tensors: tuple, extra: tupl
     raise): the calls ``_eager_fast_path`` takes."""
     if not _eager_fast_path(*tensors):
         return None
-    return (kind, key, head_dim, tuple(_signature(t) for t in tensors), extra)
+    ck = (kind, key, head_dim, tuple(_signature(t) for t in tensors), extra)
+    try:
+        hash(ck)
+    except TypeError:  # e.g. max_seqlen_q=[64]: its check names it
+        return None
+    return ck
 
 
 def _remember_checked(ck) -> None:

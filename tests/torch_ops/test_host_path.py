@@ -144,7 +144,9 @@ def test_varlen_max_seqlen_is_part_of_the_key(stubbed):
         attention_varlen(t, t, t, cu, cu, 64, True, spec=spec)  # True == 1 as a dict key: typed
     with pytest.raises(AttentionInputError, match="cu_seqlens_q must be a 1-D int32"):
         attention_varlen(t, t, t, cu.float(), cu, 64, 64, spec=spec)
-    assert counts["_check_varlen_inputs"] == 4
+    with pytest.raises(AttentionInputError, match="max_seqlen_q must be an int"):
+        attention_varlen(t, t, t, cu, cu, [64], 64, spec=spec)  # unhashable: not a key, still its error
+    assert counts["_check_varlen_inputs"] == 5
 
 
 def test_a_cleared_lookup_drops_the_plans(stubbed):
