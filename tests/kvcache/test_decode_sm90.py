@@ -3,6 +3,7 @@ sm_90a with zero spills; the lowering refuses what the kernel does not read at t
 behind it; the host's argument checks say what is wrong. The GPU runs: test_decode_gpu.py."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from fp4gen.lowering import LoweringError, refusal, render
 from fp4gen.runtime.checks import AttentionInputError
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_emulator
 EXAMPLES = ("examples/sm90_decode_bf16_d128.attn", "examples/sm90_decode_fp8_d128.attn",
             "examples/sm90_decode_nvfp4_d128.attn")
 
@@ -294,3 +296,79 @@ def test_what_no_kernel_runs_raises_no_kernel_with_the_line():
     spec = spec_of("format bf16\n    q_tokens 8\n    gqa 16")
     with pytest.raises(fp4gen.NoKernelError, match=r"at most 64.*spec line t.attn:8.*backend='reference'"):
         _kv_module(spec)
+
+
+# ------------------------------------------------------------------ the PTX on the CPU emulator
+
+_EMU_CASES = [  # (cache format, paged, D, tile_n, kv_stages, gqa, q_tokens, lengths, Sq, splits)
+    ("bf16", True, 64, 64, 1, 8, 8, (70, 150, 1), 3, 2),
+    ("bf16", False, 128, 128, 2, 4, 8, (300, 17), 8, 2),
+    ("fp8e4m3(scale=token)", True, 128, 128, 2, 8, 8, (400, 60), 5, 2),
+    ("fp8e4m3(scale=tensor)", True, 64, 64, 1, 1, 8, (100, 33), 8, 3),
+    ("nvfp4(block=16, scale=e4m3)", False, 64, 64, 1, 8, 4, (130,), 1, 1),
+    ("nvfp4(block=16, scale=e4m3, tensor_scale=fp32)", True, 128, 64, 2, 2, 8, (200, 70), 2, 3),
+]
+
+
+def _emu_case(fmt, paged, d, tile_n, stages, gqa, q_tokens, lengths, sq, splits, seed=0):
+    from fp4gen.device.sm90.decode_config import DecodeConfig
+    from fp4gen.numerics import kvcache as kv
+
+    from decode_emulator import compile_ptx  # tests/kvcache, on sys.path (rootdir-less test dirs)
+
+    cfg = DecodeConfig("t", d, True, fmt, paged, 16 if paged else None, q_tokens, gqa, tile_n, kv_stages=stages)
+    storage = "storage paged(page_size=16)\n    " if paged else ""
+    ref = parse_text(f"""attention r {{
+  target reference
+  head_dim {d}
+  mask causal
+  schedule {{
+    tile 128 x {tile_n}
+  }}
+  kv_cache {{
+    {storage}format {fmt.replace('block=16, scale=e4m3, ', '').replace('(block=16, scale=e4m3)', '')}
+    q_tokens {q_tokens}
+    gqa {gqa}
+  }}
+}}""")[0]
+    assert str(ref.kv_cache.format) == fmt
+    g = torch.Generator().manual_seed(seed)
+    B, S = len(lengths), max(lengths)
+    k, v = (torch.randn(B, S, 1, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(B, sq, gqa, d, generator=g).to(torch.bfloat16)
+    pt = torch.randperm(B * -(-S // 16), generator=g).to(torch.int32).reshape(B, -1) if paged else None
+    kc, vc, pt = fp4gen.kv_cache_from(k, v, ref, cache_seqlens=torch.tensor(lengths, dtype=torch.int32), page_table=pt)
+    o_ref, lse_ref = kv.decode(q, kc, vc, list(lengths), ref, page_table=pt, num_splits=splits)
+    ptx, mlir = compile_ptx(cfg)
+    return (cfg, ptx, mlir, q, kc, vc, pt), o_ref, lse_ref
+
+
+def _emu_close(o, lse, o_ref, lse_ref):
+    fin = torch.isfinite(lse_ref)
+    return (torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref)) and bool(torch.isfinite(o).all())
+            and (lse - lse_ref)[fin].abs().max().item() < 1e-4
+            and (o - o_ref).abs().max().item() <= 4e-3 * o_ref.abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _EMU_CASES, ids=lambda c: f"{c[0]}-{'paged' if c[1] else 'contig'}-d{c[2]}-n{c[3]}-s{c[4]}")
+def test_the_kernel_ptx_matches_the_reference_on_the_cpu_emulator(case):
+    """Every CTA of the compiled kernel, run by the CPU emulator (decode_emulator.py), against
+    numerics.kvcache.decode on the same cache: O within a bf16 rounding of P (the two exp2s
+    differ in the last bits), LSE within 1e-4, the rows without keys the same."""
+    (cfg, ptx, mlir, q, kc, vc, pt), o_ref, lse_ref = _emu_case(*case)
+    from decode_emulator import run_decode
+
+    o, lse = run_decode(cfg, ptx, mlir, q, kc, vc, case[7], pt, case[9])
+    assert _emu_close(o, lse, o_ref, lse_ref), ((o - o_ref).abs().max(), (lse - lse_ref).abs().max())
+
+
+@pytest.mark.slow
+def test_the_emulator_check_fails_for_a_planted_page_table():
+    """The same kernel given the page table with its sequences swapped: the check must fail."""
+    (cfg, ptx, mlir, q, kc, vc, pt), o_ref, lse_ref = _emu_case(*_EMU_CASES[0][:7], (150, 150), 3, 2)
+    from decode_emulator import run_decode
+
+    assert _emu_close(*run_decode(cfg, ptx, mlir, q, kc, vc, (150, 150), pt, 2), o_ref, lse_ref)
+    assert not _emu_close(*run_decode(cfg, ptx, mlir, q, kc, vc, (150, 150), pt.flip(0).contiguous(), 2),
+                          o_ref, lse_ref)
