@@ -87,6 +87,14 @@ def test_a_ragged_last_query_tile_keeps_warps_whole(name):
     assert res.max_abs_err <= _tolerance(res) and res.max_lse_err <= 1e-3
 
 
+def test_one_kv_tile_matches_the_reference():
+    """Sk = 128, one KV tile (the first is also the last and the causal diagonal): the launch
+    used to fail on a host layout stride 0 against the kernel's static one (extent-1 mode)."""
+    res = _emulate("fa4_fp4_d128", 128, strict_aligned=True)
+    assert not res.notes
+    assert res.max_abs_err <= _tolerance(res) and res.max_lse_err <= 1e-3
+
+
 def _per_lane_rescale(ptx: str) -> str:
     """Planted fault: the O-rescale branch taken per row again (vote.any replaced by its operand)."""
     return re.sub(r"vote\.sync\.any\.pred\s+(%p\d+),\s*(%p\d+),\s*-1;", r"mov.pred \1, \2;", ptx)
