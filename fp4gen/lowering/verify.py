@@ -333,7 +333,11 @@ def verify_sm90(plan) -> list[Check]:
     for part in ("forward", "backward", "quantizers", "bwd-prep"):
         if part not in parts:
             continue
-        if part in ("forward", "backward"):
+        if part == "forward" and getattr(plan, "decode", None) is not None:
+            # the split-KV decode kernel has no warp specialisation and no setmaxnreg: the
+            # helper kernels' gate (no setmaxnreg, no C7508, spills within budget) is its gate
+            out.append(_sm90_helpers(name, part, parts[part]))
+        elif part in ("forward", "backward"):
             out.append(_sm90_attention(name, part, parts[part], _sm90_role_budgets(plan, part)))
         else:
             out.append(_sm90_helpers(name, part, parts[part]))
