@@ -69,21 +69,47 @@ def softcap_grad(capped: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.where(torch.isfinite(capped), g, torch.zeros_like(g))
 
 
-def segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int, *,
-             max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-             who: str = "varlen attention") -> list[tuple[int, int, int, int]]:
-    """[(q0, q1, k0, k1)] per sequence from the cumulative lengths, checked: 1-D integer
-    tensors of one length B + 1 >= 2, starting at 0, non-decreasing, ending at the packed
-    tensors' token counts, and no sequence longer than ``max_seqlen_*`` (when given)."""
-    out = []
-    bounds = []
-    for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
-                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+def check_offset_tensors(cu_seqlens_q, cu_seqlens_k, who: str = "varlen attention") -> None:
+    """What ``segments`` checks of the offsets without reading them: 1-D int32/int64 tensors of
+    one length B + 1 >= 2 (ValueError naming ``who`` otherwise). Shapes only: no host sync."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{who}: {name} must be a 1-D int32 tensor of B + 1 offsets, got {got}")
         if cu.numel() < 2:
             raise ValueError(f"{who}: {name} holds {cu.numel()} offset(s); B sequences need B + 1 >= 2")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{who}: cu_seqlens_q has {cu_seqlens_q.numel()} offsets and cu_seqlens_k "
+                         f"{cu_seqlens_k.numel()}: one per sequence boundary in both")
+
+
+def offsets_valid(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int, *,
+                  max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> torch.Tensor:
+    """A 0-d bool tensor on the offsets' device: True iff ``segments`` would accept these offsets
+    (given ``check_offset_tensors`` passed). Computed by torch ops on the device, never read to
+    the host, so a GPU caller can act on it without a sync (``torch.where``)."""
+    c = torch.stack((cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)))  # (2, B + 1)
+    lens = c[:, 1:] - c[:, :-1]
+    ok = (c[:, 0] == 0).all() & (c[0, -1] == total_q) & (c[1, -1] == total_k) & (lens.amin() >= 0)
+    if max_seqlen_q is not None:
+        ok = ok & (lens[0].amax() <= max_seqlen_q)
+    if max_seqlen_k is not None:
+        ok = ok & (lens[1].amax() <= max_seqlen_k)
+    return ok
+
+
+def segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int, *,
+             max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+             who: str = "varlen attention") -> list[tuple[int, int, int, int]]:
+    """[(q0, q1, k0, k1)] per sequence from the cumulative lengths, checked: 1-D integer
+    tensors of one length B + 1 >= 2 (``check_offset_tensors``), starting at 0, non-decreasing,
+    ending at the packed tensors' token counts, and no sequence longer than ``max_seqlen_*``
+    (when given). Reads the offsets to the host (``.tolist()``: a sync for GPU tensors; a
+    launcher that must not sync checks with ``offsets_valid`` instead)."""
+    check_offset_tensors(cu_seqlens_q, cu_seqlens_k, who)
+    bounds = []
+    for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
         c = [int(x) for x in cu.tolist()]
         if c[0] != 0 or any(b < a for a, b in zip(c, c[1:])):
             raise ValueError(f"{who}: {name} must start at 0 and never decrease, got {c[:8]}{'...' * (len(c) > 8)}")
@@ -94,9 +120,4 @@ def segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: in
             raise ValueError(f"{who}: a sequence has {longest} tokens, more than max_seqlen_{name[-1]}={mx}")
         bounds.append(c)
     cq, ck = bounds
-    if len(cq) != len(ck):
-        raise ValueError(f"{who}: cu_seqlens_q has {len(cq)} offsets and cu_seqlens_k {len(ck)}: "
-                         "one per sequence boundary in both")
-    for i in range(len(cq) - 1):
-        out.append((cq[i], cq[i + 1], ck[i], ck[i + 1]))
-    return out
+    return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]

@@ -20,6 +20,14 @@ from typing import Callable
 ARCH = "sm_90a"
 
 
+def _reads_offsets(cu_q, cu_k) -> bool:
+    """Whether check_varlen reads the offsets' values to the host: when they are there already,
+    or in the FP4GEN_CHECK_OFFSETS=1 debug mode (a sync per call on the GPU)."""
+    import os
+
+    return (cu_q.device.type == "cpu" and cu_k.device.type == "cpu") or os.environ.get("FP4GEN_CHECK_OFFSETS") == "1"
+
+
 class ForwardHost:
     """The host side of one generated sm90a forward. Holds its compiled kernels (one per
     calling convention: TVM-FFI or CuTe's own; one compile serves every B, S, H)."""
@@ -163,11 +171,17 @@ class ForwardHost:
     def check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
         """The packed layout's checks: q (total_q, H, D), k, v (total_k, Hkv, D) bf16 on an sm90a
         GPU, laid out for TMA; cu_seqlens int32 (int64 is converted) of B + 1 offsets from 0 to
-        the totals, never decreasing (``numerics.masking.segments``, which reads them to the
-        host); max_seqlen bounds. Returns (cu_q, cu_k int32, the longest query sequence)."""
+        the totals, never decreasing; max_seqlen bounds. Returns (cu_q, cu_k int32, the grid's
+        query rows, ok): ``ok`` None when the offsets were checked here, else a 0-d bool tensor
+        on the GPU (``numerics.masking.offsets_valid``) for ``forward_varlen`` to act on.
+
+        The offsets' values are read to the host (``numerics.masking.segments``, clear errors)
+        only when they are already there (CPU tensors) or with FP4GEN_CHECK_OFFSETS=1 (a debug
+        mode): on the GPU that read is a sync on every call (issue 24), so by default only
+        their shapes are checked here and their values on the device."""
         import torch
 
-        from fp4gen.numerics.masking import segments
+        from fp4gen.numerics import masking
         from fp4gen.runtime import checks
 
         cfg = self.config
@@ -189,9 +203,19 @@ class ForwardHost:
             if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
                 raise checks.AttentionInputError(f"{kernel}: {name} must be an int >= 0 (the longest sequence), "
                                                  f"got {m!r}")
+        total_q, total_k = q.shape[0], k.shape[0]
+        ok = None
         try:
-            segs = segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k, who=kernel)
+            masking.check_offset_tensors(cu_seqlens_q, cu_seqlens_k, who=kernel)
+            if _reads_offsets(cu_seqlens_q, cu_seqlens_k):
+                segs = masking.segments(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k, who=kernel)
+                rows_q = max(q1 - q0 for q0, q1, _, _ in segs)
+            else:
+                ok = masking.offsets_valid(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                # no sequence of valid offsets is longer than max_seqlen_q (ok checks it) or total_q
+                rows_q = total_q if max_seqlen_q is None else min(max_seqlen_q, total_q)
         except ValueError as e:
             raise checks.AttentionInputError(str(e)) from None
         checks.check_tensor(kernel, "q", q, dtypes=(torch.bfloat16,), dims=named[0][2], head_dim=cfg.head_dim)
@@ -201,7 +225,7 @@ class ForwardHost:
             if t.numel():
                 checks.check_tma_layout(kernel, name, t)
         cu_q, cu_k = (c.to(torch.int32).contiguous() for c in (cu_seqlens_q, cu_seqlens_k))
-        return cu_q, cu_k, max(q1 - q0 for q0, q1, _, _ in segs)
+        return cu_q, cu_k, rows_q, ok
 
     def quantize(self, x, per_block: bool, fast: bool = True):
         """(B, S, H, D) bf16 -> e4m3 payload (B, S, H, D) and fp32 scales (B, H, nblk) or (B, H).
@@ -323,18 +347,32 @@ class ForwardHost:
         if not cfg.varlen:
             raise AttentionInputError(f"{cfg.kernel_name} takes dense (B, S, H, D) batches: call forward(q, k, v) "
                                       "(a varlen kernel needs 'layout varlen' in its spec)")
-        cu_q, cu_k, longest_q = self.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  softmax_scale)
+        cu_q, cu_k, rows_q, ok = self.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   softmax_scale)
         sinks = self.check_sinks(sinks, q, q.shape[1])
         total_q, H, D = q.shape
         scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
-        o = torch.zeros_like(q)
-        lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+        if ok is None:  # offsets checked on the host
+            o = torch.zeros_like(q)
+            lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            # Offsets on the GPU, not read here (no sync). The kernel indexes q, o and lse by them
+            # with no bound of its own (its O/LSE stores would land past the tensors), so invalid
+            # ones never reach it: it gets all-zero offsets instead (every sequence empty: no tile
+            # loads keys or stores a row), and o and lse come back NaN, not plausible zeros.
+            # FP4GEN_CHECK_OFFSETS=1 raises the clear error instead (check_varlen).
+            zero = torch.zeros_like(cu_q)
+            cu_q, cu_k = torch.where(ok, cu_q, zero), torch.where(ok, cu_k, zero)
+            o = torch.empty_like(q)
+            o.copy_(torch.where(ok, 0.0, float("nan")).expand(o.shape))
+            lse = torch.where(ok, float("-inf"), float("nan")).to(torch.float32).expand(H, total_q).contiguous()
         if total_q and k.shape[0]:  # no TMA descriptor of an empty tensor: no keys, no launch
             self.run_prepared((q, k, v), o, lse, 0, scale, 0, sinks=sinks, cu_seqlens=(cu_q, cu_k),
-                              max_seqlen_q=longest_q)
+                              max_seqlen_q=rows_q)
         elif sinks is not None:
-            lse[:] = sinks[:, None]  # a row that sees no key: O = 0, LSE = the sink
+            lse.copy_(sinks[:, None].expand(H, total_q))  # a row that sees no key: O = 0, LSE = the sink
+            if ok is not None:
+                lse.masked_fill_(~ok, float("nan"))
         return (o, lse) if return_lse else o
 
     def run_prepared(self, ins, o, lse, seqlen_k, softmax_scale, causal_offset=0, *, sinks=None, cu_seqlens=None,

@@ -3,7 +3,8 @@ warm-up call (the first compiles and may read the device), an identical training
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing CUDA call (an
 .item(), a .cpu(), a bool() of a GPU tensor, a blocking copy; torch's own synchronizing calls:
 a raw cudaStreamSynchronize inside a launcher would not show). Cases: the FP8 ds8 training recipe
-(dense and GQA), the BF16 varlen forward (a known sync, xfail), the outlier transforms.
+(dense and GQA), the BF16 varlen forward, the outlier transforms; invalid varlen offsets on the GPU
+(NaN out, memory safe, the clear error with FP4GEN_CHECK_OFFSETS=1).
 
     .venv/bin/python -m pytest -q -m gpu tests/torch_ops/test_host_path_gpu.py
 """
@@ -67,14 +68,35 @@ def test_training_step_has_no_host_sync(hkv):
     _no_sync(step)
 
 
-# Known: sm90_host.check_varlen reads cu_seqlens to the host (numerics.masking.segments: .tolist())
-# to check the offsets and find the longest sequence. strict: when that goes, this must be unmarked.
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="sm90_host.check_varlen reads cu_seqlens to the host")
+# sm90_host.check_varlen checks GPU offsets on the device (numerics.masking.offsets_valid), the grid
+# from max_seqlen_q: no read to the host (FP4GEN_CHECK_OFFSETS=1 turns the read back on).
 def test_varlen_forward_has_no_host_sync():
     _generated(VARLEN)
     t = [torch.randn(2048, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     cu = torch.tensor([0, 768, 2048], dtype=torch.int32, device="cuda")
     _no_sync(lambda: attention_varlen(*t, cu, cu, 1280, 1280, spec=VARLEN))
+
+
+@pytest.mark.parametrize("bad, max_q", [([0, 768, 4096], 1280), ([0, 1500, 768], 1280), ([1, 768, 2048], 1280),
+                                        ([0, 1 << 30, 2048], 1280), ([0, 768, 2048], 1000)])
+def test_varlen_invalid_gpu_offsets_come_back_nan(bad, max_q, monkeypatch):
+    """Invalid offsets on the GPU are not read (no error without the debug mode): the kernel never
+    sees them (memory safe: a valid call afterwards matches the reference) and o, lse are NaN;
+    with FP4GEN_CHECK_OFFSETS=1 the clear error instead."""
+    _generated(VARLEN)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t = [torch.randn(2048, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    good = torch.tensor([0, 768, 2048], dtype=torch.int32, device="cuda")
+    cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
+    o, lse = attention_varlen(*t, cu, good, max_q, 1280, spec=VARLEN, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(o).all() and torch.isnan(lse).all()
+    o = attention_varlen(*t, good, good, 1280, 1280, spec=VARLEN)
+    want = attention_varlen(*t, good, good, 1280, 1280, spec=VARLEN, backend="reference")
+    assert (o.float() - want.float()).abs().max().item() < 2e-2
+    monkeypatch.setenv("FP4GEN_CHECK_OFFSETS", "1")
+    with pytest.raises(torch_ops.AttentionInputError, match="cu_seqlens_q|max_seqlen_q"):
+        attention_varlen(*t, cu, good, max_q, 1280, spec=VARLEN)
 
 
 def test_transforms_forward_has_no_host_sync():
