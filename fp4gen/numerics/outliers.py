@@ -22,6 +22,7 @@ inputs and a ``Post`` that maps the transformed attention's (O, LSE) back.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -76,9 +77,22 @@ def hadamard_matrix(d: int, seed: Optional[int] = None) -> torch.Tensor:
     return (h / d ** 0.5).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=32)  # bounded: a few (d, seed, device) per process; 256 KiB at d = 256
+def _hadamard_cached(d: int, seed: Optional[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return hadamard_matrix(d, seed).to(device=device, dtype=dtype)
+
+
+# a constant to torch.compile as well (the cached device tensor, baked into the graph)
+@torch.compiler.assume_constant_result
+def hadamard_on(d: int, seed: Optional[int], device: torch.device, dtype: torch.dtype = torch.float32):
+    """``hadamard_matrix(d, seed)`` on ``device`` as ``dtype``, built and copied once per key (not a
+    CPU build and a blocking copy per call); shared between callers: never modify it."""
+    return _hadamard_cached(d, seed, torch.device(device), dtype)
+
+
 def hadamard(q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
     """(q R, k R) for the orthonormal R of ``hadamard_matrix``, in float32."""
-    r = hadamard_matrix(q.shape[-1], seed).to(q.device)
+    r = hadamard_on(q.shape[-1], seed, q.device, torch.float32)
     return q.to(torch.float32) @ r, k.to(torch.float32) @ r
 
 
