@@ -605,6 +605,15 @@ def _prepared_from_state(state):
     return (q8.view(fp8), k8.view(fp8), None, scale_q, scale_k, scale_v) + tuple(t.view(fp8) for t in state[5:])
 
 
+def _untransformed(mod, entry: str):
+    """``mod``'s ``entry`` without the spec's outlier transforms: ``attention`` applied them already
+    (``_transforms_before``, as steps autograd differentiates through), so the module's own
+    transforming entry point would apply them twice (fp4gen.runtime.transforms)."""
+    from fp4gen.runtime.transforms import untransformed
+
+    return untransformed(mod, entry)
+
+
 def _module_for_extras(mod, sinks, cu_seqlens_q, backward: bool = False):
     """The module to run a call with sinks or cu_seqlens on: a reference-target module's forward
     and backward take neither, so its spec runs on the reference backend itself (the very same
@@ -631,9 +640,9 @@ def _fwd_run(q, k, v, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_
     prepared = None
     sink_kw = {"sinks": sinks} if sinks is not None else {}
     if cu_seqlens_q is not None and mod is not None:  # the generated varlen kernel
-        o, lse = mod.forward_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, return_lse=True,
-                                    **sink_kw)
+        o, lse = _untransformed(mod, "forward_varlen")(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale=softmax_scale, return_lse=True, **sink_kw)
         _COUNTS[("fwd", "generated")] += 1
     elif cu_seqlens_q is not None:  # varlen: (total, H, D); lse (H, total_q)
         o, lse = _reference().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _ref_spec(entry, softmax_scale),
@@ -645,7 +654,7 @@ def _fwd_run(q, k, v, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_
         if plan.keeps_state:
             prepared = mod.quantize_inputs(q, k, v, **plan.state_opts)
         kw = {"prepared": prepared} if prepared is not None else {}
-        o, lse = mod.forward(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw, **sink_kw)
+        o, lse = _untransformed(mod, "forward")(q, k, v, softmax_scale=softmax_scale, return_lse=True, **kw, **sink_kw)
         if prepared is not None:
             prepared = (prepared[0], prepared[1], None) + tuple(prepared[3:])
         _COUNTS[("fwd", "generated")] += 1
@@ -719,8 +728,8 @@ def _bwd_run(q, k, v, o, lse, do, prepared, spec_key, softmax_scale, backend, si
         _COUNTS[("bwd", "reference")] += 1
     elif mod is not None:
         kw = {"prepared": prepared} if (prepared is not None and plan.keeps_state) else {}
-        dq, dk, dv = mod.backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
-                                  softmax_scale=softmax_scale, **kw)
+        dq, dk, dv = _untransformed(mod, "backward")(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
+                                                     softmax_scale=softmax_scale, **kw)
         _COUNTS[("bwd", "generated")] += 1
     else:
         extra = {"sinks": sinks} if sinks is not None else {}
@@ -973,37 +982,13 @@ def _transforms_before(key: str, q, k, v, softmax_scale, sinks, packed: bool = F
     spec = _REGISTRY[key].spec
     if spec is None or not spec.transforms:
         return q, k, v, None
-    from fp4gen.numerics import outliers
+    from fp4gen.runtime import transforms  # the steps a generated module's own entry points run too
 
-    t = spec.transforms
     scale = softmax_scale if softmax_scale is not None else spec.scale
-    dtype = q.dtype
-    if packed:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     try:
-        q2, k2, v2, post = outliers.apply(q, k, v, t.names, scale, softcap=spec.softcap, sinks=sinks,
-                                          hadamard_seed=t.hadamard_seed)
+        return transforms.before(spec, q, k, v, scale, sinks, packed)
     except ValueError as e:  # smoothing with a call's softcap or sinks
-        raise AttentionInputError(f"{_WHO}: the spec's transforms ({t}): {e}") from None
-    if post.lse_add is not None:
-        post.lse_add = post.lse_add.detach()
-    if packed:
-        q2, k2, v2 = q2[0], k2[0], v2[0]
-        post = _PackedPost(post)
-    return q2.to(dtype), k2.to(dtype), v2.to(dtype), post
-
-
-class _PackedPost:
-    """``outliers.Post`` for varlen outputs: O (total, H, D), LSE (H, total)."""
-
-    def __init__(self, post):
-        self.post = post
-
-    def o(self, o):
-        return self.post.o(o.unsqueeze(0))[0]
-
-    def lse(self, lse):
-        return self.post.lse(lse.unsqueeze(0))[0]
+        raise AttentionInputError(f"{_WHO}: the spec's transforms ({spec.transforms}): {e}") from None
 
 
 def _spec_has_sinks(key: str) -> bool:

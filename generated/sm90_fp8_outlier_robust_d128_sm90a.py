@@ -448,3 +448,11 @@ def compile_only(arch: str = "sm_90a") -> list:
     if bwd is not None:
         names += bwd(arch)
     return names
+
+
+# The spec's outlier transforms (PLAN_JSON "transforms"): forward, forward_varlen and the backward
+# section's backward apply them around this kernel, as fp4gen.attention does; the kernel alone
+# is forward_untransformed / backward_untransformed (fp4gen/runtime/transforms.py).
+from fp4gen.runtime.transforms import install as _install_transforms  # noqa: E402
+
+_install_transforms(__name__, PLAN_JSON, KERNEL_NAME)
