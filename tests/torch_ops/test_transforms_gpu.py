@@ -71,3 +71,24 @@ def test_smoothing_beats_the_plain_kernel_on_massive_k():
     plain = _rel(attention(q, k, v, spec=PLAIN), c)
     robust = _rel(attention(q, k, v, spec=ROBUST), c)
     assert robust < 0.6 * plain, (robust, plain)  # the reference: 0.40x (tests/numerics/test_transforms_accuracy.py)
+
+
+def test_generated_module_forward_applies_the_transforms_once(monkeypatch):
+    """The generated module's own forward (fp4gen.runtime.transforms) is fp4gen.attention's result
+    bit for bit (the same smoothing steps, then the same deterministic kernel), and attention calls
+    the module's untransformed forward: outliers.apply runs once per call on either path."""
+    import importlib
+
+    from fp4gen.numerics import outliers
+
+    mod = importlib.import_module("generated.sm90_fp8_outlier_robust_d128_sm90a")
+    _, (q, k, v) = _case("massive_k")
+    calls, real = [], outliers.apply
+    monkeypatch.setattr(outliers, "apply", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    o, lse = mod.forward(q, k, v, return_lse=True)
+    assert len(calls) == 1
+    oa, la = attention(q, k, v, spec=ROBUST, return_lse=True)
+    assert len(calls) == 2
+    assert torch.equal(o, oa) and torch.equal(lse, la)
+    ou, lu = mod.forward_untransformed(q, k, v, return_lse=True)  # the kernel alone: no LSE shift added back
+    assert not torch.equal(lse, lu)
