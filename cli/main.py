@@ -197,19 +197,25 @@ EXPLAIN_GPUS = (("H200", "sm90a"), ("B200", "sm100a"))
 def _explain_target(spec, target: str) -> dict:
     """What ``fp4gen.attention(..., backend="auto")`` would run for ``spec`` on a GPU of ``target``:
     {"forward", "backward"}, each "generated" or "none: <why>" (the refusal at its spec line;
-    under backend="auto" a "none" raises NoKernelError, backend="reference" runs the reference)."""
+    under backend="auto" a "none" raises NoKernelError, backend="reference" runs the reference).
+    A kv_cache spec adds "decode", what ``fp4gen.attention_with_kvcache`` runs ("generated": the
+    target's decode kernel, or "none: <why>"); ``fp4gen.attention`` refuses such a spec there
+    (its module's forward raises): forward and backward are KV_REFUSED."""
     from fp4gen.frontend import SpecError
 
     from fp4gen.driver import backward_gaps, check_lowering, plan_spec
 
+    kv = spec.kv_cache is not None
     if spec.target.value != target:
         why = f"none: the spec targets {spec.target.value}"
-        return {"forward": why, "backward": why}
+        return {"forward": why, "backward": why, **({"decode": why} if kv else {})}
     try:
         check_lowering(plan_spec(spec))  # what compile would refuse (fp4gen check says the same)
     except SpecError as e:
         why = "none: " + "; ".join(f"{d.loc}: {d.message}" if d.loc else d.message for d in e.diagnostics)
-        return {"forward": why, "backward": why}
+        return {"forward": why, "backward": why, **({"decode": why} if kv else {})}
+    if kv:
+        return {"forward": KV_REFUSED, "backward": KV_REFUSED, "decode": "generated"}
     if spec.backward is None:
         bwd = "none: the spec has no backward block"
     else:
@@ -218,12 +224,17 @@ def _explain_target(spec, target: str) -> dict:
     return {"forward": "generated", "backward": bwd}
 
 
+# fp4gen.attention on a kv_cache spec's generated module: its forward raises, naming the decode entry
+KV_REFUSED = "refused: a kv_cache spec (fp4gen.attention_with_kvcache decodes it)"
+
+
 def _explain_here(spec) -> tuple[str, dict]:
     """(this machine's name, what would run on it)."""
     import torch
 
     if not torch.cuda.is_available():
-        return "here (cpu)", {"forward": "reference", "backward": "reference"}
+        res = {"forward": "reference", "backward": "reference"}
+        return "here (cpu)", ({**res, "decode": "reference"} if spec.kv_cache is not None else res)
     from fp4gen.torch_ops import _arch_of
 
     dev = torch.device("cuda")
@@ -231,12 +242,20 @@ def _explain_here(spec) -> tuple[str, dict]:
     name = f"here ({torch.cuda.get_device_name(dev)}, {arch or 'no fp4gen target'})"
     if arch is None:
         why = "none: fp4gen generates for sm90a (H100/H200) and sm100a (B200/GB200) only"
-        return name, {"forward": why, "backward": why}
+        return name, {"forward": why, "backward": why, **({"decode": why} if spec.kv_cache is not None else {})}
     return name, _explain_target(spec, arch)
 
 
 def _explain_text(where: str, res: dict) -> str:
     f, b = res["forward"], res["backward"]
+    if "decode" in res:  # a kv_cache spec: what decodes it, and whether fp4gen.attention refuses it
+        d = res["decode"]
+        if d.startswith("none"):
+            return f"{where}: decode {d}"
+        tgt = f"{res['target']} " if "target" in res else ""
+        kernel = f" (the {tgt}decode kernel)" if d == "generated" else ""
+        refused = "; fp4gen.attention refuses it" if f == KV_REFUSED else ""
+        return f"{where}: decode {d}{kernel} via fp4gen.attention_with_kvcache{refused}"
     if f == b:
         return f"{where}: fwd+bwd {f}"
     return f"{where}: fwd {f}, bwd {b}"
@@ -269,9 +288,13 @@ def cmd_explain(args) -> int:
             print(f"  transforms {', '.join(t['names'])}: torch passes before and after the attention on every "
                   f"backend (not fused into the kernel): {t['example_bytes'] / 1e6:.1f} MB of HBM traffic at "
                   f"B={b}, H={h}, S={n} bf16, predicted {t['example_us']:g} us (fp4gen schedule lists the passes)")
-    if any("none" in r[g][p] for r in rows for g, _ in EXPLAIN_GPUS for p in ("forward", "backward")):
+    if any("none" in r[g][p] for r in rows for g, _ in EXPLAIN_GPUS for p in ("forward", "backward")
+           if "decode" not in r[g]):
         print("(none: fp4gen.attention with backend='auto' raises NoKernelError there; "
               "backend='reference' runs the exact, slow reference)")
+    if any(r[g].get("decode", "").startswith("none") for r in rows for g, _ in EXPLAIN_GPUS):
+        print("(decode none: fp4gen.attention_with_kvcache with backend='auto' raises NoKernelError there; "
+              "backend='reference' runs the reference decode)")
     return EXIT_OK
 
 

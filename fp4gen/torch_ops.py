@@ -1082,13 +1082,48 @@ def explain(spec, device: Union[str, torch.device] = "cuda", *, causal: Optional
 
     Returns {"spec_key", "forward", "backward", "reason"} where forward/backward
     are "generated:<module>" or "reference", and "transforms" (the outlier transforms run as torch
-    steps around either) when the spec has any."""
+    steps around either) when the spec has any. A kv_cache spec adds "decode": what
+    ``fp4gen.attention_with_kvcache`` runs ("generated:<module>", "reference" or "none: <why>");
+    its forward/backward are "refused" where ``attention`` finds its decode module (whose
+    forward refuses every call)."""
     key = spec_key(spec, causal, **overrides)
     entry = _entry(key)
     out = _explain(key, entry, device, backend)
+    if entry.spec is not None and entry.spec.kv_cache is not None:
+        _explain_decode(out, entry.spec, torch.device(device), backend)
     if entry.spec is not None and entry.spec.transforms:
         out["transforms"] = list(entry.spec.transforms.names)
     return out
+
+
+def _explain_decode(out: dict, spec: KernelSpec, device: torch.device, backend: str) -> None:
+    """``out`` for a kv_cache spec: the decode path as ``fp4gen.api.attention_with_kvcache``
+    chooses it (its kernel on CUDA for a non-reference target unless backend="reference"), and
+    ``attention``'s refusal where it would run the decode module's forward."""
+    from fp4gen import NoKernelError
+    from fp4gen.api import _kv_module
+
+    if out["forward"].startswith("generated:"):  # the decode module: its forward raises
+        out["forward"] = out["backward"] = "refused"
+    kernel = backend == "generated" or (backend == "auto" and device.type == "cuda"
+                                        and spec.target is not Target.REFERENCE)
+    tgt = spec.target.value
+    if not kernel:
+        out["decode"] = "reference"
+    elif device.type != "cuda" or not torch.cuda.is_available():
+        out["decode"] = f"none: the {tgt} decode kernel needs a CUDA device"
+    elif _arch_of(device) != tgt:
+        out["decode"] = f"none: the spec targets {tgt}, this GPU is {_arch_of(device) or 'of no fp4gen target'}"
+    else:
+        try:
+            out["decode"] = f"generated:{_kv_module(spec).__name__}"
+        except NoKernelError as e:
+            out["decode"] = f"none: {e}"
+    runs = (f"the {tgt} decode kernel ({out['decode'][len('generated:'):]})" if out["decode"].startswith("generated:")
+            else "the reference decode" if out["decode"] == "reference" else "nothing here")
+    out["reason"] = (f"a kv_cache spec: fp4gen.attention_with_kvcache runs {runs}"
+                     + ("; fp4gen.attention refuses it (the decode module's forward raises)"
+                        if out["forward"] == "refused" else ""))
 
 
 def _explain(key: str, entry: _Entry, device, backend: str) -> dict:

@@ -71,3 +71,42 @@ def test_explain_here_on_a_gpu(cli, monkeypatch):
     monkeypatch.setattr(torch_ops, "_arch_of", lambda device: None)
     r = cli("explain", EXAMPLES / "sm90_bf16_d128.attn", "--kernel", "sm90_bf16_causal_d128")
     assert "here (NVIDIA H200, no fp4gen target): fwd+bwd none: fp4gen generates for sm90a" in r.out
+
+
+def test_explain_a_decode_spec(cli):
+    """A kv_cache spec: the H200 line names the decode kernel and its entry point and says that
+    fp4gen.attention refuses the spec (not "fwd generated"); a dense spec's line is unchanged."""
+    r = cli("explain", EXAMPLES / "sm90_decode_bf16_d128.attn", "--kernel", "sm90_decode_bf16_d128")
+    assert r.rc == 0, r
+    line = r.out.splitlines()[0]
+    assert "H200 (sm90a): decode generated (the sm90a decode kernel) via fp4gen.attention_with_kvcache; " \
+           "fp4gen.attention refuses it" in line
+    assert "fwd generated" not in line and "fwd+bwd" not in line
+    assert "B200 (sm100a): decode none: the spec targets sm90a" in line
+    assert "fp4gen.attention with backend='auto' raises" not in r.out  # that footer is for attention's none
+    assert "attention_with_kvcache with backend='auto' raises NoKernelError" in r.out
+    r = cli("explain", EXAMPLES / "sm90_decode_bf16_d128.attn", "--kernel", "sm90_decode_bf16_d128", "--json")
+    (row,) = json.loads(r.out)
+    assert row["H200"]["decode"] == "generated" and row["H200"]["forward"].startswith("refused: a kv_cache spec")
+    assert row["H200"]["backward"] == row["H200"]["forward"]
+
+
+def test_explain_a_decode_spec_on_an_sm100a(cli):
+    """Retargeted to sm100a: no decode kernel there, said at the kv_cache line."""
+    spec = EXAMPLES / "sm90_decode_bf16_d128.attn"
+    r = cli("explain", spec, "--kernel", "sm90_decode_bf16_d128", "--target", "sm100a")
+    assert r.rc == 0, r
+    assert f"B200 (sm100a): decode none: {spec}:9:3: " in r.out and "no decode kernel" in r.out
+
+
+def test_explain_a_decode_spec_here_on_a_gpu(cli, monkeypatch):
+    import torch
+
+    from fp4gen import torch_ops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch_ops, "_arch_of", lambda device: "sm90a")
+    r = cli("explain", EXAMPLES / "sm90_decode_bf16_d128.attn", "--kernel", "sm90_decode_bf16_d128")
+    assert r.out.startswith("sm90_decode_bf16_d128: here (NVIDIA H200, sm90a): decode generated (the decode kernel) "
+                            "via fp4gen.attention_with_kvcache; fp4gen.attention refuses it | "), r
