@@ -53,6 +53,7 @@ def context(plan) -> dict:
         guard=g.kind.value + (f"({g.m}, {g.l})" if g.kind.value == "sample" else ""),
         has_backward=spec.backward is not None,
         plan_json=plan_json(plan),
+        has_transforms=bool(spec.transforms),  # the module applies the spec's outlier transforms
         spec_json=spec_to_json(spec),
     )
 

@@ -244,6 +244,7 @@ def context(plan) -> dict:
         spec_file=Comment(spec.source_file),
         summary=summary,
         plan_json=plan_json(plan),
+        has_transforms=bool(spec.transforms),  # the module applies the spec's outlier transforms
         softmax_scale=float(spec.scale),
         config=config,
         # the config literal's keywords: the template renders each value through | pyrepr

@@ -94,6 +94,7 @@ def context(plan) -> dict:
         kernel_name=Comment(spec.name),
         spec_file=Comment(spec.source_file),
         plan_json=plan_json(plan),
+        has_transforms=bool(spec.transforms),  # the module applies the spec's outlier transforms
         origins=origins,
         config=cfg,
         config_fields=_config_fields(cfg, origins),
