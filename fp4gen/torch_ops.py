@@ -957,6 +957,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     key, head_dim = _resolve_for_trace(spec, causal, window_size, softcap, sinks is not None, "dense")
     ck = _checked_key("dense", key, head_dim, (q, k, v, sinks))
     if ck is None or ck not in _CHECKED:
+        _check_not_decode(key, _WHO)
         _check_layout(q, k)
         _check_inputs(q, k, v, head_dim)
         _check_sinks_shape(sinks, q, 2, _spec_has_sinks(key))
@@ -989,6 +990,17 @@ def _transforms_before(key: str, q, k, v, softmax_scale, sinks, packed: bool = F
         return transforms.before(spec, q, k, v, scale, sinks, packed)
     except ValueError as e:  # smoothing with a call's softcap or sinks
         raise AttentionInputError(f"{_WHO}: the spec's transforms ({spec.transforms}): {e}") from None
+
+
+def _check_not_decode(key: str, who: str) -> None:
+    """A kv_cache spec describes decode against a cache: its K and V come from the cache's
+    format, which dense attention would ignore."""
+    s = _REGISTRY[key].spec
+    if s is not None and s.kv_cache is not None:
+        raise AttentionInputError(
+            f"{who}: spec {s.name!r} has a kv_cache block (decode against a cache, {s.origin('kv_cache')}); "
+            "use fp4gen.attention_with_kvcache(q, k_cache, v_cache, ..., spec=...) for it, or a spec "
+            "without kv_cache for dense attention")
 
 
 def _spec_has_sinks(key: str) -> bool:
@@ -1058,6 +1070,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ck = _checked_key("varlen", key, head_dim, (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k),
                       (type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k))
     if ck is None or ck not in _CHECKED:
+        _check_not_decode(key, "fp4gen.attention_varlen")
         _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim)
         _check_sinks_shape(sinks, q, 1, _spec_has_sinks(key))
         _remember_checked(ck)

@@ -159,3 +159,17 @@ def test_cuda_auto_raises_no_kernel_for_a_gpu_target_and_reference_runs():
     kc_cpu, vc_cpu, _ = fp4gen.kv_cache_from(k.cpu(), k.cpu().clone(), ref_spec, capacity=64)
     o_cpu = fp4gen.attention_with_kvcache(q.cpu(), kc_cpu, vc_cpu, cache_seqlens=40, page_table=pt.cpu(), spec=ref_spec)
     assert torch.allclose(o.cpu(), o_cpu, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_attention_refuses_a_kv_cache_spec():
+    """A kv_cache spec's K and V come from the cache's format: dense attention would silently
+    ignore it (it used to run the reference dense attention on the CPU)."""
+    spec = spec_of()
+    q, k = torch.randn(1, 8, 4, 64), torch.randn(1, 8, 2, 64)
+    with pytest.raises(AttentionInputError, match="attention_with_kvcache"):
+        fp4gen.attention(q, k, k, spec=spec)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(AttentionInputError, match="kv_cache block"):
+        fp4gen.attention_varlen(q[0], k[0], k[0], cu, cu, 8, 8, spec=spec)
+    dense = parse_text("attention d {\n  target reference\n  head_dim 64\n  mask causal\n}")[0]
+    assert fp4gen.attention(q, k, k, spec=dense).shape == q.shape  # the same call without kv_cache runs
