@@ -462,6 +462,27 @@ def module_kernel(name: str, variant: str, build: Callable[[], object], source: 
                            enable_tvm_ffi=enable_tvm_ffi)
 
 
+def host_kernel(memo: dict, key, make: Callable[[], tuple], *, gpu_arch: str, tvm_ffi: bool, here: bool,
+                name: str, variant: str, source_of) -> object:
+    """One runtime host's compiled kernel ``key``, compiled once into ``memo``. ``make()`` gives
+    (the kernel object, its fake arguments); the compile targets ``gpu_arch`` whatever GPU is
+    present (CI compiles on CPUs). ``here`` (compile_only): a plain compile in memory; else
+    ``module_kernel`` (memory, then a verified disk entry keyed by ``module_source(source_of)``,
+    the generated module's text). The compile and cache path every sm90 host uses."""
+    if key not in memo:
+        def build():
+            import cutlass.cute as cute
+
+            kernel, args = make()
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+            opts = f"--gpu-arch {gpu_arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+            return cute.compile(kernel, *args, stream, options=opts)
+
+        memo[key] = build() if here else module_kernel(name, variant, build, module_source(source_of),
+                                                       enable_tvm_ffi=tvm_ffi)
+    return memo[key]
+
+
 def _load_entry(kdir: Path, key: str, name: str, sym: str, enable_tvm_ffi: bool):
     """The kernel of a cache entry, or None: absent, unreadable, or bad (then discarded)."""
     obj = kdir / "kernel.o"

@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 from fp4gen.runtime import bwd_common, cache, dlpack
 
 ARCH = "sm_90a"
-GPU_ARCH_OPTION = "--gpu-arch " + ARCH  # the target is fixed: no GPU needs to be present (CI compiles on CPUs)
 
 # The kernel's tensor arguments in ``__call__`` order, with the config flag that makes each one
 # present (None: always). Absent ones are passed as None (a compile-time constant).
@@ -122,22 +121,10 @@ class BackwardHost:
         if arch not in (None, ARCH):
             raise ValueError(f"{self.kernel_name} backward is a Hopper kernel: arch must be {ARCH!r}, got {arch!r}")
         tvm_ffi = cache.tvm_ffi_available() if tvm_ffi is None else tvm_ffi
-        key = (arch, tvm_ffi, gqa)
-        if key not in self._compiled:
-            def build():
-                import cutlass.cute as cute
-
-                stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-                opts = GPU_ARCH_OPTION + (" --enable-tvm-ffi" if tvm_ffi else "")
-                return cute.compile(self.kernel(self.config), *self.fake_args(gqa), stream, options=opts)
-
-            if arch is None:
-                self._compiled[key] = cache.module_kernel(
-                    "backward", f"arch={ARCH},tvm_ffi={tvm_ffi},gqa={gqa}", build,
-                    cache.module_source(self.module_file), enable_tvm_ffi=tvm_ffi)
-            else:
-                self._compiled[key] = build()
-        return self._compiled[key]
+        return cache.host_kernel(self._compiled, (arch, tvm_ffi, gqa),
+                                 lambda: (self.kernel(self.config), self.fake_args(gqa)), gpu_arch=ARCH,
+                                 tvm_ffi=tvm_ffi, here=arch is not None, name="backward",
+                                 variant=f"arch={ARCH},tvm_ffi={tvm_ffi},gqa={gqa}", source_of=self.module_file)
 
     def compile_only(self, arch: str = ARCH) -> list:
         """Compile the backward kernel (both dK/dV variants) and its pre/post-processing kernels

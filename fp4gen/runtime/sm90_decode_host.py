@@ -72,21 +72,9 @@ class DecodeHost:
         from fp4gen.runtime import cache
 
         tvm_ffi = cache.tvm_ffi_available() if tvm_ffi is None else tvm_ffi
-        if tvm_ffi not in self._compiled:
-            def build():
-                import cutlass.cute as cute
-
-                stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-                opts = f"--gpu-arch {ARCH}" + (" --enable-tvm-ffi" if tvm_ffi else "")
-                return cute.compile(self.build(), *self.fake_args(), stream, options=opts)
-
-            if arch is None:
-                self._compiled[tvm_ffi] = cache.module_kernel(
-                    "decode", f"arch={ARCH},tvm_ffi={tvm_ffi}", build, cache.module_source(self.build),
-                    enable_tvm_ffi=tvm_ffi)
-            else:
-                self._compiled[tvm_ffi] = build()
-        return self._compiled[tvm_ffi]
+        return cache.host_kernel(self._compiled, tvm_ffi, lambda: (self.build(), self.fake_args()), gpu_arch=ARCH,
+                                 tvm_ffi=tvm_ffi, here=arch is not None, name="decode",
+                                 variant=f"arch={ARCH},tvm_ffi={tvm_ffi}", source_of=self.build)
 
     def compile_only(self, arch: str = ARCH) -> list:
         """Compile the decode kernel for ``arch`` without a GPU; returns the names compiled."""
