@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import hashlib
 import math
-import os
 import re
 import statistics
 import time
@@ -337,7 +336,6 @@ def _without_schedule(text, kernel):
 def compile_candidate(cand: Candidate, filename: str):
     """The candidate's generated module with its forward compiled, through the on-disk cache
     (``fp4gen.load``'s module cache, ``runtime.cache.module_kernel`` for the kernel)."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read once per process; compiling needs no GPU
     from fp4gen.api import _load_spec
 
     from fp4gen.runtime.cache import CacheWarning
