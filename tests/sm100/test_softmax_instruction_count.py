@@ -6,13 +6,21 @@ Measured when the bounds were set (fa4_fp4_d128): 982 instructions per row per u
 of an unguarded stage (m = 0: no subtraction of m) for both softmax warpgroups, 1048 for a
 guarded one, 1353 / 1386 for a masked guarded tile (before the f32x2 chain, the multiply-add
 word and the split tile loops: 2134 / 2139, masked alike).
+
+The guard's headroom rebase (4d1e8c5) made these static counts 1070 / 1071 (main) and 1664 /
+1684 (masked), measured against its parent on the same SASS: +64 FADD2 in the main loop (the
+m = 0 copy's in-place subtraction of a rebased m) and +129 FMUL, 8 LDTM/STTM, 8 FENCE in the
+masked one (the O rescale in TMEM) sit behind a warp-uniform branch that only a row whose tile
+maximum is > 64 binades above its reference takes; ~20 instructions (the tile maximum's
+compare, FSEL, VOTE, BRA, FRND/F2I) run on every tile. The bounds below count the cold branch
+too (the performance model does as well: it now overstates the steady-state cost by ~6 %).
 """
 from __future__ import annotations
 
 import pytest
 
-MAIN_BOUND = 1030  # instructions per row per unmasked, unguarded tile, each softmax warpgroup
-MASKED_BOUND = 1450
+MAIN_BOUND = 1080  # instructions per row per unmasked, unguarded tile, each softmax warpgroup
+MASKED_BOUND = 1700
 MASK_COMPARES = 16  # ISETP on the unmasked path: none per key (the masked copy has ~128)
 
 
