@@ -384,21 +384,8 @@ class DecodeKernel:
             self.load_nvfp4(mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0,
                             seqlen_k, tidx, st)
         elif const_expr(self.fp8):
-            cpr8 = d // VEC8
-            for i in cutlass.range(n * cpr8 // self.threads, unroll=4):
-                idx = tidx + i * self.threads
-                r = idx // cpr8
-                c = idx % cpr8
-                dk = cute.local_tile(sK8[r, None, st], (VEC8,), (c,))
-                dv = cute.local_tile(sV8[r, None, st], (VEC8,), (c,))
-                j = key0 + r
-                if j < seqlen_k:
-                    slot, prow = self.cache_row(mPageTable, b, j)
-                    cute.copy(g2s8, cute.local_tile(mK[slot, prow, hk, None], (VEC8,), (c,)), dk)
-                    cute.copy(g2s8, cute.local_tile(mV[slot, prow, hk, None], (VEC8,), (c,)), dv)
-                else:
-                    dk.fill(0)  # E4M3 code 0 is 0.0
-                    dv.fill(0)
+            # E4M3 code 0 is 0.0: rows past the sequence read as zeros
+            self.copy_rows(mK, mV, sK8, sV8, g2s8, VEC8, d // VEC8, 4, mPageTable, b, hk, key0, seqlen_k, tidx, st)
             if const_expr(self.token_scale):
                 for i in cutlass.range_constexpr(-(-n // self.threads)):
                     r = tidx + i * self.threads
@@ -413,21 +400,28 @@ class DecodeKernel:
                         sSK[0, r, st] = sk
                         sSV[0, r, st] = sv
         else:
-            cpr = d // VEC
-            for i in cutlass.range(n * cpr // self.threads, unroll=4):
-                idx = tidx + i * self.threads
-                r = idx // cpr
-                c = idx % cpr
-                dk = cute.local_tile(sK_all[r, None, st], (VEC,), (c,))
-                dv = cute.local_tile(sV_all[r, None, st], (VEC,), (c,))
-                j = key0 + r
-                if j < seqlen_k:
-                    slot, prow = self.cache_row(mPageTable, b, j)
-                    cute.copy(g2s, cute.local_tile(mK[slot, prow, hk, None], (VEC,), (c,)), dk)
-                    cute.copy(g2s, cute.local_tile(mV[slot, prow, hk, None], (VEC,), (c,)), dv)
-                else:
-                    dk.fill(0.0)
-                    dv.fill(0.0)
+            self.copy_rows(mK, mV, sK_all, sV_all, g2s, VEC, d // VEC, 4, mPageTable, b, hk, key0, seqlen_k, tidx, st)
+
+    @cute.jit
+    def copy_rows(self, mK, mV, sK, sV, atom, vec: cutlass.Constexpr, per_row: cutlass.Constexpr,
+                  unroll: cutlass.Constexpr, mPageTable, b, hk, key0, seqlen_k, tidx, st):
+        """K and V rows key0.. of one tile from the cache into SMEM stage ``st``, ``vec``
+        elements per cp.async (``per_row`` copies a row), through the page table when paged;
+        rows past the sequence are zero-filled (zero bits are 0.0 in every cache format)."""
+        for i in cutlass.range(self.tile_n * per_row // self.threads, unroll=unroll):
+            idx = tidx + i * self.threads
+            r = idx // per_row
+            c = idx % per_row
+            dk = cute.local_tile(sK[r, None, st], (vec,), (c,))
+            dv = cute.local_tile(sV[r, None, st], (vec,), (c,))
+            j = key0 + r
+            if j < seqlen_k:
+                slot, prow = self.cache_row(mPageTable, b, j)
+                cute.copy(atom, cute.local_tile(mK[slot, prow, hk, None], (vec,), (c,)), dk)
+                cute.copy(atom, cute.local_tile(mV[slot, prow, hk, None], (vec,), (c,)), dv)
+            else:
+                dk.fill(0)
+                dv.fill(0)
 
     @cute.jit
     def load_nvfp4(self, mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK4, sV4, sKsc, sVsc, g2s8, b, hk, key0, seqlen_k,
@@ -435,21 +429,8 @@ class DecodeKernel:
         """One key tile of an NVFP4 cache into SMEM: the packed rows by cp.async (zeros past the
         sequence), the block scales decoded to fp32 (times g with a tensor scale; 0 past it)."""
         n, d = self.tile_n, self.hdim
-        cpr4 = d // 2 // VEC8
-        for i in cutlass.range(n * cpr4 // self.threads, unroll=2):
-            idx = tidx + i * self.threads
-            r = idx // cpr4
-            c = idx % cpr4
-            dk = cute.local_tile(sK4[r, None, st], (VEC8,), (c,))
-            dv = cute.local_tile(sV4[r, None, st], (VEC8,), (c,))
-            j = key0 + r
-            if j < seqlen_k:
-                slot, prow = self.cache_row(mPageTable, b, j)
-                cute.copy(g2s8, cute.local_tile(mK[slot, prow, hk, None], (VEC8,), (c,)), dk)
-                cute.copy(g2s8, cute.local_tile(mV[slot, prow, hk, None], (VEC8,), (c,)), dv)
-            else:
-                dk.fill(0)  # E2M1 code 0 is 0.0
-                dv.fill(0)
+        # packed E2M1, two codes a byte; code 0 is 0.0
+        self.copy_rows(mK, mV, sK4, sV4, g2s8, VEC8, d // 2 // VEC8, 2, mPageTable, b, hk, key0, seqlen_k, tidx, st)
         nb = d // NVFP4_BLOCK
         for i in cutlass.range_constexpr(n * nb // self.threads):
             e = tidx + i * self.threads
