@@ -8,8 +8,16 @@ query token, the planner's split count. Reported: CUDA-event median over ``--ite
 ``--warmup``, and the cache bytes read (K + V data and scales of the valid tokens) per second.
 Nothing here is a claim: it is the measurement to make on the H200 (``docs/decode.md``).
 
+``--anchors`` adds, in the same process and on the same shapes: the card's copy bandwidth
+(``dst.copy_(src)`` of a 4 GiB buffer, bytes read + written per second: the ceiling a decode
+kernel that only reads its cache is compared with), FA4's BF16 decode (flash_attn.cute's
+``flash_attn_func`` on a contiguous cache, causal, its own split heuristic; and paged through
+``flash_attn_varlen_func`` with a page table when that FA4 build accepts one) and SDPA's.
+Each fp4gen row then carries ``x_fa4_bf16`` (FA4 time / fp4gen time) and ``of_copy_bw``.
+
     python3 bench/decode_sm90.py                                   # every format, batch 1/8/64, 4k/32k
     python3 bench/decode_sm90.py --formats bf16 --batches 64 --lengths 32768 --stages 2
+    python3 bench/decode_sm90.py --anchors --batches 64 --lengths 32768 --json out.json
 """
 from __future__ import annotations
 
@@ -35,6 +43,81 @@ def spec_for(fmt: str, stages: int):
     gqa 8
   }}
 }}""", filename="bench/decode_sm90.py")[0]
+
+
+def median_us(call, iters, warmup):
+    import torch
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(iters, warmup, gib=4):
+    """Bytes read + written per second by a device-to-device copy: the card's practical ceiling."""
+    import torch
+
+    n = gib << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), iters, warmup)
+    del src, dst
+    return {"anchor": "copy", "bytes": 2 * n, "us": round(us, 1), "GB_per_s": round(2 * n / us / 1e3, 1)}
+
+
+def anchor_rows(batch, length, iters, warmup, hkv=8, gqa=8, d=128):
+    """FA4 BF16 and SDPA decode on the shapes fp4gen's rows use (one query token, causal)."""
+    import torch
+
+    rows = []
+    q = torch.randn(batch, 1, hkv * gqa, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, length, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    nbytes = 2 * k.numel() * 2
+    base = {"batch": batch, "cache_len": length, "cache_bytes": nbytes}
+
+    def row(name, call):
+        try:
+            call()
+            us = median_us(call, iters, warmup)
+            rows.append({"anchor": name, **base, "us": round(us, 1), "GB_per_s": round(nbytes / us / 1e3, 1)})
+        except Exception as e:  # an anchor this build lacks is reported, not fatal
+            rows.append({"anchor": name, **base, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+    try:
+        from flash_attn.cute import interface as fa4
+    except Exception as e:
+        rows.append({"anchor": "fa4_bf16", **base, "error": f"flash_attn.cute not importable: {e}"})
+        fa4 = None
+    if fa4 is not None:
+        row("fa4_bf16", lambda: fa4.flash_attn_func(q, k, v, causal=True, num_splits=0, pack_gqa=True))
+        row("fa4_bf16_splits1", lambda: fa4.flash_attn_func(q, k, v, causal=True, num_splits=1, pack_gqa=True))
+        page = 128
+        pps = -(-length // page)
+        perm = torch.randperm(batch * pps, device="cuda")
+        kp = torch.empty(batch * pps, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vp = torch.empty_like(kp)
+        kp[perm] = k.reshape(batch * pps, page, hkv, d)
+        vp[perm] = v.reshape(batch * pps, page, hkv, d)
+        pt = perm.to(torch.int32).reshape(batch, pps)
+        cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        used = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+        row("fa4_bf16_paged128", lambda: fa4.flash_attn_varlen_func(
+            q.reshape(batch, hkv * gqa, d), kp, vp, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=used,
+            page_table=pt, causal=True, num_splits=0, pack_gqa=True))
+        del kp, vp
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    row("sdpa_bf16", lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+    return rows
 
 
 def run_one(fmt, batch, length, stages, iters, warmup, hkv=8):
@@ -69,17 +152,7 @@ def run_one(fmt, batch, length, stages, iters, warmup, hkv=8):
         mod.decode(q, kc.data, vc.data, lens, k_scale=ks, v_scale=vs, k_tensor_scale=gk, v_tensor_scale=gv,
                    page_table=pt, num_splits=splits)
 
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    us = sorted(times)[len(times) // 2]
+    us = median_us(call, iters, warmup)
     nbytes = int(2 * batch * hkv * length * spec.kv_cache.format.bytes_per_token(128))
     return {"format": fmt, "batch": batch, "cache_len": length, "kv_stages": stages, "splits": splits,
             "us": round(us, 1), "cache_bytes": nbytes, "GB_per_s": round(nbytes / us / 1e3, 1)}
@@ -93,11 +166,44 @@ def main(argv=None):
     ap.add_argument("--stages", type=int, default=1, choices=(1, 2))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--anchors", action="store_true", help="copy bandwidth, FA4 BF16 and SDPA decode beside")
+    ap.add_argument("--json", default=None, help="also write every row (and the command) to this file")
     args = ap.parse_args(argv)
-    for fmt in args.formats:
-        for batch in args.batches:
-            for length in args.lengths:
-                print(json.dumps(run_one(fmt, batch, length, args.stages, args.iters, args.warmup)), flush=True)
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/decode_sm90.py: needs a CUDA GPU (sm90a); none is visible")
+    rows = []
+
+    def emit(r):
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    copy = copy_bandwidth(args.iters, args.warmup) if args.anchors else None
+    if copy:
+        emit(copy)
+    for batch in args.batches:
+        for length in args.lengths:
+            anchors = anchor_rows(batch, length, args.iters, args.warmup) if args.anchors else []
+            for r in anchors:
+                emit(r)
+            fa4 = next((r["us"] for r in anchors if r["anchor"] == "fa4_bf16" and "us" in r), None)
+            for fmt in args.formats:
+                r = run_one(fmt, batch, length, args.stages, args.iters, args.warmup)
+                if fa4:
+                    r["x_fa4_bf16"] = round(fa4 / r["us"], 3)
+                if copy:
+                    r["of_copy_bw"] = round(r["GB_per_s"] / copy["GB_per_s"], 3)
+                emit(r)
+                torch.cuda.empty_cache()
+    if args.json:
+        from fp4gen.runtime.fileio import atomic_write
+
+        doc = {"command": "python3 bench/decode_sm90.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "device": torch.cuda.get_device_name(), "rows": rows}
+        atomic_write(args.json, json.dumps(doc, indent=1) + "\n", parents=True)
 
 
 if __name__ == "__main__":
