@@ -15,7 +15,11 @@ sequence and one of length 1) against the oracle per sequence; the report lists 
 
     python -m fp4gen.numerics.accuracy --table [--seqlen 1024 --heads 4 --seed 0]
 
-prints the recipe table of docs/numerics.md.
+prints the recipe table of docs/numerics.md;
+
+    python -m fp4gen.numerics.accuracy --outliers [--seqlen 1024 --heads 2 --recipe NAME]
+
+its outlier-case table (section 13).
 """
 from __future__ import annotations
 
@@ -351,10 +355,61 @@ def table(seqlen=1024, heads=4, batch=1, seed=0, head_dim=128, causal=False) -> 
     return [report(s, seqlen, heads, batch, seed) for s in recipes(head_dim, causal)]
 
 
+# ------------------------------------------- the outlier-case table (issue 21) -----
+
+OUTLIER_CASES = ("randn", "outlier_v_rows", "massive_k", "sink", "outlier_v_channels", "llm_mix")
+OUTLIER_OPTIONS = ((), ("smooth_k",))
+
+
+def outlier_table(seqlen: int = 1024, heads: int = 2, seed: int = 0, head_dim: int = 128,
+                  names=None, cases=OUTLIER_CASES, options=OUTLIER_OPTIONS) -> list[dict]:
+    """rel-L2 of O of every recipe (``recipes``; ``names`` picks some) on every synthetic case
+    (``activations.synthetic``, non-causal) with each tuple of transforms in ``options``, and its
+    ratio to the same recipe's randn error with the same transforms (issue 21's criterion: within
+    2x). One row per (recipe, case): {"recipe", "case", "rel_l2": {opt: x}, "ratio": {opt: x}}, opt
+    the transforms joined by "+" ("none" for none)."""
+    from . import activations
+
+    if "randn" not in cases:
+        raise ValueError("the outlier table needs the randn case: every ratio is against it")
+    specs = [s for s in recipes(head_dim) if names is None or s.name in names]
+    if names is not None and len(specs) != len(set(names)):
+        known = ", ".join(s.name for s in recipes(head_dim))
+        raise ValueError(f"unknown recipe(s) among {sorted(names)}: use {known}")
+    inputs = {c: activations.synthetic(c, seqlen=seqlen, heads=heads, head_dim=head_dim, seed=seed)
+              for c in cases}
+    rows = []
+    for spec in specs:
+        errs = {c: {"+".join(o) or "none": report_case(spec, inputs[c], o)["rel_l2"] for o in options}
+                for c in cases}
+        for c in cases:
+            rows.append({"recipe": spec.name, "case": c, "rel_l2": errs[c],
+                         "ratio": {o: x / errs["randn"][o] for o, x in errs[c].items()}})
+    return rows
+
+
+def print_outlier_table(rows: list[dict]) -> None:
+    """Markdown: one line per (recipe, case), rel-L2 and (x randn) per option; cells above 2x bold."""
+    opts = list(rows[0]["rel_l2"])
+    print("| recipe | case | " + " | ".join(opts) + " |")
+    print("|---|---|" + "---|" * len(opts))
+    for r in rows:
+        cells = []
+        for o in opts:
+            cell = f"{r['rel_l2'][o]:.4f} ({r['ratio'][o]:.2f}x)"
+            cells.append(f"**{cell}**" if r["ratio"][o] > 2.0 else cell)
+        print(f"| {r['recipe']} | {r['case']} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4gen.numerics.accuracy",
                                  description="operator accuracy of the recipe table vs float64")
     ap.add_argument("--table", action="store_true", help="print the recipe table (markdown)")
+    ap.add_argument("--outliers", action="store_true",
+                    help="print the outlier-case table (synthetic cases x recipes, with and without "
+                         "K smoothing; docs/numerics.md section 13)")
+    ap.add_argument("--recipe", action="append", metavar="NAME",
+                    help="with --outliers: only this recipe (repeatable; the names of the --table rows)")
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
@@ -362,6 +417,17 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     a = ap.parse_args(argv)
+    if a.outliers:
+        try:
+            rows = outlier_table(a.seqlen, a.heads, a.seed, a.head_dim, names=a.recipe)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"inputs: numerics.activations.synthetic(case, seqlen={a.seqlen}, heads={a.heads}, "
+              f"head_dim={a.head_dim}, seed={a.seed}), non-causal; rel-L2 of O against float64 attention "
+              "of the untransformed inputs; (x randn): against the recipe's randn rel-L2 with the same "
+              "transforms")
+        print_outlier_table(rows)
+        return 0
     if not a.table:
         ap.print_help()
         return 2
