@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import ensure_fp4gen_importable  # noqa: E402  (bench/checkout.py, beside this file)
 
 
 def spec_for(fmt: str, stages: int):
@@ -169,8 +174,7 @@ def main(argv=None):
     ap.add_argument("--anchors", action="store_true", help="copy bandwidth, FA4 BF16 and SDPA decode beside")
     ap.add_argument("--json", default=None, help="also write every row (and the command) to this file")
     args = ap.parse_args(argv)
-    import sys
-
+    ensure_fp4gen_importable()
     import torch
 
     if not torch.cuda.is_available():
