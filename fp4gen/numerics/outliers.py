@@ -10,7 +10,8 @@ real arithmetic), so that one scale per (batch, head) or per block fits the data
   sink logits (the sink does not move with the keys): ``apply`` refuses both.
 - ``channel_scale_v``: V's columns divided by a power of two per (batch, kv head, channel),
   c = 2**ceil(log2 amax over tokens) (1 for an all-zero channel), so every channel's amax
-  lies in [1/2, 1]; O's columns are multiplied back by c after PV (an epilogue multiply in a
+  lies in [1/2, 1] (in [1, 2) above 2**127, where c stops at float32's largest power of two;
+  below 2**-126 it is smaller: c stops at the smallest normal one); O's columns are multiplied back by c after PV (an epilogue multiply in a
   kernel). Powers of two make both steps exact in float32.
 - ``hadamard``: Q and K times the same orthonormal D x D matrix H D_s / sqrt(D) (Sylvester
   Hadamard, optional random signs D_s from a seed): Q K^T is unchanged, and a channel
@@ -34,9 +35,14 @@ TRANSFORMS = ("smooth_k", "channel_scale_v", "hadamard")
 
 
 def smooth_k(k: torch.Tensor):
-    """(k - mean over tokens, mean (B, 1, Hkv, D)) in float32, per (batch, kv head)."""
+    """(k - mean over tokens, mean (B, 1, Hkv, D)) in float32, per (batch, kv head).
+
+    The mean accumulates in float64: a float32 sum of S keys overflows once |k| >= F32_MAX / S
+    (Inf or NaN from finite keys, even all-equal ones whose smoothed value is 0); the mean of
+    finite values is finite in float32. k - mean stays finite while max |k| <= F32_MAX / 2
+    (beyond that the exact result is not a float32; scores of such keys overflow anyway)."""
     k = k.to(torch.float32)
-    m = k.mean(dim=1, keepdim=True)
+    m = k.mean(dim=1, keepdim=True, dtype=torch.float64).to(torch.float32)
     return k - m, m
 
 
@@ -91,7 +97,9 @@ def hadamard_on(d: int, seed: Optional[int], device: torch.device, dtype: torch.
 
 
 def hadamard(q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
-    """(q R, k R) for the orthonormal R of ``hadamard_matrix``, in float32."""
+    """(q R, k R) for the orthonormal R of ``hadamard_matrix``, in float32. Finite while
+    max |x| <= F32_MAX / sqrt(D): every entry of x R, and every partial sum of it, is at most
+    ||x||_2 <= sqrt(D) max |x|."""
     r = hadamard_on(q.shape[-1], seed, q.device, torch.float32)
     return q.to(torch.float32) @ r, k.to(torch.float32) @ r
 
