@@ -20,7 +20,7 @@ from fp4gen.torch_ops import attention, attention_varlen
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DS8 = f"{EXAMPLES / 'sm90_fp8_train_d128.attn'}::sm90_fp8_train_ds8_causal_d128"
-VARLEN = str(EXAMPLES / "sm90_bf16_varlen_d128.attn")
+VARLEN = f"{EXAMPLES / 'sm90_bf16_varlen_d128.attn'}::sm90_bf16_varlen_d128"
 ROBUST = str(EXAMPLES / "sm90_fp8_outlier_robust_d128.attn")
 pytestmark = pytest.mark.gpu
 
