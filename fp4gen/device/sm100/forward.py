@@ -519,6 +519,38 @@ class AttentionFwdSm100:
             hp.release()
         return pv_mma, p_cons_j
 
+    def o_chunks(self, tOtO, t: Int32, cols: int):
+        """O_j (tile_m x head_dim fp32 in TMEM) in chunks of ``cols`` columns, with the
+        tcgen05.ld/st copies of one chunk for row ``t``: what ``scale_o`` reads and writes."""
+        cfg = self.config
+        chunks = cute.make_tensor(tOtO.iterator, cute.logical_divide(
+            cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, cols)))
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(cols)), Float32),
+                                    chunks[None, (None, 0)]).get_slice(t)
+        st = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(cols)), Float32),
+                                    chunks[None, (None, 0)]).get_slice(t)
+        return chunks, ld, st, cols
+
+    @cute.jit
+    def scale_o(self, o_view, fac: Float32, wait_each: cutlass.Constexpr):
+        """O_j *= fac, one row per thread, chunk by chunk (``o_chunks``); the caller makes the
+        whole warp take it or not (tcgen05.ld/st are .sync.aligned, PTX ISA 9.7.16.8.3/4).
+        ``wait_each``: each chunk's store is waited for before the next chunk's load, so one
+        chunk at a time is in registers (the rebase's rescale: without it, spills). A rolled
+        loop over the chunks (less code for a branch that almost never runs) spilled 80 B in
+        the masked tile loop, so the chunks are unrolled."""
+        chunks, ld, st, cols = o_view
+        for c in cutlass.range_constexpr(self.config.head_dim // cols):
+            src = ld.partition_S(chunks[None, (None, c)])
+            reg = cute.make_rmem_tensor(ld.partition_D(chunks[None, (None, c)]).shape, Float32)
+            cute.copy(ld, src, reg)
+            cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
+            for e in cutlass.range_constexpr(cols):
+                reg[e] = reg[e] * fac
+            cute.copy(st, reg, st.partition_D(chunks[None, (None, c)]))
+            if const_expr(wait_each):
+                cute.arch.fence_view_async_tmem_store()
+
     def s2t_part(self, atom, s_sf, t_sf):
         s_c = cute.filter_zeros(s_sf)
         t_c = cute.filter_zeros(t_sf)
@@ -564,19 +596,9 @@ class AttentionFwdSm100:
                           for h in range(self.p_parts)]
             st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(part_cols)), Float32)
             thr_st = tcgen05.make_tmem_copy(st_atom, tStP_parts[0]).get_slice(t)
-        o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-        o_st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(32)), Float32)
-        tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-            cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, 32)))
-        thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
-        thr_ost = tcgen05.make_tmem_copy(o_st, tOtO_c[None, (None, 0)]).get_slice(t)
-        if const_expr(cfg.direct_p and cfg.guard):  # the rebase's O rescale, 16 columns at a time
-            tOtO_16 = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-                cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, 16)))
-            thr_old16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(16)), Float32),
-                                               tOtO_16[None, (None, 0)]).get_slice(t)
-            thr_ost16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(16)), Float32),
-                                               tOtO_16[None, (None, 0)]).get_slice(t)
+        # O_j's rescale: 32-column chunks on the exp and two-level paths; 16 for the rebase's
+        # (its 32-column chunks spilled 176 B; see scale_o)
+        o_view = self.o_chunks(tOtO, t, 16 if cfg.direct_p else 32)
 
         row = (m_block * cfg.q_stages + j) * cfg.tile_m + t
         # causal masking is bottom-right aligned: row r sees key c iff c <= r + seqlen_k - seqlen_q
@@ -785,14 +807,7 @@ class AttentionFwdSm100:
                     # its rows needs it (o_fac = 1 leaves a row exact), never part of it (PTX ISA
                     # 9.7.16.8.3/4). Found by the emulator (strict_aligned).
                     if cute.arch.vote_any_sync(o_fac != Float32(1.0)):
-                        for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
-                            src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                            reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                            cute.copy(thr_old, src, reg)
-                            cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
-                            for e in cutlass.range_constexpr(32):
-                                reg[e] = reg[e] * o_fac
-                            cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                        self.scale_o(o_view, o_fac, False)
                     r_prev = r
                 else:
                     for b in cutlass.range_constexpr(n_blocks):
@@ -857,29 +872,13 @@ class AttentionFwdSm100:
                             # the whole warp or none of it: tcgen05.ld/st are .sync.aligned (PTX ISA
                             # 9.7.16.8.3/4); alpha = 1 leaves a row exact. Found by the emulator.
                             if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
-                                for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
-                                    o_src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
-                                    reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
-                                    cute.copy(thr_old, o_src, reg)
-                                    cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
-                                    for e in cutlass.range_constexpr(32):
-                                        reg[e] = reg[e] * o_alpha
-                                    cute.copy(thr_ost, reg, thr_ost.partition_D(tOtO_c[None, (None, cchunk)]))
+                                self.scale_o(o_view, o_alpha, False)
                     if const_expr(cfg.direct_p and cfg.guard and part == 0):
                         # O_j *= 2^-d of this tile's rebase, where the exp path rescales (above, same
-                        # reasons), by the whole warp when any row rebased. In 16-column chunks, each
-                        # store waited for before the next load: 32-column chunks spilled 176 B
-                        # (the branch runs only on a rebase, so its speed does not matter).
+                        # reasons), by the whole warp when any row rebased; in 16-column chunks, each
+                        # store waited for before the next load (32-column chunks spilled 176 B)
                         if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
-                            for cchunk in cutlass.range_constexpr(cfg.head_dim // 16):
-                                o_src = thr_old16.partition_S(tOtO_16[None, (None, cchunk)])
-                                reg = cute.make_rmem_tensor(thr_old16.partition_D(tOtO_16[None, (None, cchunk)]).shape, Float32)
-                                cute.copy(thr_old16, o_src, reg)
-                                cute.arch.fence_view_async_tmem_load()  # reg is defined only after wait::ld
-                                for e in cutlass.range_constexpr(16):
-                                    reg[e] = reg[e] * o_alpha
-                                cute.copy(thr_ost16, reg, thr_ost16.partition_D(tOtO_16[None, (None, cchunk)]))
-                                cute.arch.fence_view_async_tmem_store()
+                            self.scale_o(o_view, o_alpha, True)
                     cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
