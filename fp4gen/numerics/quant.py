@@ -297,3 +297,101 @@ def from_tcgen05_sf_layout(buf: torch.Tensor, M: int, Kb: int) -> torch.Tensor:
     off = tcgen05_sf_offset(m, kb, Kb).reshape(-1)
     lead = buf.shape[:-1]
     return buf.reshape(-1, buf.shape[-1])[:, off].reshape(*lead, M, Kb)
+
+
+# ------------------------------------------------------ FP8 varlen ---------
+# Packed sequences (q (total, H, D), flash_attn's varlen layout): scale groups never straddle two
+# sequences, so each sequence quantizes exactly as it would alone (``quantize_fp8_blockwise`` /
+# ``quantize_fp8_tensor`` on its (1, S, H, D) slice), which is what the reference's
+# ``forward_varlen`` does (the dense path per sequence). Blocks restart at each sequence's first
+# token. Everything runs on the offsets' device with no host read of them (no sync on a GPU).
+
+@dataclass
+class FP8VarlenTensor:
+    """FP8 payload of a packed (total, H, D) tensor with per-sequence fp32 scales.
+
+    ``scale``: granularity "block": (total, H), each token carrying the scale of its block
+    (``block`` tokens counted from its sequence's start); "tensor": (B, H), one per
+    (sequence, head) (an empty sequence gets 1)."""
+
+    codes: torch.Tensor  # uint8 (total, H, D)
+    scale: torch.Tensor  # float32
+    fmt: MiniFloat
+    granularity: str
+    block: int
+
+    @property
+    def payload(self) -> torch.Tensor:
+        dt = torch.float8_e4m3fn if self.fmt is E4M3 else torch.float8_e5m2
+        return self.codes.view(dt)
+
+    def token_scale(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """(total, H): the scale that multiplies each token's payload."""
+        if self.granularity == "block":
+            return self.scale
+        seq, _ = varlen_token_positions(cu_seqlens, self.codes.shape[0])
+        return self.scale[seq]
+
+    def dequantize(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return decode(self.codes, self.fmt) * self.token_scale(cu_seqlens)[..., None]
+
+
+def varlen_token_positions(cu_seqlens: torch.Tensor, total: int):
+    """(seq, pos) int64 (total,): each packed token's sequence and its position in it.
+    Offsets that do not describe ``total`` tokens give clamped, in-range indices (no device
+    assert): the caller's offset check decides what such a result is worth."""
+    cu = cu_seqlens.to(torch.int64)
+    nseq = cu.numel() - 1
+    tok = torch.arange(total, device=cu.device)
+    # token t is in sequence b iff cu[b] <= t < cu[b + 1]; empty sequences are skipped over
+    seq = torch.searchsorted(cu[1:].contiguous(), tok, right=True).clamp_(max=max(nseq - 1, 0))
+    return seq, tok - cu[seq]
+
+
+def varlen_block_ids(cu_seqlens: torch.Tensor, total: int, block: int):
+    """(ids (total,), n): each token's scale block, numbered over all sequences, blocks
+    restarting at every sequence start; ``n`` bounds the ids (sum ceil(len / block) <=
+    total // block + B, known without reading the offsets)."""
+    cu = cu_seqlens.to(torch.int64)
+    nseq = cu.numel() - 1
+    seq, pos = varlen_token_positions(cu, total)
+    per_seq = (cu[1:] - cu[:-1] + (block - 1)).clamp_(min=0) // block
+    first = torch.cumsum(per_seq, 0) - per_seq  # each sequence's first block id
+    n = total // block + max(nseq, 1)
+    return (first[seq] + pos // block).clamp_(0, n - 1), n
+
+
+def _group_amax(x: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """amax over D and the tokens of each group: x (total, H, D), ids (total,) -> (n, H);
+    a group holding a NaN gets NaN (as ``_amax``), an empty group 0."""
+    tok = x.abs().amax(dim=2)  # (total, H), NaN where a token has one
+    nan = torch.isnan(tok)
+    idx = ids[:, None].expand_as(tok)
+    amax = torch.zeros(n, tok.shape[1], dtype=torch.float32, device=x.device).scatter_reduce_(
+        0, idx, torch.where(nan, torch.zeros_like(tok), tok), "amax")
+    has_nan = torch.zeros_like(amax).scatter_add_(0, idx, nan.to(torch.float32))
+    return torch.where(has_nan > 0, torch.full_like(amax, float("nan")), amax)
+
+
+def quantize_fp8_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, granularity: str = "block",
+                        block: int = 128, fmt=E4M3) -> FP8VarlenTensor:
+    """FP8 quantization of a packed (total, H, D) tensor whose sequences ``cu_seqlens``
+    (B + 1,) delimit: per (sequence, ``block`` tokens, head) ("block", the Hopper contract's
+    Q/K) or per (sequence, head) ("tensor", its V). Bit-equal to the dense quantizer of the
+    same granularity run on each sequence alone (tests/varlen/test_fp8_varlen.py)."""
+    if x.dim() != 3:
+        raise ValueError(f"quantize_fp8_varlen expects a packed (total, H, D) tensor, got shape {tuple(x.shape)}")
+    if block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    fmt = _fp8_fmt(fmt)
+    x = x.to(torch.float32)
+    total = x.shape[0]
+    if granularity == "block":
+        ids, n = varlen_block_ids(cu_seqlens, total, block)
+        s = _fp8_scale(_group_amax(x, ids, n), fmt)[ids]  # (total, H)
+        return FP8VarlenTensor(encode(x / s[..., None], fmt), s, fmt, "block", block)
+    if granularity == "tensor":
+        seq, _ = varlen_token_positions(cu_seqlens, total)
+        s = _fp8_scale(_group_amax(x, seq, max(cu_seqlens.numel() - 1, 1)), fmt)  # (B, H)
+        return FP8VarlenTensor(encode(x / s[seq][..., None], fmt), s, fmt, "tensor", 0)
+    raise ValueError(f"quantize_fp8_varlen: granularity must be 'block' or 'tensor', got {granularity!r}")
