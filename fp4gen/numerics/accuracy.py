@@ -245,11 +245,12 @@ def for_head_dim(spec: KernelSpec, head_dim: int) -> KernelSpec:
     return replace(spec, head_dim=head_dim)
 
 
-def report_case(spec: KernelSpec, case, transforms=(), device="cpu", hadamard_seed=None) -> dict:
+def report_case(spec: KernelSpec, case, transforms=(), device="cpu", hadamard_seed=None,
+                sink_tokens: int = 1) -> dict:
     """The spec's numerics (reference backend) on ``case`` (an ``activations.Case``) against
     float64 attention of the case's unquantized inputs: O (and LSE) overall and per head, and
     the gradients' when the spec has a backward and the case a dO. ``transforms`` (names of
-    ``outliers.TRANSFORMS``) are applied before the reference and undone after it; the oracle
+    ``outliers.ALL_TRANSFORMS``) are applied before the reference and undone after it; the oracle
     always sees the original inputs. The spec's head dim becomes the case's."""
     from . import outliers
 
@@ -262,10 +263,12 @@ def report_case(spec: KernelSpec, case, transforms=(), device="cpu", hadamard_se
     if spec.sinks is not Sinks.NONE:
         sinks = draw_sinks(q.shape[2], k.shape[1], torch.Generator().manual_seed(0))
     tq, tk, tv, post = outliers.apply(q, k, v, transforms, spec.scale, softcap=spec.softcap, sinks=sinks,
-                                      hadamard_seed=hadamard_seed)
+                                      hadamard_seed=hadamard_seed, sink_tokens=sink_tokens,
+                                      window=spec.window_size)
     dev_sinks = None if sinks is None else sinks.to(device)
     o, lse = reference.forward(tq.to(device), tk.to(device), tv.to(device), spec, sinks=dev_sinks)
-    o, lse = post.o(o).cpu(), post.lse(lse).cpu()
+    o, lse = post.apply(o, lse)
+    o, lse = o.cpu(), lse.cpu()
     want_bwd = spec.backward is not None and case.do is not None
     if want_bwd and transforms:
         raise ValueError("the outlier transforms are forward-only here: drop them for a backward report")
@@ -358,7 +361,7 @@ def table(seqlen=1024, heads=4, batch=1, seed=0, head_dim=128, causal=False) -> 
 # ------------------------------------------- the outlier-case table (issue 21) -----
 
 OUTLIER_CASES = ("randn", "outlier_v_rows", "massive_k", "sink", "outlier_v_channels", "llm_mix")
-OUTLIER_OPTIONS = ((), ("smooth_k",))
+OUTLIER_OPTIONS = ((), ("smooth_k",), ("smooth_k", "sink_tokens"))
 
 
 def outlier_table(seqlen: int = 1024, heads: int = 2, seed: int = 0, head_dim: int = 128,
@@ -406,8 +409,9 @@ def main(argv=None) -> int:
                                  description="operator accuracy of the recipe table vs float64")
     ap.add_argument("--table", action="store_true", help="print the recipe table (markdown)")
     ap.add_argument("--outliers", action="store_true",
-                    help="print the outlier-case table (synthetic cases x recipes, with and without "
-                         "K smoothing; docs/numerics.md section 13)")
+                    help="print the outlier-case table (synthetic cases x recipes, without transforms, "
+                         "with K smoothing, and with smoothing and the first key exact; docs/numerics.md "
+                         "section 13)")
     ap.add_argument("--recipe", action="append", metavar="NAME",
                     help="with --outliers: only this recipe (repeatable; the names of the --table rows)")
     ap.add_argument("--seqlen", type=int, default=1024)

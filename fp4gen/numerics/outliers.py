@@ -18,6 +18,16 @@ real arithmetic), so that one scale per (batch, head) or per block fits the data
   outlier of K is spread over all D channels (FA3's incoherent processing). D must be a
   power of two.
 
+- ``sink_tokens``: the first n keys of every sequence (attention sinks: a token that holds a
+  large share of every row's softmax mass, often with a small value row) are left out of the
+  quantized attention and attended exactly in float32 outside it; ``Post.apply`` merges the two
+  by their log-sum-exps (as split-KV attention merges its splits), which is exact: the kernel
+  on keys n.. gives O' = sum_{j>=n} e^{s_j} v_j / e^{LSE'}. Bottom-right masks are unchanged by
+  dropping leading keys (every bound is relative to the diagonal), so causal and windowed
+  kernels still see the right keys; the n exact keys get the mask and softcap themselves. Why:
+  a sink's small value row shares an FP4 V block (32 keys per channel) with larger ones and
+  loses its precision there, at half of each row's weight (docs/numerics.md section 13).
+
 ``apply(q, k, v, transforms)`` runs them in a fixed order and returns the transformed
 inputs and a ``Post`` that maps the transformed attention's (O, LSE) back.
 """
@@ -29,9 +39,15 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import masking
 from .formats import pow2
 
-TRANSFORMS = ("smooth_k", "channel_scale_v", "hadamard")
+TRANSFORMS = ("smooth_k", "channel_scale_v", "hadamard")  # the spec options (K smooth, V channel_scale, rotate)
+# not a spec option yet: its Post merges O and LSE together (``Post.apply``), which the callers of
+# ``Post.o`` / ``Post.lse`` (fp4gen.attention, a generated module) do not do, and its LSE-dependent
+# merge has no backward through the attention op (whose LSE carries no gradient)
+SPLIT_TRANSFORMS = ("sink_tokens",)
+ALL_TRANSFORMS = TRANSFORMS + SPLIT_TRANSFORMS
 
 
 def smooth_k(k: torch.Tensor):
@@ -105,31 +121,99 @@ def hadamard(q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
 
 
 @dataclass
+class SinkTokens:
+    """The keys ``sink_tokens`` took out of the attention, and what attends them exactly."""
+
+    q: torch.Tensor  # (B, Sq, H, D) the original queries
+    k: torch.Tensor  # (B, n, Hkv, D) float32, the original first n keys
+    v: torch.Tensor  # (B, n, Hkv, D) float32
+    sk: int  # the original key count (for the mask)
+    scale: float
+    softcap: float = 0.0
+    window: tuple = masking.NO_WINDOW
+
+    def merge(self, o: torch.Tensor, lse: torch.Tensor):
+        """(O, LSE) over all keys from the attention's (o, lse) over keys n.. (float32)."""
+        B, Sq, H, D = self.q.shape
+        g = H // self.k.shape[2]
+        dev = o.device
+        k, v = (x.repeat_interleave(g, dim=2).to(dev) for x in (self.k, self.v))
+        s = torch.einsum("bqhd,bnhd->bhqn", self.q.to(device=dev, dtype=torch.float32), k) * self.scale
+        s = masking.softcap(s, self.softcap)
+        if masking.is_masked(self.window):
+            n = k.shape[1]
+            ok = masking.allowed(torch.arange(Sq, device=dev), torch.arange(n, device=dev), Sq, self.sk, self.window)
+            s = s.masked_fill(~ok, float("-inf"))
+        lse = lse.to(torch.float32)
+        m = torch.maximum(lse, s.amax(-1))  # (B, H, Sq)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # a row that sees no key at all
+        wk = torch.exp(lse - m)  # the attention's share (0 where it saw no key: lse -inf)
+        ws = torch.exp(s - m[..., None])  # (B, H, Sq, n)
+        den = wk + ws.sum(-1)
+        num = o.to(torch.float32) * wk.transpose(1, 2)[..., None] + torch.einsum("bhqn,bnhd->bqhd", ws, v)
+        safe = torch.where(den > 0, den, torch.ones_like(den))
+        o2 = torch.where((den > 0).transpose(1, 2)[..., None], num / safe.transpose(1, 2)[..., None],
+                         torch.zeros_like(num))
+        lse2 = torch.where(den > 0, m + torch.log(safe), torch.full_like(m, float("-inf")))
+        return o2, lse2
+
+
+@dataclass
 class Post:
     """What maps the transformed attention's outputs back to the original's."""
 
     v_scale: Optional[torch.Tensor] = None  # (B, 1, Hkv, D)
     lse_add: Optional[torch.Tensor] = None  # (B, H, Sq)
+    sinks: Optional[SinkTokens] = None  # sink_tokens: merged by ``apply`` (needs O and LSE together)
+
+    def _one_at_a_time(self):
+        if self.sinks is not None:
+            raise ValueError("sink_tokens merges O and LSE together: use Post.apply(o, lse)")
 
     def o(self, o: torch.Tensor) -> torch.Tensor:
+        self._one_at_a_time()
+        return self._o(o)
+
+    def lse(self, lse: torch.Tensor) -> torch.Tensor:
+        self._one_at_a_time()
+        return self._lse(lse)
+
+    def _o(self, o):
         if self.v_scale is None:
             return o
         H, hk = o.shape[2], self.v_scale.shape[2]
         return o * self.v_scale.repeat_interleave(H // hk, dim=2).to(o.device)
 
-    def lse(self, lse: torch.Tensor) -> torch.Tensor:
+    def _lse(self, lse):
         return lse if self.lse_add is None else lse + self.lse_add.to(lse.device)
+
+    def apply(self, o: torch.Tensor, lse: torch.Tensor):
+        """(O, LSE) of the original attention: V's scales back on O, the smoothing shift back on
+        the LSE (both now over keys n.. in the original frame), then the sink tokens merged."""
+        o, lse = self._o(o), self._lse(lse)
+        return (o, lse) if self.sinks is None else self.sinks.merge(o, lse)
 
 
 def apply(q, k, v, transforms: Sequence[str], scale: float, *, softcap: float = 0.0,
-          sinks=None, hadamard_seed: Optional[int] = None):
+          sinks=None, hadamard_seed: Optional[int] = None, sink_tokens: int = 1,
+          window=masking.NO_WINDOW):
     """(q', k', v', Post) with ``transforms`` (a subset of TRANSFORMS) applied in the order
-    smooth_k, hadamard, channel_scale_v (smoothing first: the mean of K R is the mean of K
-    times R, so the order of those two does not matter; V is independent)."""
-    bad = [t for t in transforms if t not in TRANSFORMS]
+    sink_tokens (the first ``sink_tokens`` keys split off, so that the others' mean and channel
+    scales do not see them), smooth_k, hadamard, channel_scale_v (the mean of K R is the mean of
+    K times R, so the order of those two does not matter; V is independent). ``window``: the
+    attention's mask (FlashAttention window sizes), which the exactly attended sink keys need."""
+    bad = [t for t in transforms if t not in ALL_TRANSFORMS]
     if bad:
-        raise ValueError(f"unknown transform(s) {', '.join(bad)}: use {', '.join(TRANSFORMS)}")
+        raise ValueError(f"unknown transform(s) {', '.join(bad)}: use {', '.join(ALL_TRANSFORMS)}")
     post = Post()
+    if "sink_tokens" in transforms:
+        n = sink_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n < k.shape[1]:
+            raise ValueError(f"sink_tokens: n must be an int in 1..{k.shape[1] - 1} (fewer than the "
+                             f"{k.shape[1]} keys), got {n!r}")
+        post.sinks = SinkTokens(q, k[:, :n].to(torch.float32), v[:, :n].to(torch.float32), k.shape[1],
+                                scale, softcap, tuple(window))
+        k, v = k[:, n:], v[:, n:]
     if "smooth_k" in transforms:
         if softcap:
             raise ValueError("smooth_k changes the scores by a per-row constant, which softcap's tanh "
