@@ -13,7 +13,9 @@ The exact definitions, with equations, are in docs/numerics.md ("P production").
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Optional
 
 import torch
 
@@ -115,19 +117,83 @@ def fast_codes(x: torch.Tensor, a: float = FAST_A, b: float = FAST_B) -> torch.T
     return torch.round(y).to(torch.uint8)
 
 
+# A what-if for issue 18's "one FFMA per score" lever, not what any kernel does: the fast
+# classifier A*((t - m) - e_B + log2 6) + B regrouped as A*t + c_B with the per-(row, block)
+# constant c_B = B + A*log2 6 - A*(m + e_B), so each score costs one FFMA instead of today's
+# subtractions and FMA. The value is the same; the roundings are not: today x rounds after
+# each add (an ulp of |u| each), the one-FFMA form rounds c_B (an ulp of A*|m + e_B|) and
+# the FMA's result once. Measured in docs/numerics.md ("One FFMA per score").
+CLASSIFIER_FORMS = ("two_op", "one_ffma")
+_CLASSIFIER_FORM = ["two_op"]  # what direct_p_mxfp4(form=None) uses; set by classifier_form
+
+
+@contextlib.contextmanager
+def classifier_form(form: str):
+    """Within the block, ``direct_p_mxfp4`` (and so the reference forward) codes fast Direct-P
+    with ``form`` ("two_op" | "one_ffma"): how the what-if is measured end to end."""
+    if form not in CLASSIFIER_FORMS:
+        raise ValueError(f"unknown classifier form {form!r}: use one of {CLASSIFIER_FORMS}")
+    old = _CLASSIFIER_FORM[0]
+    _CLASSIFIER_FORM[0] = form
+    try:
+        yield
+    finally:
+        _CLASSIFIER_FORM[0] = old
+
+
+def fma_f32(x: torch.Tensor, y, z) -> torch.Tensor:
+    """fl32(x*y + z) rounded once (an FFMA), for float32 operands. The product of two floats
+    is exact in float64; the float64 sum is taken to round-to-odd (TwoSum's exact error moves
+    an inexact even result one ulp toward the true sum), and rounding that to float32 is then
+    correct (Boldo & Melquiond 2008: odd rounding at p >= q + 2 bits, here 53 >= 26). A plain
+    float64 sum would round twice and miss ties (tests/numerics/test_directp_one_ffma.py)."""
+    xd, yd, zd = (torch.as_tensor(v, dtype=torch.float32).to(torch.float64) for v in (x, y, z))
+    p = xd * yd
+    s = p + zd
+    bb = s - p
+    err = (p - (s - bb)) + (zd - bb)  # p + z == s + err exactly (Knuth's TwoSum)
+    even = (s.view(torch.int64) & 1) == 0
+    fix = (err != 0) & even & torch.isfinite(s) & torch.isfinite(err)
+    toward = torch.where(err > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
+    return torch.where(fix, torch.nextafter(s, toward), s).to(torch.float32)
+
+
+def one_ffma_offset(m: torch.Tensor, eb: torch.Tensor, a: float = FAST_A, b: float = FAST_B) -> torch.Tensor:
+    """c_B = fl32(fma(-A, fl32(m + e_B), K)) with K = fl32(B + A*log2 6): the classifier's add
+    with the row reference, the block exponent, log2 6 and B folded in (per row and block)."""
+    af = torch.tensor(a, dtype=torch.float32).item()
+    k = torch.tensor(torch.tensor(b, dtype=torch.float32).double().item() + af * LOG2_6, dtype=torch.float32)
+    me = (m.to(torch.float32)[..., None] + eb).to(torch.float32)
+    return fma_f32(torch.full_like(me, -af), me, k)
+
+
+def one_ffma_codes(tb: torch.Tensor, m: torch.Tensor, eb: torch.Tensor, a: float = FAST_A,
+                   b: float = FAST_B) -> torch.Tensor:
+    """Fast codes from one FFMA per score: code = rne(clamp(fl32(A*t + c_B), 0, 7)).
+    tb: (..., nblocks, block) log2-unit scores (masked -inf), m: (...) row reference,
+    eb: (..., nblocks) block exponents. -inf -> 0; NaN -> 0 (its block scale is NaN)."""
+    c = one_ffma_offset(m, eb, a, b)
+    af = torch.tensor(a, dtype=torch.float32).item()
+    y = fma_f32(torch.full_like(tb, af), tb, c[..., None])
+    y = torch.nan_to_num(torch.clamp(y, 0.0, 7.0), nan=0.0)
+    return torch.round(y).to(torch.uint8)
+
 def accurate_codes(x: torch.Tensor) -> torch.Tensor:
     """Accurate policy: code = e2m1_rne(exp2(x)) saturating at 6 (the hardware EX2 on the value path)."""
     return encode(torch.exp2(x), E2M1)
 
 
 def direct_p_mxfp4(t: torch.Tensor, m: torch.Tensor, policy: str = "fast",
-                   a: float = FAST_A, b: float = FAST_B, block: int = 32):
+                   a: float = FAST_A, b: float = FAST_B, block: int = 32, form: Optional[str] = None):
     """Direct-P into MXFP4 P. t: (..., N) log2-unit scores, m: (...) row reference.
 
     Per block B of ``block`` keys: u = t - m; e_B = clamp(floor(max_B u), -127, 127)
     (an E8M0 exponent; a fully masked block gets -127); x = u - e_B + log2(6) < log2(12);
     code = classifier(x); PV consumes E2M1(code) * 2**e_B (which approximates 6 * 2**u,
     the block maximum saturating to 6 * 2**e_B), and l sums exactly those values.
+    ``form`` (fast policy only): the classifier's arithmetic, "two_op" (the default, above)
+    or "one_ffma" (``one_ffma_codes``: a what-if no kernel implements); None takes the
+    form set by ``classifier_form`` (default "two_op").
     Returns (pv, l_inc, codes, e_B).
     """
     u = t - m[..., None]
@@ -142,8 +208,14 @@ def direct_p_mxfp4(t: torch.Tensor, m: torch.Tensor, policy: str = "fast",
     # e_B = floor(max_B u): the exponent field of the block's largest 2**u, so the block
     # maximum lands at x in [log2 6, log2 12) and saturates to code 7 (see docs/numerics.md)
     eb = torch.clamp(torch.floor(torch.clamp(umax, -1e4, 1e4)), E8M0_EMIN, E8M0_EMAX)
+    form = _CLASSIFIER_FORM[0] if form is None else form
+    if form not in CLASSIFIER_FORMS:
+        raise ValueError(f"unknown classifier form {form!r}: use one of {CLASSIFIER_FORMS}")
     x = ub - eb[..., None] + LOG2_6
-    if policy == "fast":
+    if policy == "fast" and form == "one_ffma":
+        tb = t if not pad else torch.nn.functional.pad(t, (0, pad), value=float("-inf"))
+        codes = one_ffma_codes(tb.reshape(ub.shape), m, eb, a, b)
+    elif policy == "fast":
         codes = fast_codes(x, a, b)
     elif policy == "accurate":
         codes = accurate_codes(x)
