@@ -6,7 +6,11 @@ What it does, per kernel:
    ``flash_attn.cute.interface`` with fake tensors), assemble the PTX with the pinned ptxas and
    disassemble it (``fp4gen/lowering/sass.py``);
 2. split the SASS into warp roles (one per ``USETMAXREG``), find each role's KV-tile loops and
-   count one iteration's instructions by pipe;
+   count one iteration's instructions by pipe: the steady-state path, without the cold regions
+   that moderate logits never enter (the guard's headroom rebase: ``cold_regions``, found from
+   the branch structure and the rebase test, not from names), which are counted apart and
+   charged ``rebase_rate`` times per tile (0 in the steady state, 1 in the worst case: both
+   are reported);
 3. price one CTA step (one KV tile of N keys against all the CTA's query rows) on a GPU from
    the table ``GPUS``:
 
@@ -27,7 +31,8 @@ What it does, per kernel:
    earlier H200 run, ``CTA_FIXED_CYCLES``) and the HBM bound (Q, K, V, O once); predicted
    TFLOP/s = FLOPs / time.
 
-``predict(kernel_artifacts, gpu, shape) -> dict``. ``main(argv)``: ``fp4gen perf SPEC...``.
+``predict(kernel_artifacts, gpu, shape) -> dict`` (with ``worst_case``; ``what_if="one_ffma"``
+prices a lever not built yet, labelled so). ``main(argv)``: ``fp4gen perf SPEC...``.
 
 What it is not: a cycle simulator. It has no latency model, no bank conflicts, no L2, and one
 clock per GPU. Its estimates are labelled in ``GPUS``; two rules are calibrated on earlier H200
@@ -41,6 +46,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -328,6 +334,7 @@ class KernelInfo:
     qk_format: Optional[str] = None  # sm100a: from the PTX's tcgen05.mma kinds
     pv_format: Optional[str] = None
     source: str = ""
+    fast_direct_p: bool = False  # sm100a fast Direct-P softmax (what the "one_ffma" what-if edits)
 
 
 # the kernel config a generated module renders (sm100a FWD_CONFIG = ForwardKernelConfig(...),
@@ -401,7 +408,8 @@ def fp4gen_info(path: str) -> KernelInfo:
                       warps_by_registers=warps, groups=2, persistent=False,
                       # sm90a: the first key tile is peeled with the mask applied, and the last tile
                       # (sequence end / diagonal) runs the masked step (generated/sm90_*: n_mask_start)
-                      masked_extra=1 if arch == "sm_90a" else 0, source=path)
+                      masked_extra=1 if arch == "sm_90a" else 0, source=path,
+                      fast_direct_p=c.get("P_MODE") == "directp_fp4" and c.get("P_POLICY") == "fast")
 
 
 def fa4_info(arch: str, causal: bool) -> KernelInfo:
@@ -497,9 +505,219 @@ def _role_warps(info: KernelInfo, role: "_sass.Role", n_same: int, has_mma: bool
     return w / max(n_same, 1)
 
 
+# ============================================================================ cold code
+#
+# Static counts charge every instruction of a tile's path once per tile. Some code sits in the
+# loop but runs only on rare tiles: the guard's headroom rebase (numerics.directp.rebase: a
+# tile more than REBASE_E binades above the row reference) rescales O in TMEM behind a
+# warp-uniform branch that moderate logits never take. Such a *cold region* is found by
+# structure, never by labels or names:
+#
+# * a conditional branch inside the tile loop whose one successor is entered only from it
+#   (an if-then: the other successor is the merge point); the region is the blocks of the loop
+#   that this successor dominates; and
+# * the branch's predicate comes from the rebase test: its backward slice (register and
+#   predicate def-use, within the loop body, in address order) reaches an FSETP against the
+#   float immediate REBASE_E; or the region holds the kernel library's marker ``pmevent N``
+#   (SASS ``PMTRIG 1 << N``, COLD_EVENTS: a marker a kernel may emit at the head of a cold
+#   branch; none does yet).
+#
+# Each cold region is charged ``rebase_rate`` times per tile: 0 in the steady state (moderate
+# logits never rebase: the assumption the model states), 1 in the worst case (every tile
+# rebases). Instructions predicated off under the rebase predicate (if-converted code) are
+# counted in full: a predicated-off instruction still takes its issue slot. Masked code is
+# weighed by its own frequency already: the diagonal and sequence-end tiles run the masked path
+# (``predict``: masked tiles per CTA), the others the unmasked one.
+
+COLD_EVENTS = {7: "rebase"}  # pmevent N -> kind of cold region
+REBASE_RATE_STEADY = 0.0  # rebases per tile with moderate logits: none (docs/sm100.md)
+
+_REG_TOKEN = re.compile(r"(?<![\w.])!?(U?R\d+|U?P\d)\b")
+_PAIR_SRC = re.compile(r"(?<![\w.])(U?R)(\d+)\.F32x2")
+_SETP = ("FSETP", "ISETP", "DSETP", "HSETP2", "PSETP", "PLOP3", "FCHK")
+
+
+def _rebase_e() -> float:
+    from fp4gen.numerics.directp import REBASE_E
+
+    return float(REBASE_E)
+
+
+def _defs_uses(ins: "_sass.Instr") -> tuple:
+    """(registers and predicates written, those read) of one SASS instruction, by position:
+    the first operand is the destination when it is a register (two leading predicates for
+    compares and PLOP3); a store's first operand is an address, so it writes none. Packed
+    f32x2 operands name the low register of a pair."""
+    ops = [o.strip() for o in ins.operands.split(",")]
+    n_def = 2 if ins.base in _SETP else 1
+    defs, uses = set(), set()
+    for k, op in enumerate(ops):
+        regs = [m[1] for m in _REG_TOKEN.finditer(op)]
+        pair = [f"{m[1]}{int(m[2]) + 1}" for m in _PAIR_SRC.finditer(op)]
+        if k < n_def and len(regs) == 1 and re.fullmatch(r"!?(U?R\d+|U?P\d)(\.\w+)*", op):
+            defs.add(regs[0])
+            if ins.base in _PACKED[:4] and "R" in regs[0]:  # f32x2: FADD2 R2 writes R2 and R3
+                head = regs[0].rstrip("0123456789")
+                defs.add(f"{head}{int(regs[0][len(head):]) + 1}")
+        else:
+            uses.update(regs + pair)
+    if ins.pred and ins.pred.lstrip("!") not in ("PT", "UPT"):
+        uses.add(ins.pred.lstrip("!"))
+    return defs, uses
+
+
+def _is_rebase_test(ins: "_sass.Instr", rebase_e: float) -> bool:
+    if ins.base != "FSETP":
+        return False
+    for op in ins.operands.split(","):
+        try:
+            if float(op.strip()) == rebase_e:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def _slice_reaches(seq: list, pred: str, test) -> bool:
+    """Does the backward slice of ``pred`` over ``seq`` (the instructions before its use, in
+    order) hold an instruction ``test`` accepts? A predicated def may not happen, so it
+    does not end the search for an earlier one."""
+    want = {pred}
+    for ins in reversed(seq):
+        if _sass._never(ins.pred):
+            continue
+        defs, uses = _defs_uses(ins)
+        if want & defs:
+            if test(ins):
+                return True
+            if _sass._always(ins.pred):
+                want -= defs
+            want |= uses
+    return False
+
+
+def _marker_kind(instrs: list) -> Optional[str]:
+    for i in instrs:
+        if i.base == "PMTRIG":
+            try:
+                mask = int(i.operands.split(",")[0].strip(), 0)
+            except ValueError:
+                continue
+            for bit, kind in COLD_EVENTS.items():
+                if mask >> bit & 1:
+                    return kind
+    return None
+
+
+def cold_regions(f: "_sass.Function", loop: "_sass.Loop", spin: frozenset, dom: dict) -> dict:
+    """block index -> cold kind ("rebase") for the tile loop's cold regions (see above)."""
+    body = loop.blocks - spin
+    order = sorted(body)
+    rebase_e = _rebase_e()
+    out = {}
+    for bb in order:
+        last = f.blocks[bb].instrs[-1]
+        succ = [x for x in f.blocks[bb].succs if x in body and x != loop.header]
+        if last.base != "BRA" or len(succ) != 2:
+            continue
+        only = [x for x in succ if f.blocks[x].preds == [bb]]
+        if len(only) != 1:  # not an if-then (an if-else, or a merge on both sides)
+            continue
+        then = only[0]
+        region = {n for n in body if then in dom.get(n, ()) and n != loop.header}
+        if not region or any(t in region for t in loop.tails):
+            continue
+        kind = _marker_kind([i for n in region for i in f.blocks[n].instrs])
+        pred = last.pred.lstrip("!")
+        if kind is None and pred and pred not in ("PT", "UPT"):
+            seq = [i for n in order if n <= bb for i in f.blocks[n].instrs][:-1]
+            if _slice_reaches(seq, pred, lambda i: _is_rebase_test(i, rebase_e)):
+                kind = "rebase"
+        if kind:
+            for n in region:
+                out.setdefault(n, kind)
+    # a marker in a block no if-then region covered: that block and those it dominates
+    for n in order:
+        kind = _marker_kind(f.blocks[n].instrs)
+        if kind and n not in out and n != loop.header:
+            for x in body:
+                if n in dom.get(x, ()) and x != loop.header:
+                    out.setdefault(x, kind)
+    return out
+
+
+def weighted_path(f: "_sass.Function", loop: "_sass.Loop", spin: frozenset, dom: dict, longest: bool,
+                  cold: frozenset = frozenset()) -> list:
+    """Blocks of one iteration along the cheapest (or costliest) path from the header to a back
+    edge, each block costing its instructions, a cold block nothing (so the steady-state path
+    is found as if cold regions were empty; their instructions are charged separately)."""
+    body = loop.blocks - spin
+    best, order, seen = {}, [], set()
+
+    def visit(n):  # post-order over forward edges (an edge to a dominator is a back edge)
+        if n in seen:
+            return
+        seen.add(n)
+        for x in f.blocks[n].succs:
+            if x in body and x not in dom.get(n, ()):
+                visit(x)
+        order.append(n)
+
+    visit(loop.header)
+    pick = max if longest else min
+    for n in order:
+        opts = [best[x] for x in f.blocks[n].succs if x in body and x not in dom.get(n, ()) and x in best]
+        if any(x == loop.header for x in f.blocks[n].succs) or n in loop.tails:
+            opts.append((0, ()))
+        if not opts:
+            best[n] = (-math.inf if longest else math.inf, ())
+            continue
+        c, path = pick(opts, key=lambda o: o[0])
+        best[n] = (c + (0 if n in cold else len(f.blocks[n].instrs)), (n,) + path)
+    c, path = best.get(loop.header, (0, ()))
+    if not path or not math.isfinite(c):
+        return sorted(body)
+    return list(path)
+
+
+def _counts(instrs: list) -> dict:
+    out = _sass.count_pipes(instrs)
+    out["hgmma_flops"] = _sass.hgmma_flops(instrs)
+    return out
+
+
+def weighted_counts(steady: dict, cold: dict, rate: float) -> dict:
+    """``steady`` + ``rate`` x ``cold`` (per-tile counts; rate = cold regions run per tile)."""
+    if not rate or not cold.get("instructions"):
+        return steady
+    out = dict(steady)
+    out["pipes"] = {p: steady["pipes"].get(p, 0) + rate * cold["pipes"].get(p, 0) for p in steady["pipes"]}
+    ops = dict(steady["opcodes"])
+    for k, v in cold["opcodes"].items():
+        ops[k] = ops.get(k, 0) + rate * v
+    out["opcodes"] = ops
+    for k in ("instructions", "mufu_ex2", "ffma2", "hgmma_flops"):
+        out[k] = steady.get(k, 0) + rate * cold.get(k, 0)
+    return out
+
+
+def _loop_paths(f, lp, spin, dom) -> dict:
+    cold = cold_regions(f, lp, spin, dom)
+    cset = frozenset(cold)
+    short = weighted_path(f, lp, spin, dom, False, cset)
+    long_ = weighted_path(f, lp, spin, dom, True, cset)
+    ins = lambda blocks: [i for b in blocks for i in f.blocks[b].instrs]  # noqa: E731
+    cold_ins = ins(sorted(cset))
+    return {"loop": lp, "cold": cold, "short": ins([b for b in short if b not in cset]),
+            "long": ins([b for b in long_ if b not in cset]), "cold_instrs": cold_ins}
+
+
 def analyse(art: KernelArtifacts) -> dict:
-    """Roles, their tile loops and one iteration's counts (the cheapest path = an unmasked tile,
-    and the costliest path of the costliest sibling loop = a masked tile)."""
+    """Roles, their tile loops and one iteration's counts: ``main`` the steady-state unmasked
+    tile (the cheapest path of the cheapest sibling loop, cold regions left out), ``masked`` the
+    costliest path of the costliest sibling loop (a masked tile; cold regions left out), and
+    ``main_cold`` / ``masked_cold`` the cold regions of those loops (charged per tile at the
+    rebase rate: ``weighted_counts``)."""
     k = _sass.KernelSass.from_text(art.sass)
     f = k.function
     spin = _sass.spin_blocks(f, k.loops)
@@ -511,24 +729,39 @@ def analyse(art: KernelArtifacts) -> dict:
         loops = _sass.tile_loops(f, r, k.loops)
         if not loops:
             continue
-        main = min(loops, key=lambda lp: (len(_sass.path_instrs(f, lp, spin)), lp.header))
-        masked = max(loops, key=lambda lp: (len(_sass.path_instrs(f, lp, spin, longest=True)), -lp.header))
-        c_main = _sass.loop_counts(f, main, k.loops, "short")
-        c_mask = _sass.loop_counts(f, masked, k.loops, "long")
+        paths = [_loop_paths(f, lp, spin, k.dom) for lp in loops]
+        main = min(paths, key=lambda p: (len(p["short"]), p["loop"].header))
+        # the masked copy: the costliest in the worst case (cold regions in), as before
+        masked = max(paths, key=lambda p: (len(p["long"]) + len(p["cold_instrs"]), -p["loop"].header))
+        c_main, c_mask = _counts(main["short"]), _counts(masked["long"])
         has_mma = c_main["pipes"]["tensor"] > 0
+        cold = [{"loop_header": p["loop"].header, "block": b, "kind": kind,
+                 "instructions": len(f.blocks[b].instrs)} for p in paths for b, kind in sorted(p["cold"].items())]
         roles.append({"role": r.name, "registers": r.registers, "kind": r.kind,
                       "warps": _role_warps(art.info, r, same[r.registers], has_mma),
-                      "loop_header": main.header, "masked_loop_header": masked.header, "loops": len(loops),
-                      "main": c_main, "masked": c_mask, "hgmma_format": _hgmma_format(main.instrs(f, spin))})
+                      "loop_header": main["loop"].header, "masked_loop_header": masked["loop"].header,
+                      "loops": len(loops), "main": c_main, "masked": c_mask,
+                      "main_cold": _counts(main["cold_instrs"]), "masked_cold": _counts(masked["cold_instrs"]),
+                      "cold_blocks": cold, "hgmma_format": _hgmma_format(main["loop"].instrs(f, spin))})
     return {"function": f.name, "instructions": len(f.instrs), "roles": roles}
 
 
+def _role_counts(r: dict, key: str, rate: float) -> dict:
+    return weighted_counts(r[key], r.get(key + "_cold") or {}, rate)
+
+
 def step_cycles(art: KernelArtifacts, gpu: Gpu, counts_key: str = "main", analysis: Optional[dict] = None,
-                serial: Optional[bool] = None) -> dict:
-    """Cycles of one CTA step (one KV tile against all the CTA's query rows) and what bounds it."""
+                serial: Optional[bool] = None, rebase_rate: float = REBASE_RATE_STEADY,
+                what_if: Optional[str] = None) -> dict:
+    """Cycles of one CTA step (one KV tile against all the CTA's query rows) and what bounds it.
+    ``rebase_rate``: cold regions charged per tile (0 steady state, 1 worst case);
+    ``what_if``: counts edited by a lever no kernel has yet (``WHAT_IFS``)."""
     info = art.info
     an = analysis or analyse(art)
-    roles = an["roles"]
+    roles = [dict(r, main=_role_counts(r, "main", rebase_rate), masked=_role_counts(r, "masked", rebase_rate))
+             for r in an["roles"]]
+    if what_if:
+        roles = _apply_what_if(roles, what_if, info)
     # tensor time of the step
     rows, n, d = info.tile_m, info.tile_n, info.head_dim
     if info.arch == "sm_90a":
@@ -585,25 +818,67 @@ def attn_flops(B, S, H, D, causal) -> float:
     return 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
 
 
-def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = None) -> dict:
-    """Predicted forward time and TFLOP/s of ``art`` on ``gpu`` for ``shape`` = {B, H, S, D, causal}."""
-    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+# What-ifs: a lever priced by editing the counted instructions, for a kernel not built yet.
+# "one_ffma" (numerics.directp form="one_ffma", accuracy in docs/numerics.md section 13): the
+# fast classifier's A*t + c_B per score replaces the f32x2 chain's subtractions (t - m where the
+# SASS has it, - e_B, + log2 6): 3 FADD2 per key pair fewer, never below the one FADD2 per pair
+# that rounds to the code (+ 1.5 * 2^23), and 2 ops more per row and 32-key block for c_B
+# (FADD m + e_B, FFMA). Applied to the roles that run the fast Direct-P chain (the FADD2s are
+# there: at least 2 per key pair).
+WHAT_IFS = {"one_ffma": "one FFMA per score (fold m, e_B, log2 6 and B into the classifier's add)"}
+
+
+def _apply_what_if(roles: list, what_if: str, info: KernelInfo) -> list:
+    if what_if not in WHAT_IFS:
+        raise ValueError(f"unknown what-if {what_if!r}: use one of {sorted(WHAT_IFS)}")
+    if not info.fast_direct_p:
+        return roles
+    pairs, blocks = info.tile_n // 2, info.tile_n // 32
+    out = []
+    for r in roles:
+        r = dict(r)
+        for key in ("main", "masked"):
+            c = r[key]
+            fadd2 = c["opcodes"].get("FADD2", 0)
+            if fadd2 < 2 * pairs:
+                continue
+            cut = min(3 * pairs, fadd2 - pairs)
+            c = dict(c, opcodes=dict(c["opcodes"]), pipes=dict(c["pipes"]))
+            c["opcodes"]["FADD2"] = fadd2 - cut
+            c["opcodes"]["FADD"] = c["opcodes"].get("FADD", 0) + blocks
+            c["opcodes"]["FFMA"] = c["opcodes"].get("FFMA", 0) + blocks
+            c["pipes"]["fma"] = c["pipes"]["fma"] - cut + 2 * blocks
+            c["instructions"] = c["instructions"] - cut + 2 * blocks
+            c["ffma2"] = c.get("ffma2", 0) - cut
+            r[key] = c
+        out.append(r)
+    return out
+
+
+def _cta_schedule(info: KernelInfo, S: int, causal: bool) -> list:
+    """Per query tile of a (b, h): (KV tiles, of which masked): causal, the diagonal tiles run
+    the masked path; every CTA's last tile (the sequence end) too."""
+    m, n = info.tile_m, info.tile_n
+    out = []
+    for qi in range(math.ceil(S / m)):
+        hi = min(S, (qi + 1) * m) if causal else S
+        tiles = math.ceil(hi / n)
+        diag = (math.ceil(hi / n) - (qi * m) // n) if causal else 0
+        out.append((tiles, min(tiles, max(diag, 1) + info.masked_extra)))
+    return out
+
+
+def _predict_one(art: KernelArtifacts, g: Gpu, shape: dict, an: dict, serial, rate: float, what_if) -> dict:
     info = art.info
     B, H, S = int(shape["B"]), int(shape["H"]), int(shape["S"])
     D = int(shape.get("D", info.head_dim))
     causal = bool(shape.get("causal", info.causal))
-    an = analyse(art)
-    main = step_cycles(art, g, "main", an, serial)
-    masked = step_cycles(art, g, "masked", an, serial)
+    main = step_cycles(art, g, "main", an, serial, rate, what_if)
+    masked = step_cycles(art, g, "masked", an, serial, rate, what_if)
     m, n = info.tile_m, info.tile_n
     n_q = math.ceil(S / m)
-    cta_cycles = []
-    for qi in range(n_q):
-        hi = min(S, (qi + 1) * m) if causal else S
-        tiles = math.ceil(hi / n)
-        diag = (math.ceil(hi / n) - (qi * m) // n) if causal else 0
-        n_mask = min(tiles, max(diag, 1) + info.masked_extra)
-        cta_cycles.append((tiles - n_mask) * main["cycles"] + n_mask * masked["cycles"])
+    sched = _cta_schedule(info, S, causal)
+    cta_cycles = [(tiles - n_mask) * main["cycles"] + n_mask * masked["cycles"] for tiles, n_mask in sched]
     ctas = B * H * n_q
     total = sum(cta_cycles) * B * H
     epilogue, fixed = cta_fixed_cycles(art.sass)
@@ -626,9 +901,39 @@ def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = Non
             "predicted_tflops": round(flops / seconds / 1e12, 1), "predicted_ms": round(seconds * 1e3, 4),
             "bottleneck": bottleneck, "cycles_per_tile": round(main["cycles"], 1),
             "cycles_per_masked_tile": round(masked["cycles"], 1), "tile": {"m": m, "n": n},
-            "ctas": ctas, "kv_tiles_per_cta": [math.ceil((min(S, (q + 1) * m) if causal else S) / n) for q in (0, n_q - 1)],
-            "memory_ms": round(mem_s * 1e3, 4), "epilogue": epilogue, "cta_fixed_cycles": fixed, "step": main, "masked_step": {k: masked[k] for k in ("cycles", "bottleneck", "bounds")},
+            "ctas": ctas, "kv_tiles_per_cta": [sched[0][0], sched[-1][0]],
+            "masked_tile_fraction": round(sum(k for _, k in sched) / sum(t for t, _ in sched), 4),
+            "memory_ms": round(mem_s * 1e3, 4), "epilogue": epilogue, "cta_fixed_cycles": fixed, "step": main,
+            "masked_step": {k: masked[k] for k in ("cycles", "bottleneck", "bounds")},
             "sass_instructions": an["instructions"]}
+
+
+def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = None,
+            rebase_rate: float = REBASE_RATE_STEADY, what_if: Optional[str] = None,
+            analysis: Optional[dict] = None) -> dict:
+    """Predicted forward time and TFLOP/s of ``art`` on ``gpu`` for ``shape`` = {B, H, S, D, causal}.
+
+    The steady state charges the cold regions (``cold_regions``) ``rebase_rate`` times per tile
+    (default 0: moderate logits never rebase); ``worst_case`` charges them on every tile.
+    ``what_if`` (``WHAT_IFS``) prices a lever by edited counts: a prediction for a kernel that
+    does not exist, labelled so in the result."""
+    g = GPUS[gpu] if isinstance(gpu, str) else gpu
+    if not 0.0 <= rebase_rate <= 1.0:
+        raise ValueError(f"rebase_rate is rebases per KV tile, in [0, 1]: got {rebase_rate}")
+    an = analysis or analyse(art)
+    out = _predict_one(art, g, shape, an, serial, rebase_rate, what_if)
+    worst = _predict_one(art, g, shape, an, serial, 1.0, what_if)
+    cold_roles = [r for r in an["roles"] if r["cold_blocks"]]
+    out["rebase_rate"] = rebase_rate
+    out["cold"] = {"blocks": sum(len(r["cold_blocks"]) for r in an["roles"]),
+                   "instructions_per_tile": max((r["main_cold"]["instructions"] for r in cold_roles), default=0),
+                   "instructions_per_masked_tile": max((r["masked_cold"]["instructions"] for r in cold_roles), default=0),
+                   "assumption": "steady state: moderate logits never rebase (0 per tile); worst case: every tile"}
+    out["worst_case"] = {"rebase_rate": 1.0, **{k: worst[k] for k in ("predicted_tflops", "predicted_ms", "bottleneck",
+                                                                       "cycles_per_tile", "cycles_per_masked_tile")}}
+    if what_if:
+        out["what_if"] = f"{what_if}: {WHAT_IFS[what_if]} (predicted for a kernel not built)"
+    return out
 
 
 # ============================================================================ FA4 ratio, CLI
@@ -640,6 +945,10 @@ def with_fa4_ratio(pred: dict, fa4_pred: dict) -> dict:
     out = dict(pred)
     out["fa4_bf16_predicted_tflops"] = fa4_pred["predicted_tflops"]
     out["ratio_vs_fa4_bf16"] = round(pred["predicted_tflops"] / fa4_pred["predicted_tflops"], 3)
+    if "worst_case" in pred:  # FA4's worst case against ours (FA4 has no rebase: its steady state)
+        fa4_worst = fa4_pred.get("worst_case", fa4_pred)["predicted_tflops"]
+        out["worst_case"] = dict(pred["worst_case"],
+                                 ratio_vs_fa4_bf16=round(pred["worst_case"]["predicted_tflops"] / fa4_worst, 3))
     return out
 
 
@@ -682,8 +991,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32768, help="B = tokens // S")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--serial", action="store_true", help="the Hopper rule (tensor + busiest SMSP) on every GPU")
+    ap.add_argument("--rebase-rate", type=float, default=REBASE_RATE_STEADY, metavar="R",
+                    help="headroom rebases per KV tile charged in the main prediction (default 0: moderate "
+                         "logits never rebase; the worst case, 1, is always reported beside it)")
+    ap.add_argument("--no-what-if", action="store_true",
+                    help="leave out the what-if rows (fast Direct-P: one FFMA per score, not built)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if not 0.0 <= a.rebase_rate <= 1.0:
+        ap.error(f"--rebase-rate is rebases per KV tile, in [0, 1]: got {a.rebase_rate}")
     try:
         rows = _rows(a)
     except (FileNotFoundError, _sass.NvdisasmUnavailable, RuntimeError) as e:
@@ -691,15 +1007,21 @@ def main(argv=None) -> int:
         print(f"fp4gen perf: {e}", file=sys.stderr)
         return 1
     if a.json:
-        print(json.dumps([{k: v for k, v in r.items() if k != "step"} | {"roles": r["step"]["roles"]}
+        def brief(r):
+            return {k: v for k, v in r.items() if k not in ("step", "what_ifs")} | {"roles": r["step"]["roles"]}
+
+        print(json.dumps([brief(r) | {f"what_if_{w}": brief(x) for w, x in r.get("what_ifs", {}).items()}
                           for r in rows], indent=1))
     else:
         print(f"{'kernel':36s} {'gpu':6s} {'S':>6s} {'causal':6s} {'TFLOP/s':>8s} {'xFA4':>6s} "
-              f"{'cyc/tile':>8s}  bottleneck   (predicted)")
+              f"{'cyc/tile':>8s} {'worst xFA4':>10s}  bottleneck   (predicted; worst case: a rebase on every tile)")
         for r in rows:
-            print(f"{r['kernel']:36s} {r['gpu']:6s} {r['shape']['S']:6d} {str(r['shape']['causal']):6s} "
-                  f"{r['predicted_tflops']:8.1f} {r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  "
-                  f"{r['bottleneck']}")
+            for label, x in [(r["kernel"], r)] + [(f"  what-if {w} (not built)", x) for w, x in r.get("what_ifs", {}).items()]:
+                print(f"{label:36s} {x['gpu']:6s} {x['shape']['S']:6d} {str(x['shape']['causal']):6s} "
+                      f"{x['predicted_tflops']:8.1f} {x['ratio_vs_fa4_bf16']:6.2f} {x['cycles_per_tile']:8.0f} "
+                      f"{x['worst_case']['ratio_vs_fa4_bf16']:10.2f}  {x['bottleneck']}")
+        print(f"steady state: {rows[0]['rebase_rate'] if rows else 0:g} rebases per KV tile (moderate logits never "
+              f"rebase); causal: the diagonal tiles run the masked path")
     return 0
 
 
@@ -712,14 +1034,20 @@ def _rows(a) -> list:
             gpu = a.gpu or ("h200" if art.info.arch == "sm_90a" else "b200")
             key = (art.info.arch, art.info.causal)
             if key not in fa4_cache:
-                fa4_cache[key] = fa4_artifacts(*key)
+                fa4 = fa4_artifacts(*key)
+                fa4_cache[key] = (fa4, analyse(fa4))
+            an = analyse(art)
             for s in (int(x) for x in a.seqlens.split(",") if x):
                 shape = {"B": max(1, a.tokens // s), "H": a.heads, "S": s, "D": art.info.head_dim,
                          "causal": art.info.causal}
                 serial = True if a.serial else None
-                p = predict(art, gpu, shape, serial)
-                f = predict(fa4_cache[key], gpu, shape, serial)
-                rows.append(with_fa4_ratio(p, f))
+                p = predict(art, gpu, shape, serial, a.rebase_rate, analysis=an)
+                f = predict(fa4_cache[key][0], gpu, shape, serial, analysis=fa4_cache[key][1])
+                row = with_fa4_ratio(p, f)
+                row["what_ifs"] = {} if a.no_what_if or not art.info.fast_direct_p else {
+                    w: with_fa4_ratio(predict(art, gpu, shape, serial, a.rebase_rate, what_if=w, analysis=an), f)
+                    for w in WHAT_IFS}
+                rows.append(row)
     return rows
 
 
