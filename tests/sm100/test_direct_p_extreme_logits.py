@@ -136,8 +136,8 @@ def test_without_the_rebase_the_checks_fail(monkeypatch):
                                        ("fa4_nvmx_accurate_d128", "x8")])
 def test_emulated_kernel_follows_the_rebase(name, case):
     """CTA 0 of the compiled kernel (fp4gen.lowering.emulator, ~1 min of CPU each): O and LSE
-    as the rebased reference's, no NaN. x8 rebases the guarded stages (the subtracting tile
-    loop); the huge logit an unguarded one (fa4_fp4's m = 0 loop, which then subtracts m)."""
+    as the rebased reference's, no NaN. x8 rebases the guarded stages; the huge logit an
+    unguarded one (m = 0 until the rebase moves it)."""
     from fp4gen.lowering.emulator.run import emulate_forward, o_tolerance
 
     src = (ROOT / "generated" / f"{name}_sm100a.py").read_text()

@@ -13,14 +13,19 @@ m = 0 copy's in-place subtraction of a rebased m) and +129 FMUL, 8 LDTM/STTM, 8 
 masked one (the O rescale in TMEM) sit behind a warp-uniform branch that only a row whose tile
 maximum is > 64 binades above its reference takes; ~20 instructions (the tile maximum's
 compare, FSEL, VOTE, BRA, FRND/F2I) run on every tile. The bounds below count the cold branch
-too (the performance model does as well: it now overstates the steady-state cost by ~6 %).
+too.
+
+Since the m = 0 copies were dropped for compile time (issue 16: +85 % of fa4_fp4's compile),
+every stage runs the subtracting copies: 1070 / 1072 (main; the same static count as the m = 0
+copy with its cold in-place subtraction, 64 FADD2 more in the steady state of an unguarded
+stage) and 1365 / 1391 (masked), two loops per warpgroup.
 """
 from __future__ import annotations
 
 import pytest
 
-MAIN_BOUND = 1080  # instructions per row per unmasked, unguarded tile, each softmax warpgroup
-MASKED_BOUND = 1700
+MAIN_BOUND = 1080  # instructions per row per unmasked tile, each softmax warpgroup
+MASKED_BOUND = 1400
 MASK_COMPARES = 16  # ISETP on the unmasked path: none per key (the masked copy has ~128)
 
 
@@ -46,7 +51,7 @@ def softmax_roles(tmp_path_factory):
 def test_the_fast_direct_p_tile_stays_under_its_instruction_bound(softmax_roles):
     assert len(softmax_roles) == 2  # one per query stage
     for r in softmax_roles:
-        assert r["loops"] == 4, "unmasked and masked, each for an unguarded and a guarded stage"
+        assert r["loops"] == 2, "unmasked and masked"
         assert r["main"]["instructions"] <= MAIN_BOUND, r["main"]["opcodes"]
         assert r["masked"]["instructions"] <= MASKED_BOUND, r["masked"]["opcodes"]
         assert r["main"]["opcodes"].get("ISETP", 0) <= MASK_COMPARES, r["main"]["opcodes"]

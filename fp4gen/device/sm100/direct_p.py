@@ -137,8 +137,7 @@ def _fma2(x, y, z, packed: cutlass.Constexpr):
 
 @cute.jit
 def fast_block(s: cute.Tensor, m: Float32, e_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
-               a: cutlass.Constexpr, b: cutlass.Constexpr, packed: cutlass.Constexpr = True,
-               subtract_m: cutlass.Constexpr = True) -> Int32:
+               a: cutlass.Constexpr, b: cutlass.Constexpr, packed: cutlass.Constexpr = True) -> Int32:
     """Fast policy for one 32-key block: the codes of ``s[0..32)`` (log2-unit scores) as four
     nibble words ``words[w0 .. w0+4)``; returns twice the block's sum of E2M1 magnitudes.
 
@@ -148,17 +147,14 @@ def fast_block(s: cute.Tensor, m: Float32, e_b: Float32, words: cute.Tensor, w0:
     ``packed=False`` uses the scalar ops, for the sm_90a probe: f32x2 is sm_100a only); the
     word as a multiply-add chain (``_WORD_BIAS``); the magnitudes by one PRMT per four codes
     (the word's low 16 bits are four selectors; codes <= 7 leave each nibble's sign-mode bit
-    clear), summed bytewise (<= 8 * 12 per byte) and folded once per block (``byte_sum``).
-    ``subtract_m=False`` where the caller knows m == 0 (no guarded row): u = t - 0 is t."""
+    clear), summed bytewise (<= 8 * 12 per byte) and folded once per block (``byte_sum``)."""
     l6 = (Float32(LOG2_6), Float32(LOG2_6))
     twice_bytes = Int32(0)
     for w in cutlass.range_constexpr(4):
         word = Int32(_WORD_BIAS)
         for h in cutlass.range_constexpr(4):
             k = w * 8 + 2 * h
-            u = (s[k], s[k + 1])
-            if cutlass.const_expr(subtract_m):
-                u = _sub2(u, (m, m), packed)
+            u = _sub2((s[k], s[k + 1]), (m, m), packed)
             x = _add2(_sub2(u, (e_b, e_b), packed), l6, packed)
             y = _fma2(x, (Float32(a), Float32(a)), (Float32(b), Float32(b)), packed)
             # max(y, 0) in FP32 (a NaN y gives 0, as fast_code); min(., 7) on the bits after

@@ -64,13 +64,10 @@ class AttentionFwdSm100:
         self.pv_sf = E4M3 if cfg.pv_sf_vec == 16 else E8M0  # P/V block-scale type of a block-scaled PV
         self.pv_dtype = E4M3 if cfg.pv_fp8 else F4
         self.p_source = tcgen05.OperandSource.SMEM if cfg.p_smem else tcgen05.OperandSource.TMEM
-        # the softmax's copies of its tile loop, (masked, subtract m) each, in the order they run
-        # (softmax(): the unmasked tiles first on Direct-P; with the fast guard, a copy for the
-        # unguarded stage, whose m = 0 needs no subtraction, and one for a guarded stage)
-        masks = (False, True) if cfg.direct_p else (True,)
-        # (not with P in SMEM: its four copies spilled 20 bytes)
-        sub_m = (True, False) if cfg.guard and cfg.direct_p and cfg.p_policy == "fast" and not cfg.p_smem else (True,)
-        self.tile_loops = tuple((mk, sm) for mk in masks for sm in sub_m)
+        # the softmax's copies of its tile loop, masked or not, in the order they run (softmax():
+        # the unmasked tiles first on Direct-P). No extra copies for an unguarded stage's m = 0
+        # (ea85f78 had them: 64 fewer FADD2 per tile, twice the code, +85 % compile time)
+        self.tile_loops = (False, True) if cfg.direct_p else (True,)
 
     @cute.jit
     def __call__(
@@ -659,7 +656,7 @@ class AttentionFwdSm100:
         n_whole = cutlass.min(n_whole, n_kv)
         # (plain int arithmetic: the DSL's preprocessor rewrites `x if c else y` and `or`)
         for copy in cutlass.range_constexpr(len(self.tile_loops)):
-            masked, subtract_m = self.tile_loops[copy]  # Python bools: each copy traces its own variant
+            masked = self.tile_loops[copy]  # a Python bool: each copy traces its own variant
             lo = Int32(0)
             hi = n_whole
             if const_expr(masked):
@@ -667,13 +664,6 @@ class AttentionFwdSm100:
                 hi = n_kv
                 if const_expr(cfg.running_max):  # exp / two-level: the one loop takes every tile
                     lo = Int32(0)
-            if const_expr(len(self.tile_loops) == 4):
-                # the guarded stage runs the general copies, the unguarded one the m = 0 copies
-                # (guard_on is the stage's vote: uniform over its 128 threads)
-                if const_expr(subtract_m):
-                    hi = Int32(cutlass.select_(guard_on != Int32(0), hi, lo))
-                else:
-                    hi = Int32(cutlass.select_(guard_on != Int32(0), lo, hi))
             for i in cutlass.range(lo, hi):
                 hs = s_cons.wait_and_advance()
                 for c in cutlass.range_constexpr(cfg.tile_n // 32):
@@ -743,14 +733,6 @@ class AttentionFwdSm100:
                         l_run = l_run * fac
                         # tile 0's PV overwrites O_j (ACCUMULATE off): nothing there to scale
                         o_alpha = Float32(cutlass.select_(i == 0, Float32(1.0), fac))
-                        if const_expr(not subtract_m):
-                            # the m = 0 copy codes t itself: a warp in which a row has rebased
-                            # (m != 0) subtracts m in place first, which is bit for bit the
-                            # subtracting copy's first step (t - 0 = t in its other rows)
-                            if cute.arch.vote_any_sync(m_ref != Float32(0.0)):
-                                for c in cutlass.range_constexpr(0, cfg.tile_n, 2):
-                                    tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1] = cute.arch.sub_packed_f32x2(
-                                        (tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1]), (m_ref, m_ref))
                 # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
                 # the row of the scale bytes' addresses, read again here: carried from the
                 # prologue through both tile loops, ptxas spilled it (4 bytes) in the masked one
@@ -818,7 +800,7 @@ class AttentionFwdSm100:
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
                                 twice = dp.fast_block(tS_rc[b], m_ref, e_bf, p_words, b * 4, cfg.direct_p_a, cfg.direct_p_b,
-                                                      True, subtract_m)
+                                                      True)
                             else:
                                 # two codes per hardware conversion; the PRMT lookup yields both magnitudes
                                 # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block

@@ -220,7 +220,7 @@ def pv_reads_p_part2(ptx):
 def swap_sfp_coords(ptx):
     """(d) stage 0's P scale bytes stored at b//2 + 2*(b%2) instead of b%2 + 2*(b//2): blocks 1
     and 2 trade places (their shared-memory byte offsets), in every copy of the tile loop that
-    stores them (52c95a4 runs guarded and unguarded stages in separate copies)."""
+    stores them (unmasked and masked)."""
     ls = _lines(ptx)
     st = [i for i, s in enumerate(ls) if "st.shared.b8" in s]
     off = {i: int(re.search(r"\+(\d+)\]", ls[i]).group(1)) for i in st}
@@ -278,8 +278,8 @@ def test_a_missing_wait_st_shows_under_the_lazy_schedule():
 
 def drop_first_p_arrive(ptx):
     """(g) the softmax warps never announce P: the first mbarrier.arrive after each P store
-    is deleted, in every copy of the tile loop (52c95a4 runs guarded and unguarded stages in
-    separate copies, and an input runs only one of them)."""
+    is deleted, in every copy of the tile loop (unmasked and masked: an input may run only
+    one of them)."""
     ls = _lines(ptx)
     stores = [i for i, s in enumerate(ls) if "tcgen05.st.sync.aligned" in s]
     drop = {next(i for i in range(st, len(ls)) if "mbarrier.arrive" in ls[i]) for st in stores}
