@@ -197,3 +197,13 @@ def test_one_ffma_what_if_edits_only_fast_direct_p_counts():
     assert counts["opcodes"]["FADD2"] == 4 * pairs  # the input is not edited in place
     with pytest.raises(ValueError, match="what-if"):
         perf._apply_what_if(roles, "two_cta", info)
+
+
+def test_cli_rebase_rate_must_be_a_rate(capsys):
+    with pytest.raises(SystemExit) as e:
+        perf.main(["generated/fa4_fp4_d128_sm100a.py", "--rebase-rate", "1.5"])
+    assert e.value.code == 2 and "rebases per KV tile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        perf.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--rebase-rate" in out and "--no-what-if" in out
