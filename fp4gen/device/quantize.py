@@ -31,6 +31,10 @@ payload; a group holding +-Inf gets scale Inf, finite elements become +-0 (0x00 
 and the Infs NaN (0x7F); an all-zero group gets scale 1 and zero payload (-0.0 -> 0x80);
 bf16 subnormals are kept (scales may be fp32 subnormals).
 
+Inputs are read where they lie: any (batch, token, head) strides that are multiples of 16 bytes,
+rows contiguous (``strided_view``; the q, k, v views of a fused QKV projection), so a caller never
+copies them first; the outputs are compact. Other layouts are copied once (``_prep``).
+
 Kernels (all memory bound; one CTA of 256 threads per 128 tokens of one (batch, head)):
 
 1. ``_BlockQuant``: Q or K. Loads its 128 x D tile once into registers (16-byte loads),
@@ -125,24 +129,38 @@ def chunk_of_thread(tidx, d: int):
 
 
 def load_rows(bases, d: int, S, H, batch, head, first, rows_per_pass: int, iters: int, row, col,
-              absmax: bool = False):
+              absmax: bool = False, strides=None):
     """This thread's chunk of ``iters`` token rows (``first`` + it * ``rows_per_pass`` + ``row``)
     of one (batch, head) of (B, S, H, d) bf16 tensors at base addresses ``bases``: one
     (iters * 4,) Uint32 register tensor per base, zeros past S, every load issued before any
     use. ``absmax``: also returns max |x| over the first tensor's words as two 16-bit lanes
-    (``absmax_bf16x2``), folded in as the words arrive. A trace-time helper (it inlines)."""
+    (``absmax_bf16x2``), folded in as the words arrive. ``strides``: the (batch, token, head)
+    strides in elements of every tensor at ``bases`` (each a multiple of 8: 16-byte loads), for
+    views such as a fused QKV projection's; None: compact tensors. A trace-time helper (it inlines)."""
     vals = [cute.make_rmem_tensor((iters * 4,), Uint32) for _ in bases]
     m = Uint32(0)
+    if strides is not None:
+        sb, ss, sh = strides
+        head_off = (Int64(batch) * sb + Int64(head) * sh) * 2 + col * 16  # bytes to this (batch, head) chunk
     for it in range(iters):
         s = first + it * rows_per_pass + row
-        tok = (Int64(batch) * S + s) * H + head  # token row index in (B, S, H)
-        ws = [ld_v4_pred(b + tok * (d * 2) + col * 16, s < S) for b in bases]
+        if strides is None:
+            tok = (Int64(batch) * S + s) * H + head  # token row index in (B, S, H)
+            ws = [ld_v4_pred(b + tok * (d * 2) + col * 16, s < S) for b in bases]
+        else:
+            ws = [ld_v4_pred(b + head_off + Int64(s) * ss * 2, s < S) for b in bases]
         for j in range(4):
             for v, w in zip(vals, ws):
                 v[it * 4 + j] = w[j]
             if absmax:
                 m = absmax_bf16x2(m, ws[0][j])
     return (vals, m) if absmax else vals
+
+
+def input_strides(mX):
+    """The (batch, token, head) strides in elements of a (B, S, H, D) input tensor: the quantizer
+    reads its input where it lies (``strided_view``), only its outputs are compact."""
+    return mX.stride[0], mX.stride[1], mX.stride[2]
 
 
 @dsl_user_op
@@ -279,7 +297,10 @@ class _BlockQuant:
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, stream):
         # mX (B, S, H, D) bf16; mY (B, S, H, D) uint8 (e4m3 bits; unused if amax_only);
         # mS (B, H, nb): fp32 scales, or int32 amax bits if amax_only
-        self.kernel(mX, mY, mS, None).launch(grid=self._grid(mX, mS), block=[THREADS, 1, 1], stream=stream)
+        # min_blocks_per_mp=1: as with_transposed's (below); with strided loads the payload kernel
+        # spills 12 B at ptxas's unbounded choice of 64 registers (D 128), none with the bound (72)
+        self.kernel(mX, mY, mS, None).launch(grid=self._grid(mX, mS), block=[THREADS, 1, 1], stream=stream,
+                                             min_blocks_per_mp=1)
 
     @cute.jit
     def with_transposed(self, mX: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, mYt: cute.Tensor, stream):
@@ -307,7 +328,7 @@ class _BlockQuant:
         H = mX.shape[2]
         row, col = chunk_of_thread(tidx, self.d)
         (vals,), m = load_rows([mX.iterator.toint()], self.d, S, H, batch, head, blk * BLOCK, self.rpi, self.iters,
-                               row, col, absmax=True)
+                               row, col, absmax=True, strides=input_strides(mX))
         m = umax(m & Uint32(0xFFFF), m >> Uint32(16))
         amax = _block_max(m, red, tidx)
 
@@ -376,7 +397,7 @@ class _VTranspose:
         # issue the tile's loads first; the scale reduction runs while they are in flight
         row, col = chunk_of_thread(tidx, self.d)
         (vals,) = load_rows([mX.iterator.toint()], self.d, S, H, batch, head, tile * BLOCK, self.rpi, self.iters,
-                            row, col)
+                            row, col, strides=input_strides(mX))
 
         m = Uint32(0)
         for i in cutlass.range(tidx, nb, THREADS, unroll=1):
@@ -435,10 +456,13 @@ def _check_head_dim(d: int):
 
 def _fake_args(kind: str, d: int):
     from cutlass.cute.runtime import make_fake_compact_tensor as fake
+    from cutlass.cute.runtime import make_fake_tensor
 
     sym = cute.sym_int
     b, s, h, nb = sym(), sym(), sym(), sym()
-    x = fake(cutlass.BFloat16, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
+    # the input as it lies (``strided_view``): any (batch, token, head) strides of 16 bytes' multiples
+    x = make_fake_tensor(cutlass.BFloat16, (b, s, h, d), tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,),
+                         assumed_align=16)
     if kind in ("block",) + _BLOCK_T_KINDS:
         y = fake(cutlass.Uint8, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
         sc = fake(Float32, (b, h, nb), stride_order=(2, 1, 0), assumed_align=4)
@@ -526,7 +550,28 @@ def _launch(kind: str, d: int, *tensors):
     launch(lambda tvm_ffi: _compile(kind, d, tvm_ffi), *tensors)
 
 
-def _prep(x, what: str):
+def strided_view(x):
+    """``x`` (B, S, H, D) as the quantizer kernels can read it in place, or None if they cannot:
+    rows contiguous (stride 1 along D), a 16-byte aligned base and (batch, token, head) strides
+    that are multiples of 8 elements (16-byte loads). The q, k, v views of a fused QKV projection
+    qualify. Dims of size 1 get stride 0 (never used to form an address; the compiled kernel
+    checks every stride's divisibility). A view of ``x``, never a copy."""
+    if x.stride(3) != 1 or x.data_ptr() % 16:
+        return None
+    st = list(x.stride())
+    for i in range(3):
+        if x.shape[i] == 1:
+            st[i] = 0
+        elif st[i] % 8:
+            return None
+    return x if st == list(x.stride()) else x.as_strided(x.shape, st, x.storage_offset())
+
+
+def _prep(x, what: str, strided: bool = False):
+    """``x`` checked, as the kernels take it: compact (row-major, size-1 dims included) with a
+    16-byte aligned base; ``strided``: in place where ``strided_view`` allows (the Q/K/V kernels
+    read any 16-byte strides; ``bwd_prep``'s kernels, which call this too, read compact rows only).
+    Anything else is copied once."""
     import torch
 
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -538,8 +583,10 @@ def _prep(x, what: str):
     if x.numel() == 0:
         raise ValueError(f"fused FP8 quantizer: {what} must be non-empty; got shape {tuple(x.shape)}")
     B, S, H, D = x.shape
-    # the kernels take compact row-major tensors (exact strides, size-1 dims included) with a
-    # 16-byte aligned base (vector loads); anything else is copied once
+    if strided:
+        view = strided_view(x)
+        if view is not None:
+            return view
     if tuple(x.stride()) != (S * H * D, H * D, D, 1) or x.data_ptr() % 16:
         x = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device).copy_(x)
     return x
@@ -565,7 +612,7 @@ def quantize_blockwise(x, transposed: str | None = None):
     if transposed is not None and transposed not in TRANSPOSED_TILES:
         raise ValueError(f"quantize_blockwise: transposed must be None or one of {sorted(TRANSPOSED_TILES)}; "
                          f"got {transposed!r}")
-    x = _prep(x, "x")
+    x = _prep(x, "x", strided=True)
     B, S, H, D = x.shape
     nb = (S + BLOCK - 1) // BLOCK
     y = torch.empty((B, S, H, D), dtype=torch.uint8, device=x.device)
@@ -584,7 +631,7 @@ def quantize_v_operand(v, natural: bool = False):
     (B, S, Hkv, D) layout, for the FP8 backward."""
     import torch
 
-    v = _prep(v, "v")
+    v = _prep(v, "v", strided=True)
     B, S, H, D = v.shape
     nb = (S + BLOCK - 1) // BLOCK
     skp = (S + 31) // 32 * 32

@@ -338,6 +338,35 @@ def test_non_contiguous_and_offset_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["fused", "interleaved", "batch1"])
+@pytest.mark.parametrize("S, H, Hkv, D", [(1000, 6, 6, 128), (300, 8, 2, 128), (77, 4, 1, 64)])
+def test_strided_inputs_read_in_place_bit_exact(layout, S, H, Hkv, D):
+    """Views of a fused QKV projection (token stride (H + 2 Hkv) D), of a per-head interleaved one
+    (head stride 3 D) and of a one-sequence batch (size-1 dims) are read where they lie
+    (``strided_view``: no copy) and give every output of ``quantize_inputs`` bit for bit as their
+    compact copies do, the backward's V payload and transposed Q/K copies included."""
+    g = torch.Generator(device="cuda").manual_seed(S + H + D)
+    B = 1 if layout == "batch1" else 2
+    if layout == "interleaved":
+        if H != Hkv:
+            pytest.skip("one (B, S, H, 3, D) projection holds H = Hkv heads")
+        x = _rand((B, S, H, 3, D), g, 5.0)
+        q, k, v = x.unbind(3)
+    else:
+        x = _rand((B, S, (H + 2 * Hkv) * D), g, 5.0)
+        q, k, v = (t.view(B, S, -1, D) for t in x.split([H * D, Hkv * D, Hkv * D], -1))
+    assert not q.is_contiguous()
+    for t in (q, k, v):
+        assert dq._prep(t, "x", strided=True).data_ptr() == t.data_ptr()  # in place, not a copy
+    got = dq.quantize_inputs(q, k, v, for_backward=True, transposed_qk=True)
+    ref = dq.quantize_inputs(q.contiguous(), k.contiguous(), v.contiguous(), for_backward=True, transposed_qk=True)
+    names = ("q8", "k8", "vt8", "scale_q", "scale_k", "scale_v", "v8", "qt8", "kt8")
+    for n, a, b in zip(names, got, ref):
+        assert (_same_scale(a, b) if n.startswith("scale") else torch.equal(_bytes(a), _bytes(b))), n
+    assert _compare(_mod(D), q, k, v) == []  # and the oracle's bits
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
 def test_fuzz_shapes(seed):
     g = torch.Generator().manual_seed(seed)
