@@ -16,7 +16,7 @@ TEMPLATE = "fwd.py.j2"
 
 
 def context(plan) -> dict:
-    from fp4gen.ir.spec import Format, Layout, PKind, ScaleGranularity, Target
+    from fp4gen.ir.spec import Format, PKind, ScaleGranularity, Target
 
     spec = plan.spec
     sm = plan.sm90
@@ -63,10 +63,6 @@ def context(plan) -> dict:
             next(n for n, f in (("Q", fq), ("K", fk), ("V", fv)) if f is not fq) if len({fq, fk, fv}) > 1 else "Q")
     if spec.o.format is not Format.BF16:
         raise LoweringError(f"sm90 writes O as bf16, not {spec.o.format.value}", "O")
-    if in_fp8 and spec.layout is Layout.VARLEN:
-        # per-sequence 128-token scale blocks and V^T padded per sequence: not built yet
-        raise LoweringError("layout varlen: the sm90a forward implements it for BF16 Q/K/V only "
-                            "(write Q, K, V, P : bf16, or target reference for FP8 varlen)", "layout")
     if sm.tile_m != 64 * sm.consumer_warpgroups:
         raise LoweringError(f"tile_m {sm.tile_m} must be 64 x consumer_warpgroups ({sm.consumer_warpgroups})")
     if sm.tile_m != 128:

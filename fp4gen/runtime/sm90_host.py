@@ -80,7 +80,15 @@ class ForwardHost:
             tq, tk, nb1 = sym(), sym(), sym()
             q = fake(dtype, (tq, h, d), stride_order=(2, 1, 0), assumed_align=16)
             k = fake(dtype, (tk, hkv, d), stride_order=(2, 1, 0), assumed_align=16)
-            v = fake(dtype, (tk, hkv, d), stride_order=(2, 1, 0), assumed_align=16)
+            if cfg.in_fp8:
+                # quantize_inputs_varlen's operands: V^T (Hkv, D, Tkp), per-token Q/K scales,
+                # one V scale per (sequence, kv head)
+                v = fake(dtype, (hkv, d, sym(divisibility=32)), stride_order=(2, 1, 0), assumed_align=16)
+                scales = (fake(Float32, (sym(), h), stride_order=(1, 0), assumed_align=4),
+                          fake(Float32, (sym(), hkv), stride_order=(1, 0), assumed_align=4),
+                          fake(Float32, (sym(), hkv), stride_order=(1, 0), assumed_align=4))
+            else:
+                v = fake(dtype, (tk, hkv, d), stride_order=(2, 1, 0), assumed_align=16)
             ins = (q, k, v)
             o = fake(cutlass.BFloat16, (tq, h, d), stride_order=(2, 1, 0), assumed_align=16)
             lse = fake(Float32, (h, tq), stride_order=(1, 0), assumed_align=4)
@@ -112,8 +120,8 @@ class ForwardHost:
             raise ValueError(f"{cfg.kernel_name} is a Hopper kernel: arch must be {ARCH!r}, got {arch!r}")
         self.compile(arch, tvm_ffi=False)
         names = [cfg.kernel_name]
-        if cfg.in_fp8 and cfg.head_dim in self.quantizer.SUPPORTED_HEAD_DIMS:
-            # the fused input quantizer; other head dims (96, 192) quantize on the torch path
+        if cfg.in_fp8 and not cfg.varlen and cfg.head_dim in self.quantizer.SUPPORTED_HEAD_DIMS:
+            # the fused input quantizer; other head dims (96, 192) and varlen quantize on the torch path
             names += self.quantizer.compile_only(arch, cfg.head_dim)
         return names
 
@@ -293,6 +301,79 @@ class ForwardHost:
             out += (dq.transposed_operand(q8, "q"), dq.transposed_operand(k8, "k"))
         return out
 
+    def quantize_inputs_varlen(self, q, k, v, cu_q, cu_k, fast: bool = True):
+        """Packed bf16 q (total_q, H, D), k, v (total_k, Hkv, D) and int32 offsets -> the FP8
+        varlen kernel's operands (q8, k8, vt8, scale_q, scale_k, scale_v), on the torch path
+        (a fused varlen quantizer in fp4gen.device.quantize is later work).
+
+        Scale layout (docs/runtime.md, "FP8 varlen"): blocks of ``quant_block`` tokens restart
+        at every sequence start, so no block straddles two sequences and each sequence gets the
+        scales it would get alone (the reference's per-sequence quantization, bit-equal).
+        scale_q (total_q, H) and scale_k (total_k, Hkv) hold each token's block scale; the
+        kernel reads the one of a tile's first token, cu_seqlens[b] + tile * 128 (a tile is a
+        block). scale_v (B, Hkv): one per (sequence, kv head). vt8: ``v_operand_varlen``.
+        ``fast``: torch's own RNE float8 cast (bit-equal to the oracle's ``encode``, tested);
+        otherwise ``numerics.quant.quantize_fp8_varlen`` itself. No host read of the offsets."""
+        import torch
+
+        from fp4gen.numerics import quant
+        from fp4gen.numerics.formats import E4M3
+
+        blk = self.config.quant_block
+        if not fast:
+            tq, tk = quant.quantize_fp8_varlen(q, cu_q, "block", blk), quant.quantize_fp8_varlen(k, cu_k, "block", blk)
+            tv = quant.quantize_fp8_varlen(v, cu_k, "tensor")
+            return (tq.payload.contiguous(), tk.payload.contiguous(), self.v_operand_varlen(tv.payload, cu_k),
+                    tq.scale.contiguous(), tk.scale.contiguous(), tv.scale.contiguous())
+        fmax = E4M3.max_value
+
+        def cast(x, s):  # s (total, Hx): each token's scale
+            return (x.float() / s[..., None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn).contiguous()
+
+        recip = torch.tensor(1.0 / fmax, dtype=torch.float32, device=q.device)  # as quant._fp8_scale
+
+        def scale_of(amax):
+            s = amax * recip
+            return torch.where(s == 0, torch.ones_like(s), s)
+
+        out = []
+        for x, cu in ((q, cu_q), (k, cu_k)):
+            ids, n = quant.varlen_block_ids(cu, x.shape[0], blk)
+            s = scale_of(quant._group_amax(x.float(), ids, n))[ids].contiguous()  # (total, Hx)
+            out.append((cast(x, s), s))
+        seq, _ = quant.varlen_token_positions(cu_k, v.shape[0])
+        sv = scale_of(quant._group_amax(v.float(), seq, max(cu_k.numel() - 1, 1))).contiguous()  # (B, Hkv)
+        v8 = cast(v, sv[seq])
+        return (out[0][0], out[1][0], self.v_operand_varlen(v8, cu_k), out[0][1], out[1][1], sv)
+
+    def v_operand_varlen(self, v8, cu_k):
+        """Packed (total_k, Hkv, D) e4m3 -> V^T (Hkv, D, Tkp), keys contiguous: sequence b's
+        keys start at column cu_k[b] + VARLEN_V_GAP * b (config.py), permuted inside each
+        32-key block counted from that start (``FP8_P_KEY_PERM``, as ``v_operand`` per
+        sequence), the gap zero. The gap of 32 columns per sequence leaves room for the
+        sequence's last partial block, so no two sequences share a 32-key block and the
+        kernel finds the start without another offsets tensor; Tkp = total_k + 32 B rounded
+        up to 32 (TMA's 16-byte strides). No host read of the offsets."""
+        import torch
+
+        from fp4gen.device.sm90.config import VARLEN_V_GAP
+
+        total, H, D = v8.shape
+        cu = cu_k.to(torch.int64)
+        nseq = cu.numel() - 1
+        tkp = (total + VARLEN_V_GAP * nseq + 31) // 32 * 32
+        dev = v8.device
+        start = cu + VARLEN_V_GAP * torch.arange(nseq + 1, device=dev)  # each sequence's first column
+        col = torch.arange(tkp, device=dev)
+        b = torch.searchsorted(start[1:].contiguous(), col, right=True).clamp_(max=max(nseq - 1, 0))
+        j = col - start[b]
+        perm = torch.tensor(self.quantizer.FP8_P_KEY_PERM, device=dev)
+        src = cu[b] + j // 32 * 32 + perm[j % 32]
+        valid = (j >= 0) & (src < cu[b + 1])
+        gathered = v8.view(torch.uint8)[src.clamp(0, max(total - 1, 0))]  # (Tkp, Hkv, D)
+        gathered = torch.where(valid[:, None, None], gathered, torch.zeros_like(gathered))
+        return gathered.permute(1, 2, 0).contiguous().view(torch.float8_e4m3fn)
+
     def bench_inputs(self, q, k, v):
         """For bench/attention.py: time the kernel alone, with the quantization done beforehand."""
         return (q, k, v), {"prepared": self.quantize_inputs(q, k, v)}
@@ -354,7 +435,8 @@ class ForwardHost:
             o.copy_(torch.where(ok, 0.0, float("nan")).expand(o.shape))
             lse = torch.where(ok, float("-inf"), float("nan")).to(torch.float32).expand(H, total_q).contiguous()
         if total_q and k.shape[0]:  # no TMA descriptor of an empty tensor: no keys, no launch
-            self.run_prepared((q, k, v), o, lse, 0, scale, 0, sinks=sinks, cu_seqlens=(cu_q, cu_k),
+            ins = self.quantize_inputs_varlen(q, k, v, cu_q, cu_k) if cfg.in_fp8 else (q, k, v)
+            self.run_prepared(ins, o, lse, 0, scale, 0, sinks=sinks, cu_seqlens=(cu_q, cu_k),
                               max_seqlen_q=rows_q)
         elif sinks is not None:
             lse.copy_(sinks[:, None].expand(H, total_q))  # a row that sees no key: O = 0, LSE = the sink

@@ -241,7 +241,7 @@ def _check_shape(spec: KernelSpec) -> None:
 
 
 # the extensions each target's forward implements (the reference implements all of them).
-# sm90a varlen: BF16 only (lowering/sm90.py)
+# sm90a varlen: BF16 and the FP8 recipes, forward only (per-sequence FP8 scales: docs/runtime.md)
 FORWARD_EXTENSIONS = {Target.SM90A: ("mask", "softcap", "sinks", "layout"), Target.SM100A: ()}
 # the extensions each target's backward implements: sm90a window(l, r) and softcap (dS through
 # 1 - tanh^2), every backward recipe (device/sm90/backward.py)

@@ -1,6 +1,6 @@
 """sm90a forward with ``sinks learned`` and ``layout varlen`` without a GPU: the config the
-lowering derives, what it refuses (FP8 varlen, at the spec's layout line, in ``fp4gen check``
-as in ``compile``), the rendered entry points, the host's argument checks on the packed layout
+lowering derives (BF16 and FP8 varlen), what it refuses (varlen with a backward block, at the
+spec's layout line, in ``fp4gen check`` as in ``compile``), the rendered entry points, the host's argument checks on the packed layout
 and the sinks, and where ``fp4gen.attention_varlen`` / ``attention`` would run on an sm90a GPU.
 The kernels themselves: test_varlen_sinks_gpu.py (H200) and the CPU compile below."""
 from __future__ import annotations
@@ -36,40 +36,50 @@ def test_config_fields_follow_the_spec():
     assert (c.varlen, c.sinks, c.extended) == (False, False, False)
 
 
-def test_fp8_varlen_is_refused_at_the_layout_line(tmp_path):
-    from fp4gen.cli.main import main
-    from fp4gen.lowering import LoweringError
-
-    with pytest.raises(LoweringError) as exc:
-        _config(variant="fp8_exp", varlen=True)
-    assert exc.value.path == "layout" and "BF16" in str(exc.value)
-    text = (ROOT / "examples" / "sm90_fp8_exp_d128.attn").read_text().replace(
-        "mask     none", "mask     none\n  layout   varlen", 1)
-    spec = tmp_path / "fp8_varlen.attn"
-    spec.write_text(text)
-    assert main(["check", str(spec)]) == 1
-    assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 1
+def test_fp8_varlen_config_follows_the_spec():
+    """The FP8 recipes take the varlen layout (per-sequence scales, docs/runtime.md)."""
+    for variant in ("fp8_exp", "fp8_directp"):
+        c = _config(variant=variant, causal=True, varlen=True)
+        assert (c.in_fp8, c.varlen, c.extended, c.quant_block) == (True, True, True, 128)
 
 
-def test_check_reports_the_layout_line(tmp_path, capsys):
+def test_check_and_compile_accept_the_fp8_varlen_example(tmp_path):
     from fp4gen.cli.main import main
 
+    example = ROOT / "examples" / "sm90_fp8_varlen_d128.attn"
+    assert main(["check", str(example)]) == 0
+    assert main(["compile", str(example), "--kernel", "sm90_fp8_exp_varlen_causal_d128", "-o", str(tmp_path)]) == 0
+
+
+def _fp8_varlen_with_backward(tmp_path):
+    """The FP8 exp example with layout varlen and a backward block: the sm90a backward has no
+    varlen (ir/passes/legalize.py BACKWARD_EXTENSIONS), so check and compile refuse it."""
     text = (ROOT / "examples" / "sm90_fp8_exp_d128.attn").read_text().replace(
-        "mask     none", "mask     none\n  layout   varlen", 1)
-    spec = tmp_path / "fp8_varlen.attn"
+        "mask     none", "mask     none\n  layout   varlen", 1).replace(
+        "    tile 128 x 128\n  }\n}", "    tile 128 x 128\n  }\n  backward {\n    reuse q k lse\n  }\n}", 1)
+    spec = tmp_path / "fp8_varlen_bwd.attn"
     spec.write_text(text)
-    line = text.splitlines().index("  layout   varlen") + 1
+    return spec, text.splitlines().index("  layout   varlen") + 1
+
+
+def test_check_and_compile_refuse_fp8_varlen_backward_at_the_layout_line(tmp_path, capsys):
+    from fp4gen.cli.main import main
+
+    spec, line = _fp8_varlen_with_backward(tmp_path)
+    capsys.readouterr()
     assert main(["check", str(spec)]) == 1
     err = capsys.readouterr().err
-    assert f"{spec}:{line}:" in err and "varlen" in err
+    assert f"{spec}:{line}:" in err and "varlen" in err and "backward" in err, err
+    assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{spec}:{line}:" in err, err
 
 
-def test_config_refuses_fp8_varlen_directly():
+def test_config_takes_fp8_varlen_directly():
     import dataclasses
 
-    c = _config(variant="fp8_exp")
-    with pytest.raises(ValueError, match="varlen layout is implemented for BF16"):
-        dataclasses.replace(c, varlen=True)
+    c = dataclasses.replace(_config(variant="fp8_exp"), varlen=True)
+    assert c.extended and c.in_fp8
 
 
 @pytest.mark.parametrize("path, names, funcs", [
@@ -222,13 +232,14 @@ def test_the_sinks_example_runs_its_generated_kernel(monkeypatch):
     assert mod is not None and mod.CONFIG.sinks
 
 
-def test_fp8_varlen_raises_no_kernel_with_the_reason(monkeypatch):
+def test_the_fp8_varlen_example_runs_its_generated_kernel(monkeypatch):
     import fp4gen
-    from fp4gen import torch_ops
 
-    (s,) = [s for s in fp4gen.parse_file(ROOT / "examples" / "sm90_fp8_exp_d128.attn") if s.name == "sm90_fp8_exp_d128"]
-    with pytest.raises(torch_ops.NoKernelError, match=r"no sm90a kernel implements it: layout varlen.*BF16"):
-        _choose(s, monkeypatch, layout="varlen")
+    example = ROOT / "examples" / "sm90_fp8_varlen_d128.attn"
+    (s,) = [s for s in fp4gen.parse_file(example) if s.name == "sm90_fp8_directp_varlen_causal_d128"]
+    mod, _ = _choose(s, monkeypatch, layout="varlen")
+    assert mod is not None and mod.KERNEL_NAME == "sm90_fp8_directp_varlen_causal_d128"
+    assert mod.CONFIG.in_fp8 and mod.CONFIG.varlen and callable(mod.forward_varlen)
 
 
 def test_the_varlen_kernel_compiles_on_the_cpu(varlen_mod):

@@ -9,6 +9,9 @@ from typing import Optional
 
 P_MODES = ("bf16", "fp8_exp", "fp8_directp")
 WARPGROUP_THREADS = 128
+# FP8 varlen: sequence b's keys start at column cu_seqlens_k[b] + VARLEN_V_GAP * b of the packed
+# V^T (ForwardHost.v_operand_varlen): room for its last partial 32-key permutation block
+VARLEN_V_GAP = 32
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class ForwardConfig:
     softcap: float = 0.0  # c > 0: scaled scores become c * tanh(s / c); 0: none
     # sinks learned: a per-head sink logit (H,) fp32 joins each row's denominator and the LSE
     sinks: bool = False
-    # layout varlen: packed (total, H, D) Q/K/V/O with cu_seqlens_q/k (B + 1,) int32, LSE (H, total_q)
+    # layout varlen: packed (total, H, D) Q/K/V/O with cu_seqlens_q/k (B + 1,) int32, LSE (H, total_q);
+    # FP8: per-sequence scales, per-token (total, Hx) Q/K, (B, Hkv) V, V^T with VARLEN_V_GAP
     varlen: bool = False
 
     def __post_init__(self):
@@ -62,9 +66,6 @@ class ForwardConfig:
                                  "causal (-1, 0) nor combined with causal, and each side >= -1")
         if self.softcap < 0:
             raise ValueError(f"{self.kernel_name}: softcap must be > 0 (or 0: none), got {self.softcap}")
-        if self.varlen and self.in_fp8:
-            # FP8 varlen needs per-sequence 128-token scale blocks and V^T padded per sequence
-            raise ValueError(f"{self.kernel_name}: the varlen layout is implemented for BF16 inputs only")
 
     @property
     def extended(self) -> bool:

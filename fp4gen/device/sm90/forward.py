@@ -8,6 +8,11 @@ outside ``@cute.jit`` code), so each config traces to the code its own rendered 
 
 - ``in_fp8``: Q, K, V in FP8 E4M3 with fp32 scales (Q, K one per ``quant_block`` tokens,
   V one per (batch, kv head)), V^T as the K-major PV operand; else BF16.
+- ``varlen``: packed sequences, one CTA per (query tile, head, sequence) reading the
+  sequence's bounds from cu_seqlens_q/k. With FP8 the scales are per sequence
+  (docs/runtime.md, "FP8 varlen"): Q/K blocks restart at each sequence start and each token
+  carries its block's scale ((total, H), read at a tile's first token), V one per (sequence,
+  kv head), and sequence b's V^T columns start at cu_seqlens_k[b] + VARLEN_V_GAP * b.
 - ``p_mode``: P as bf16 (``"bf16"``), e4m3(2^8 exp2(x - m)) (``"fp8_exp"``) or by FP8
   Direct-P codes (``"fp8_directp"``, fp4gen.device.directp).
 - ``l_from_mma``: Direct-P's normaliser l = sum of decoded P codes as P @ ones on the
@@ -49,7 +54,7 @@ from .. import layout as dlayout
 from .. import mask as dmask
 from .. import ptx
 from .. import softmax as dsoftmax
-from .config import ForwardConfig
+from .config import VARLEN_V_GAP, ForwardConfig
 
 BAR_SCHED = 1  # named barriers: 0 is __syncthreads; BAR_SCHED + i gates consumer warpgroup i's MMA issue
 
@@ -81,6 +86,7 @@ class TileLoop(NamedTuple):
     seqlen_k: object
     causal_offset: object
     wg: object  # the consumer warpgroup
+    k0: object = None  # varlen: the sequence's first key token (FP8: indexes the K scales)
 
 
 class ForwardKernel:
@@ -127,7 +133,8 @@ class ForwardKernel:
     def launch(self, mQ, mK, mV, mSQ, mSK, mSV, mO, mLSE, seqlen_k, softmax_scale_log2, causal_offset, stream,
                mSinks=None, mCuSeqlensQ=None, mCuSeqlensK=None, max_seqlen_q=None):
         """Kernel views, MMAs, SMEM layouts and TMA atoms; then the grid. ``mSQ``, ``mSK``,
-        ``mSV``: FP8 scales (B, H, ceil(Sq/blk)), (B, Hkv, ceil(Sk/blk)), (B, Hkv), or None.
+        ``mSV``: FP8 scales (B, H, ceil(Sq/blk)), (B, Hkv, ceil(Sk/blk)), (B, Hkv), or None;
+        FP8 varlen (total_q, H), (total_k, Hkv), (B, Hkv) (``ForwardHost.quantize_inputs_varlen``).
         ``mSinks`` (H,) fp32 with ``config.sinks``; varlen: the packed operands, the
         ``cu_seqlens`` and ``max_seqlen_q`` (``ExtForwardKernel``), else None."""
         cfg = self.config
@@ -137,7 +144,12 @@ class ForwardKernel:
             mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
             mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
-            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
+            if const_expr(cfg.in_fp8):
+                # packed V^T (Hkv, D, Tkp) as (d, key, head), keys contiguous (K-major); sequence
+                # b from column cu_seqlens_k[b] + VARLEN_V_GAP * b (ForwardHost.v_operand_varlen)
+                mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))
+            else:
+                mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
         else:
             # kernel views: (seq, d, head, batch) with d contiguous
@@ -267,12 +279,15 @@ class ForwardKernel:
         bidx, head, batch = cute.arch.block_idx()
         q0 = None  # varlen: the sequence's first query and key token in the packed tensors
         k0 = None
+        v0 = None  # FP8 varlen: the sequence's first column of V^T (BF16: k0)
         if const_expr(cfg.varlen):
             # batch is the sequence; its bounds replace the shapes and the scalars
             q0 = mCuSeqlensQ[batch]
             k0 = mCuSeqlensK[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - q0
             seqlen_k = mCuSeqlensK[batch + 1] - k0
+            if const_expr(cfg.in_fp8):
+                v0 = k0 + VARLEN_V_GAP * batch
             causal_offset = seqlen_k - seqlen_q  # bottom-right alignment per sequence
             n_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
             m_block = bidx
@@ -307,7 +322,8 @@ class ForwardKernel:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min, q0, k0)
+                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min, q0, k0,
+                              v0)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
@@ -330,7 +346,7 @@ class ForwardKernel:
                 (tiled_mma_qk, tiled_mma_qk_acc), tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                 mSQ, mSK, mSV,
                 mO, mLSE, m_block, head, head_kv, batch, n_tiles, n_block_min, seqlen_q, seqlen_k,
-                softmax_scale_log2, causal_offset, tidx - 128, l_parts, mSinks, q0)
+                softmax_scale_log2, causal_offset, tidx - 128, l_parts, mSinks, q0, k0)
 
     @cute.jit
     def window_tiles(self, m_block, seqlen_q, seqlen_k, causal_offset):
@@ -366,12 +382,15 @@ class ForwardKernel:
     # ------------------------------------------------------------------ producer
     @cute.jit
     def producer(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min, q0=None, k0=None):
+                 pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_tiles, n_block_min, q0=None, k0=None,
+                 v0=None):
         """One warp: Q once, then ``n_tiles`` K/V tiles in ascending key order from
-        ``n_block_min`` (None: from 0). ``q0``, ``k0``: varlen's sequence start, else None."""
+        ``n_block_min`` (None: from 0). ``q0``, ``k0``: varlen's sequence start, else None;
+        ``v0``: FP8 varlen's first V^T column of the sequence (None: ``k0``)."""
         gQ = cute.local_tile(self.seq_view(mQ, head, batch, q0), (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(self.seq_view(mK, head_kv, batch, k0), (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(self.seq_view(mV, head_kv, batch, k0, 1), (self.hdim, self.tile_n), (0, None))
+        gV = cute.local_tile(self.seq_view(mV, head_kv, batch, k0 if v0 is None else v0, 1),
+                             (self.hdim, self.tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(
@@ -422,9 +441,9 @@ class ForwardKernel:
     def consumer(self, mma_qk, tiled_mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                  mSQ, mSK, mSV,
                  mO, mLSE, m_block, head, head_kv, batch, n_tiles, n_block_min, seqlen_q, seqlen_k,
-                 softmax_scale_log2, causal_offset, tidx, l_parts, mSinks=None, q0=None):
+                 softmax_scale_log2, causal_offset, tidx, l_parts, mSinks=None, q0=None, k0=None):
         """``n_tiles`` key tiles from ``n_block_min`` (None: from 0, no window). ``mSinks``:
-        the sink logits (sinks), ``q0``: varlen's first query token, else None."""
+        the sink logits (sinks), ``q0``, ``k0``: varlen's first query and key token, else None."""
         cfg = self.config
         tiled_mma_qk = mma_qk[0]
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -463,7 +482,14 @@ class ForwardKernel:
             acc_L.fill(0.0)
             pv_l = (tiled_mma_l, acc_L, tLrOnes)
 
-        if const_expr(cfg.in_fp8):
+        if const_expr(cfg.in_fp8 and cfg.varlen):
+            # per-token scales (total_q, H), blocks restarting at each sequence start: query tile
+            # m_block is the sequence's block m_block, whose scale its first token holds. A tile
+            # past the sequence's end (it stores nothing) reads a token in range instead.
+            tok = cutlass.min(q0 + m_block * self.tile_m, mSQ.shape[0] - 1)
+            q_mult = mSQ[tok, head] * softmax_scale_log2
+            out_mult = mSV[batch, head_kv]  # one V scale per (sequence, kv head)
+        elif const_expr(cfg.in_fp8):
             # x = s * (scale_q * scale_k * softmax_scale * log2 e)
             q_mult = mSQ[batch, head, m_block] * softmax_scale_log2
             out_mult = mSV[batch, head_kv]  # O = O_acc * scale_v / l (l at P's 2^8 scale)
@@ -473,7 +499,8 @@ class ForwardKernel:
         row0 = m_block * self.tile_m
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         t = TileLoop(mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tOrP, acc_O, pv_l, s_shape, tScS, pipe_k, pipe_v,
-                     row_max, row_sum, row_scale, q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, wg)
+                     row_max, row_sum, row_scale, q_mult, mSK, batch, head_kv, row0, seqlen_k, causal_offset, wg,
+                     k0)
 
         if const_expr(cfg.pingpong):
             # warpgroup 0 goes first
@@ -492,10 +519,10 @@ class ForwardKernel:
             pipe_k.consumer_release(kv_state)
             if const_expr(cfg.softcap > 0):
                 c = self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset,
-                                self.tile_mult(q_mult, mSK, batch, head_kv, n_block), True)
+                                self.tile_mult(q_mult, mSK, batch, head_kv, n_block, k0), True)
             else:  # the mask before the scale load, as this tile always had it
                 self.scores(acc_S, tScS, row0, n_block, seqlen_k, causal_offset, None, True)
-                c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block)
+                c = self.tile_mult(q_mult, mSK, batch, head_kv, n_block, k0)
             dsoftmax.tile(acc_S, row_max, row_sum, row_scale, c, True, cfg.softmax_mode)
             self.store_p(acc_S, tOrP)
             if const_expr(not cfg.intra_wg_overlap):
@@ -582,9 +609,13 @@ class ForwardKernel:
         dsoftmax.rescale_o(acc_O, row_scale)
 
     @cute.jit
-    def tile_mult(self, q_mult, mSK, batch, head_kv, n_block):
-        """The softmax multiplier c of key tile ``n_block``."""
-        if const_expr(self.config.in_fp8):
+    def tile_mult(self, q_mult, mSK, batch, head_kv, n_block, k0=None):
+        """The softmax multiplier c of key tile ``n_block`` (``k0``: varlen's first key token)."""
+        if const_expr(self.config.in_fp8 and self.config.varlen):
+            # per-token K scales (total_k, Hkv), blocks restarting at the sequence start: key
+            # tile n_block is block n_block, read at its first token (inside the sequence)
+            return q_mult * mSK[k0 + n_block * self.tile_n, head_kv]
+        elif const_expr(self.config.in_fp8):
             # quant_block-token K scale blocks coincide with key tiles (ForwardConfig checks)
             return q_mult * mSK[batch, head_kv, n_block]
         else:
@@ -661,7 +692,7 @@ class ForwardKernel:
         cfg = self.config
         v_state = kv_state.clone()
         kv_state.advance()
-        c = self.tile_mult(t.q_mult, t.mSK, t.batch, t.head_kv, n_block)
+        c = self.tile_mult(t.q_mult, t.mSK, t.batch, t.head_kv, n_block, t.k0)
         acc_S = cute.make_rmem_tensor(t.s_shape, Float32)
         t.pipe_k.consumer_wait(kv_state)
         if const_expr(cfg.pingpong):
@@ -685,7 +716,7 @@ class ForwardKernel:
     def step_plain(self, t, kv_state, n_block, masked: cutlass.Constexpr[bool]):
         """QK^T, softmax, then PV of the same tile."""
         cfg = self.config
-        c = self.tile_mult(t.q_mult, t.mSK, t.batch, t.head_kv, n_block)
+        c = self.tile_mult(t.q_mult, t.mSK, t.batch, t.head_kv, n_block, t.k0)
         acc_S = cute.make_rmem_tensor(t.s_shape, Float32)
         t.pipe_k.consumer_wait(kv_state)
         self.gemm(t.mma_qk, acc_S, t.tSrQ, t.tSrK, kv_state.index)
@@ -756,8 +787,8 @@ class ExtForwardKernel(ForwardKernel):
         self,
         mQ: cute.Tensor,  # (B, Sq, H, D); varlen (total_q, H, D)
         mK: cute.Tensor,  # (B, Sk, Hkv, D); varlen (total_k, Hkv, D)
-        mV: cute.Tensor,  # as K (BF16), or FP8 V^T as Fp8ForwardKernel's
-        mSQ: Optional[cute.Tensor],  # FP8 scales as Fp8ForwardKernel's, else None
+        mV: cute.Tensor,  # as K (BF16), or FP8 V^T as Fp8ForwardKernel's; FP8 varlen (Hkv, D, Tkp)
+        mSQ: Optional[cute.Tensor],  # FP8 scales as Fp8ForwardKernel's (varlen: launch's), else None
         mSK: Optional[cute.Tensor],
         mSV: Optional[cute.Tensor],
         mO: cute.Tensor,  # like q, bf16
