@@ -115,3 +115,21 @@ def test_fp8_varlen_no_keys_anywhere_gives_empty_rows():
     q, k, v, cu_q, cu_k, mq, mk = _packed([(3, 0), (0, 0), (7, 0)], 2, 1, 1.0, seed=5)
     o, lse = mod.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True)
     assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+def test_fp8_varlen_window_softcap_sinks_match_reference(tmp_path):
+    """The extensions the varlen kernel shares with the dense one, together, on FP8 Direct-P:
+    window(127, 0) at the sequence edges, softcap 30 on logits of std 8, learned sinks. Its
+    module is rendered here (no example), so the first call compiles it (~30-40 s)."""
+    from fp4gen.numerics import reference
+
+    from plans import load_module, make_plan
+
+    plan = make_plan("fp8_directp", 128, window=(127, 0), softcap=30.0, sinks=True, varlen=True)
+    mod = load_module(plan, str(tmp_path))
+    q, k, v, cu_q, cu_k, mq, mk = _packed(BATCHES["uneven"], 4, 2, 8.0, seed=7)
+    sinks = torch.linspace(-4.0, 12.0, 4, device="cuda")
+    o, lse = mod.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True, sinks=sinks)
+    o_ref, lse_ref = reference.forward_varlen(q, k, v, cu_q, cu_k, plan.spec, sinks=sinks)
+    _check(o[None], lse[None], o_ref[None], lse_ref[None], "fp8_directp", softcap=30.0,
+           what="fp8_directp varlen window(127, 0) softcap 30 sinks")
