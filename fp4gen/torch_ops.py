@@ -533,6 +533,9 @@ class _Plan:
     mod: Optional[ModuleType]
     keeps_state: bool
     state_opts: dict
+    # the module's forward / backward take q, k, v as they lie (``_forward_operands``, ``_bwd_run``)
+    strided_fwd: bool = False
+    strided_bwd: bool = False
 
 
 def _plan(entry: _Entry, device: torch.device, backend: str, need_backward: bool, has_sinks: bool,
@@ -547,7 +550,8 @@ def _plan(entry: _Entry, device: torch.device, backend: str, need_backward: bool
         mod, _ = _choose(entry, device, backend, need_backward=need_backward, strict=True)
         mod = _module_for_extras(mod, True if has_sinks else None, True if varlen else None,
                                  backward=need_backward)
-        plan = _Plan(mod, _keeps_forward_state(mod), forward_state_options(mod) if mod is not None else {})
+        plan = _Plan(mod, _keeps_forward_state(mod), forward_state_options(mod) if mod is not None else {},
+                     _forward_takes_strides(mod), _backward_takes_strides(mod))
         entry.found[ck] = plan
     return plan
 
@@ -555,6 +559,63 @@ def _plan(entry: _Entry, device: torch.device, backend: str, need_backward: bool
 # ---------------------------------------------------------------------------
 # The custom ops
 # ---------------------------------------------------------------------------
+
+
+def _forward_takes_strides(mod) -> bool:
+    """Whether ``mod``'s forward reads q, k and v only through the fused FP8 quantizer, which reads
+    any 16-byte strides in place (``fp4gen.device.quantize.strided_view``): an sm90a FP8-input
+    dense forward, whose attention kernel reads only the quantized copies. Then a fused QKV
+    projection's views go in without a copy (issue 24: 3 copies per layer and step)."""
+    from fp4gen.runtime.sm90_host import ForwardHost
+
+    host = getattr(mod, "_HOST", None)
+    return isinstance(host, ForwardHost) and host.config.in_fp8 is True and not host.config.varlen
+
+
+def _backward_takes_strides(mod) -> bool:
+    """Whether ``mod``'s backward is the sm90a ``BackwardHost``, which copies only the operands its
+    kernels read as compact rows (``sm90_bwd_host.BackwardHost.backward``): the rest go as they lie."""
+    from fp4gen.runtime.sm90_bwd_host import BackwardHost
+
+    return isinstance(getattr(mod, "_BWD_HOST", None), BackwardHost)
+
+
+def _tma_loadable(t) -> bool:
+    """What ``checks.check_tma_layout`` accepts (the generated forward's own check): rows contiguous,
+    a 16-byte aligned base, every other stride of a dim of size > 1 a multiple of 16 bytes."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    item = t.element_size()
+    return all(n == 1 or (st * item) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def _empty_like_is_compact(t) -> bool:
+    """Whether ``torch.empty_like(t)`` is contiguous: it keeps the strides of a non-overlapping and
+    dense tensor (a permuted one, e.g. SDPA's (B, H, S, D) transposed) and is contiguous otherwise
+    (a fused QKV projection's views, which have gaps)."""
+    if t.is_contiguous():
+        return True
+    expect = 1
+    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if st != expect:
+            return True  # gaps or overlap: not dense
+        expect *= n
+    return False
+
+
+def _forward_operands(plan: _Plan, q, k, v):
+    """q, k, v for the generated forward. The compiled kernels load compact tensors through TMA,
+    so in general each is copied (``.contiguous()``: a no-op for a compact one); the BF16 sm90a
+    kernels' descriptors would take a fused QKV's row strides too, but that has not run on a GPU
+    (tests/torch_ops/test_strided_gpu.py), so they keep the copy. A forward that reads its inputs
+    only through the fused FP8 quantizer (``_forward_takes_strides``) gets them as they lie when
+    its own TMA-layout check accepts them (else the copy, as before); q also when the module's
+    ``torch.empty_like(q)`` output is then compact, as its kernel writes O (a dense permuted q
+    would give a permuted O)."""
+    if not plan.strided_fwd:
+        return q.contiguous(), k.contiguous(), v.contiguous()
+    return (q if _tma_loadable(q) and _empty_like_is_compact(q) else q.contiguous(),
+            k if _tma_loadable(k) else k.contiguous(), v if _tma_loadable(v) else v.contiguous())
 
 
 def _keeps_forward_state(mod) -> bool:
@@ -649,8 +710,7 @@ def _fwd_run(q, k, v, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_
                                              sinks=sinks, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         _COUNTS[("fwd", "reference")] += 1
     elif mod is not None:
-        # kernels load through TMA and want dense rows; views of a fused QKV are not
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = _forward_operands(plan, q, k, v)
         if plan.keeps_state:
             prepared = mod.quantize_inputs(q, k, v, **plan.state_opts)
         kw = {"prepared": prepared} if prepared is not None else {}
@@ -664,6 +724,7 @@ def _fwd_run(q, k, v, spec_key, softmax_scale, backend, sinks, cu_seqlens_q, cu_
         _COUNTS[("fwd", "reference")] += 1
     # The op's contract (its fake below): o like q, contiguous; lse float32 (B, H, Sq), varlen
     # (H, total_q); the forward state (empty unless the backward reuses the forward's FP8 Q/K).
+    # No-ops for the kernels' outputs (q's dtype, compact), which is what the backends return.
     return o.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous(), prepared
 
 
@@ -728,13 +789,15 @@ def _bwd_run(q, k, v, o, lse, do, prepared, spec_key, softmax_scale, backend, si
         _COUNTS[("bwd", "reference")] += 1
     elif mod is not None:
         kw = {"prepared": prepared} if (prepared is not None and plan.keeps_state) else {}
-        dq, dk, dv = _untransformed(mod, "backward")(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, do,
-                                                     softmax_scale=softmax_scale, **kw)
+        if not plan.strided_bwd:  # other hosts' kernels take compact tensors; the sm90a host copies what it must
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dq, dk, dv = _untransformed(mod, "backward")(q, k, v, o, lse, do, softmax_scale=softmax_scale, **kw)
         _COUNTS[("bwd", "generated")] += 1
     else:
         extra = {"sinks": sinks} if sinks is not None else {}
         dq, dk, dv = _reference().backward(q, k, v, o, lse, do, _ref_spec(entry, softmax_scale), **extra)
         _COUNTS[("bwd", "reference")] += 1
+    # no-ops for the backends' gradients (compact, in the inputs' dtypes)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
             dv.to(v.dtype).contiguous())
 
@@ -762,7 +825,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dlse, dstate):
     q, k, v, o, lse, sinks, cu_q, cu_k, *state = ctx.saved_tensors
-    do = do.contiguous()
+    do = do.contiguous()  # the backward's preprocessing reads compact rows; autograd's dO usually is (a no-op)
     dq, dk, dv = torch.ops.fp4gen.attention_bwd(
         q, k, v, o, lse, do, list(state), ctx.spec_key, ctx.softmax_scale, ctx.backend,
         sinks, cu_q, cu_k, *ctx.max_seqlen)

@@ -151,14 +151,12 @@ class BackwardHost:
         checks.check_softmax_scale(kernel, softmax_scale)
         checks.check_backward(kernel, q, k, v, o, lse, do, dtypes=(torch.bfloat16,), head_dim=cfg.head_dim)
         checks.require_arch(ARCH, kernel=kernel, device=q.device)
-        # the kernel is compiled for compact (B, S, H, D) tensors
-        q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+        q, k, v, do, o = self.operands(q, k, v, do, o, prepared)
         B, Sq, H, D = q.shape
         Sk, Hkv = k.shape[1], k.shape[2]
         scale = float(softmax_scale) if softmax_scale is not None else D ** -0.5
         dev = q.device
         sqp = -(-Sq // cfg.tile_m) * cfg.tile_m
-        o = o.contiguous()
         # preprocessing: LSE in log2 units (+inf where the forward saw nothing, so P = 0),
         # D_i = rowsum(dO * O), a zeroed fp32 dQ accumulator; padded to whole query tiles.
         # On CUDA one fused kernel (fp4gen.device.bwd_prep); the torch path is the same
@@ -199,6 +197,21 @@ class BackwardHost:
             dq = (prep.dq_fragments_to_rows(dq_acc)[:, :, :Sq] * scale).permute(0, 2, 1, 3).to(q.dtype)
         dk, dv = bwd_common.gqa_sum(dk_h, dv_h, k, v)
         return dq.contiguous(), dk, dv
+
+    def operands(self, q, k, v, do, o, prepared):
+        """q, k, v, do, o as this variant's kernels take them, copied (``.contiguous()``) only where
+        one reads compact rows: the backward kernel's bf16 TMA loads, compiled for compact tensors
+        (Q and K unless dS is FP8, which reads the forward's transposed copies instead; V unless dP
+        is FP8), and ``bwd_prep``'s kernels (dO and O; V when they quantize it because ``prepared``
+        has no V payload). An operand no kernel reads (only its shape) goes as it lies, e.g. a
+        fused QKV projection's view, when the compiled kernel's argument accepts its strides
+        (``_fits_compiled``); the fused FP8 quantizer (no ``prepared``) reads Q and K in place."""
+        cfg = self.config
+        v_payload = cfg.s_fp8 and prepared is not None and len(prepared) > 6
+        reads = dict(q=not cfg.ds_fp8, k=not cfg.ds_fp8, v=not (cfg.do_fp8 and v_payload))
+        q, k, v = (x.contiguous() if reads[n] or not _fits_compiled(x, cfg.head_dim) else x
+                   for n, x in (("q", q), ("k", k), ("v", v)))
+        return q, k, v, do.contiguous(), o.contiguous()
 
     def _fp8_qk(self, q, k, prepared) -> dict:
         """reuse q k: the forward's FP8 Q/K payloads and block scales (and with ``ds_fp8`` their
@@ -255,6 +268,16 @@ class BackwardHost:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
             kern(*[_cute_tensor(t) for t in full], Float32(scalars[0]), Float32(scalars[1]), Int32(scalars[2]),
                  stream)
+
+
+def _fits_compiled(t: Any, head_dim: int) -> bool:
+    """Whether the kernel compiled from ``fake_args``' compact (B, S, H, D) stand-ins accepts ``t``
+    as it lies: their head stride is the static head dim, the token and batch strides symbolic
+    multiples of it (CuTe DSL derives them so; TVM-FFI checks them at the call), rows contiguous,
+    a 16-byte aligned base. A fused QKV projection's q/k/v views fit."""
+    if t.stride(3) != 1 or t.data_ptr() % 16 or (t.stride(2) != head_dim and t.shape[2] != 1):
+        return False
+    return t.stride(1) % head_dim == 0 and t.stride(0) % head_dim == 0
 
 
 def _fp8_bytes(t: Any):
