@@ -348,7 +348,7 @@ class ForwardHost:
 
     def v_operand_varlen(self, v8, cu_k):
         """Packed (total_k, Hkv, D) e4m3 -> V^T (Hkv, D, Tkp), keys contiguous: sequence b's
-        keys start at column cu_k[b] + VARLEN_V_GAP * b (config.py), permuted inside each
+        keys start at column cu_k[b] + gap * b (``config.varlen_v_gap``), permuted inside each
         32-key block counted from that start (``FP8_P_KEY_PERM``, as ``v_operand`` per
         sequence), the gap zero. The gap of 32 columns per sequence leaves room for the
         sequence's last partial block, so no two sequences share a 32-key block and the
@@ -356,14 +356,13 @@ class ForwardHost:
         up to 32 (TMA's 16-byte strides). No host read of the offsets."""
         import torch
 
-        from fp4gen.device.sm90.config import VARLEN_V_GAP
-
+        gap = self.config.varlen_v_gap
         total, H, D = v8.shape
         cu = cu_k.to(torch.int64)
         nseq = cu.numel() - 1
-        tkp = (total + VARLEN_V_GAP * nseq + 31) // 32 * 32
+        tkp = (total + gap * nseq + 31) // 32 * 32
         dev = v8.device
-        start = cu + VARLEN_V_GAP * torch.arange(nseq + 1, device=dev)  # each sequence's first column
+        start = cu + gap * torch.arange(nseq + 1, device=dev)  # each sequence's first column
         col = torch.arange(tkp, device=dev)
         b = torch.searchsorted(start[1:].contiguous(), col, right=True).clamp_(max=max(nseq - 1, 0))
         j = col - start[b]

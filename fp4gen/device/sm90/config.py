@@ -48,6 +48,12 @@ class ForwardConfig:
     # FP8: per-sequence scales, per-token (total, Hx) Q/K, (B, Hkv) V, V^T with VARLEN_V_GAP
     varlen: bool = False
 
+    @property
+    def varlen_v_gap(self) -> int:
+        """Columns left free after each sequence of the packed FP8 V^T (the host reads it here:
+        the runtime layer does not import the kernel library)."""
+        return VARLEN_V_GAP
+
     def __post_init__(self):
         if self.p_mode not in P_MODES:
             raise ValueError(f"{self.kernel_name}: p_mode must be one of {P_MODES}, got {self.p_mode!r}")
