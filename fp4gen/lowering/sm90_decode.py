@@ -51,21 +51,16 @@ def context(plan) -> dict:
     if d.tile_n not in dc.TILE_NS:
         raise LoweringError(f"the sm90a decode kernel reads key tiles of {' or '.join(map(str, dc.TILE_NS))}, "
                             f"not {d.tile_n}", "schedule.tile")
-    stages = spec.schedule.kv_stages or 1  # unset: one stage (the ring is opt-in until it has run on a GPU)
-    if stages not in (1, 2):
-        raise LoweringError(f"the sm90a decode kernel loads K/V in 1 or 2 stages, not {stages}", "schedule.kv_stages")
-    cfg = dc.DecodeConfig(
-        kernel_name=spec.name,
-        head_dim=spec.head_dim,
-        causal=spec.mask is Mask.CAUSAL,
-        cache_format=str(c.format),
-        paged=c.storage is KvStorage.PAGED,
-        page_size=c.page_size if c.storage is KvStorage.PAGED else None,
-        q_tokens=c.q_tokens,
-        gqa=c.gqa,
-        tile_n=d.tile_n,
-        kv_stages=stages,
-    )
+    stages = spec.schedule.kv_stages or 1  # unset: one stage (deeper rings are opt-in until timed on a GPU)
+    if not 1 <= stages <= dc.MAX_KV_STAGES:
+        raise LoweringError(f"the sm90a decode kernel loads K/V in 1 to {dc.MAX_KV_STAGES} stages, not {stages}",
+                            "schedule.kv_stages")
+    try:
+        cfg = _decode_config(spec, c, d, stages)
+    except ValueError as e:  # the one refusal beyond the checks above: a ring too deep for SMEM
+        if "of SMEM" not in str(e):
+            raise
+        raise LoweringError(str(e).split(": ", 1)[1], "schedule.kv_stages") from None
     origins = {k: Comment(spec.origin(k)) for k in ("head_dim", "mask", "kv_cache.format", "kv_cache.storage",
                                                    "kv_cache.q_tokens", "kv_cache.gqa", "schedule.tile",
                                                    "schedule.kv_stages")}
@@ -78,6 +73,24 @@ def context(plan) -> dict:
         config_fields=_config_fields(cfg, origins),
         notes=[Comment(n) for n in d.notes],
         combine=Comment(d.combine),
+    )
+
+
+def _decode_config(spec, c, d, stages):
+    from fp4gen.device.sm90 import decode_config as dc
+    from fp4gen.ir.spec import KvStorage, Mask
+
+    return dc.DecodeConfig(
+        kernel_name=spec.name,
+        head_dim=spec.head_dim,
+        causal=spec.mask is Mask.CAUSAL,
+        cache_format=str(c.format),
+        paged=c.storage is KvStorage.PAGED,
+        page_size=c.page_size if c.storage is KvStorage.PAGED else None,
+        q_tokens=c.q_tokens,
+        gqa=c.gqa,
+        tile_n=d.tile_n,
+        kv_stages=stages,
     )
 
 

@@ -92,16 +92,26 @@ def test_sm100a_is_refused_at_the_kv_cache_line():
 
 
 def test_every_variant_fits_the_smem_of_one_sm():
-    """Hopper gives a CTA at most 227 KB of SMEM; every format x head dim x tile x stages fits."""
+    """Hopper gives a CTA at most 227 KB of SMEM: every format x head dim x tile with 1 or 2
+    stages fits; deeper rings fit or are refused, and the config's bound is the kernel's size."""
     from fp4gen.device.sm90.decode import DecodeKernel
-    from fp4gen.device.sm90.decode_config import CACHE_FORMATS, DecodeConfig
+    from fp4gen.device.sm90.decode_config import CACHE_FORMATS, MAX_KV_STAGES, DecodeConfig
 
+    refused = 0
     for fmt in CACHE_FORMATS:
         for d in (64, 128):
             for tile_n in (64, 128):
-                for stages in (1, 2):
-                    cfg = DecodeConfig("t", d, True, fmt, False, None, 8, 8, tile_n, kv_stages=stages)
-                    assert DecodeKernel(cfg).shared_storage().size_in_bytes() <= 227 * 1024, cfg
+                for stages in range(1, MAX_KV_STAGES + 1):
+                    try:
+                        cfg = DecodeConfig("t", d, True, fmt, False, None, 8, 8, tile_n, kv_stages=stages)
+                    except ValueError as e:
+                        assert stages > 2 and "SMEM" in str(e), (fmt, d, tile_n, stages)
+                        refused += 1
+                        continue
+                    size = DecodeKernel(cfg).shared_storage().size_in_bytes()
+                    assert size <= cfg.smem_bytes <= 227 * 1024, (cfg, size)
+                    assert cfg.smem_bytes - size < 1024, (cfg, size)  # a bound, not a guess
+    assert refused  # D 128 x 128 keys with a deep ring does not fit
 
 
 def test_kv_stages_comes_from_the_spec_and_renders_only_when_set():
@@ -111,9 +121,15 @@ def test_kv_stages_comes_from_the_spec_and_renders_only_when_set():
     assert config(plan_kernel(two)).kv_stages == 2 and "kv_stages=2,  # t.attn:6: kv_stages 2" in render(plan_kernel(two))
     assert config(plan_kernel(spec_of("format bf16"))).kv_stages == 1
     assert "kv_stages" not in render(plan_kernel(spec_of("format bf16"))).split("CONFIG = ")[1]
-    three = spec_of("format bf16", extra="  schedule {\n    kv_stages 3\n  }\n")
-    err = refusal(plan_kernel(three))
-    assert err is not None and err.path == "schedule.kv_stages" and three.loc(err.path).line == 6
+    four = spec_of("format bf16", extra="  schedule {\n    tile 128 x 64\n    kv_stages 4\n  }\n")
+    assert config(plan_kernel(four)).kv_stages == 4
+    five = spec_of("format bf16", extra="  schedule {\n    kv_stages 5\n  }\n")
+    err = refusal(plan_kernel(five))
+    assert err is not None and err.path == "schedule.kv_stages" and five.loc(err.path).line == 6
+    # a ring that fits the stage count but not SMEM (D 128, 128 keys a tile: 3 bf16 stages > 227 KB)
+    deep = spec_of("format bf16", extra="  schedule {\n    kv_stages 3\n  }\n")
+    err = refusal(plan_kernel(deep))
+    assert err is not None and err.path == "schedule.kv_stages" and "SMEM" in str(err), err
 
 
 def test_config_refuses_values_the_kernel_cannot_run():
@@ -126,7 +142,7 @@ def test_config_refuses_values_the_kernel_cannot_run():
                        (dict(cache_format="nvfp4"), "cache format"),
                        (dict(gqa=16), "64-row"), (dict(paged=True), "page_size"),
                        (dict(paged=True, page_size=48), "power of two"), (dict(tile_n=256), "tile_n"),
-                       (dict(kv_stages=3), "kv_stages")):
+                       (dict(kv_stages=5), "kv_stages"), (dict(kv_stages=3), "SMEM")):
         with pytest.raises(ValueError, match=match):
             DecodeConfig(**{**ok, **bad})
 
@@ -307,6 +323,10 @@ _EMU_CASES = [  # (cache format, paged, D, tile_n, kv_stages, gqa, q_tokens, len
     ("fp8e4m3(scale=tensor)", True, 64, 64, 1, 1, 8, (100, 33), 8, 3),
     ("nvfp4(block=16, scale=e4m3)", False, 64, 64, 1, 8, 4, (130,), 1, 1),
     ("nvfp4(block=16, scale=e4m3, tensor_scale=fp32)", True, 128, 64, 2, 2, 8, (200, 70), 2, 3),
+    # deeper rings: the prologue, the stage index and the short splits (fewer tiles than stages)
+    ("bf16", True, 64, 64, 4, 8, 1, (520, 90, 1), 1, 2),
+    ("fp8e4m3(scale=token)", False, 128, 64, 3, 8, 1, (300, 130), 1, 3),
+    ("nvfp4(block=16, scale=e4m3)", True, 64, 64, 3, 4, 2, (333,), 2, 1),
 ]
 
 

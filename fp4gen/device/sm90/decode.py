@@ -52,13 +52,23 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from .. import ptx
-from .decode_config import ROW_TILE, WARPS, DecodeConfig
+from .decode_config import PAD, ROW_TILE, WARPS, DecodeConfig
 
 VEC = 8  # bf16 elements per load/store (16 bytes)
 VEC8 = 16  # e4m3 elements (or packed e2m1 bytes) per copy (16 bytes)
 NVFP4_BLOCK = 16  # elements per E4M3 block scale along D
 # the value of each E2M1 code 0..15 (numerics.formats.E2M1; tests compare)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# PAD (decode_config): bf16 elements of padding after each row of Q, K, V and P in SMEM: row
+# pitches of 4 words mod 32 banks, so the 8 rows x 4 words a warp's mma.sync fragment load (or P
+# store) touches are 32 different banks (unpadded, pitches of 64 or 32 words put all 8 rows in
+# one bank: 8-way conflicts)
+
+
+def row_slot(i: int) -> int:
+    """Which of a thread's two rows value i of an m16n8 C fragment ((2 columns, 2 row halves),
+    M blocks, N blocks) belongs to: 0 row g, 1 row g + 8."""
+    return (i // 2) % 2
 
 
 class DecodeKernel:
@@ -82,17 +92,15 @@ class DecodeKernel:
             assert work % self.threads == 0, (config, work)
 
     def shared_storage(self):
-        """Q, K, V, S (fp32), P (bf16), and per-row rescale / sum / max."""
+        """Q, K, V and P (bf16, rows padded by PAD), the staging tiles and scales of a narrow cache."""
         m, n, d = ROW_TILE, self.tile_n, self.hdim
         st, kst = self.stages, self.k_stages
+        dp, np_ = d + PAD, n + PAD
         fields = {
-            "sQ": cute.struct.Align[cute.struct.MemRange[BFloat16, m * d], 128],
-            "sK": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d * kst], 128],
-            "sV": cute.struct.Align[cute.struct.MemRange[BFloat16, n * d * kst], 128],
-            "sS": cute.struct.Align[cute.struct.MemRange[Float32, m * n], 128],
-            "sP": cute.struct.Align[cute.struct.MemRange[BFloat16, m * n], 128],
-            "sAlpha": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
-            "sL": cute.struct.Align[cute.struct.MemRange[Float32, m], 16],
+            "sQ": cute.struct.Align[cute.struct.MemRange[BFloat16, m * dp], 128],
+            "sK": cute.struct.Align[cute.struct.MemRange[BFloat16, n * dp * kst], 128],
+            "sV": cute.struct.Align[cute.struct.MemRange[BFloat16, n * dp * kst], 128],
+            "sP": cute.struct.Align[cute.struct.MemRange[BFloat16, m * np_], 128],
         }
         if self.fp8:  # the E4M3 staging tiles (widened into sK, sV)
             fields["sK8"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, n * d * st], 128]
@@ -106,7 +114,7 @@ class DecodeKernel:
         if self.token_scale:  # each key's K and V scale, and P's low half
             fields["sSK"] = cute.struct.Align[cute.struct.MemRange[Float32, n * st], 16]
             fields["sSV"] = cute.struct.Align[cute.struct.MemRange[Float32, n * st], 16]
-            fields["sPlo"] = cute.struct.Align[cute.struct.MemRange[BFloat16, m * n], 128]
+            fields["sPlo"] = cute.struct.Align[cute.struct.MemRange[BFloat16, m * np_], 128]
         return cute.struct(type("DecodeStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -145,26 +153,24 @@ class DecodeKernel:
         tidx, _, _ = cute.arch.thread_idx()
         split, hk, b = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(self.storage_t)
-        row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
-        sQ = storage.sQ.get_tensor(row_major(m, d))
+        dp, np_ = d + PAD, n + PAD  # row pitches of the bf16 tiles (bank-conflict-free fragment loads)
+        sQ = storage.sQ.get_tensor(cute.make_layout((m, d), stride=(dp, 1)))
         st, kst = self.stages, self.k_stages
 
-        def staged(rng, rows, cols, count, dtype=None):  # (rows, cols, stage), row-major per stage
-            return rng.get_tensor(cute.make_layout((rows, cols, count), stride=(cols, 1, rows * cols)), dtype=dtype)
+        def staged(rng, rows, cols, count, dtype=None, pitch=None):  # (rows, cols, stage), row-major per stage
+            pitch = cols if pitch is None else pitch
+            return rng.get_tensor(cute.make_layout((rows, cols, count), stride=(pitch, 1, rows * pitch)), dtype=dtype)
 
-        sK_all = staged(storage.sK, n, d, kst)
-        sV_all = staged(storage.sV, n, d, kst)
+        sK_all = staged(storage.sK, n, d, kst, pitch=dp)
+        sV_all = staged(storage.sV, n, d, kst, pitch=dp)
         # V as PV's (N = D, K = keys) operand: the same SMEM, transposed
-        sVt_all = storage.sV.get_tensor(cute.make_layout((d, n, kst), stride=(1, d, n * d)))
-        sS = storage.sS.get_tensor(row_major(m, n))
-        sP = storage.sP.get_tensor(row_major(m, n))
-        sAlpha = storage.sAlpha.get_tensor(cute.make_layout(m))
-        sL = storage.sL.get_tensor(cute.make_layout(m))
+        sVt_all = storage.sV.get_tensor(cute.make_layout((d, n, kst), stride=(1, dp, n * dp)))
+        sP = storage.sP.get_tensor(cute.make_layout((m, n), stride=(np_, 1)))
         sK8 = sV8 = sK8w = sV8w = sKw = sVw = None
         if const_expr(self.fp8 or self.nvfp4):
-            # the widened operand tiles as words of two bf16
-            sKw = storage.sK.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
-            sVw = storage.sV.get_tensor(cute.make_layout(n * d // 2), dtype=cutlass.Uint32)
+            # the widened operand tiles as words of two bf16 (padded rows: row r starts at word r * dp / 2)
+            sKw = storage.sK.get_tensor(cute.make_layout(n * dp // 2), dtype=cutlass.Uint32)
+            sVw = storage.sV.get_tensor(cute.make_layout(n * dp // 2), dtype=cutlass.Uint32)
         if const_expr(self.fp8):
             sK8 = staged(storage.sK8, n, d, st)
             sV8 = staged(storage.sV8, n, d, st)
@@ -187,7 +193,7 @@ class DecodeKernel:
         if const_expr(self.token_scale):
             sSK = staged(storage.sSK, 1, n, st)
             sSV = staged(storage.sSV, 1, n, st)
-            sPlo = storage.sPlo.get_tensor(row_major(m, n))
+            sPlo = storage.sPlo.get_tensor(cute.make_layout((m, n), stride=(np_, 1)))
         k_mult = softmax_scale_log2  # what S is multiplied by (a tensor K scale joins it)
         v_mult = Float32(1.0)  # what O is multiplied by at the end (a tensor V scale)
         if const_expr(self.fp8 and not self.token_scale):
@@ -224,9 +230,10 @@ class DecodeKernel:
         thr_mma = tiled_mma.get_slice(tidx)
         tSsQ = thr_mma.partition_A(sQ)
         tSsK = thr_mma.partition_B(sK_all[None, None, 0])
-        tSsS = thr_mma.partition_C(sS)
         tOsP = thr_mma.partition_A(sP)
+        tPsP = thr_mma.partition_C(sP)  # where this thread's S elements sit, as P
         tOsPlo = thr_mma.partition_A(sPlo) if const_expr(self.token_scale) else None
+        tPsPlo = thr_mma.partition_C(sPlo) if const_expr(self.token_scale) else None
         tOsV = thr_mma.partition_B(sVt_all[None, None, 0])
         tSrQ = thr_mma.make_fragment_A(tSsQ[None, None, 0])
         tSrK = thr_mma.make_fragment_B(tSsK[None, None, 0])
@@ -235,61 +242,79 @@ class DecodeKernel:
         acc_O = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, d)))
         acc_O.fill(0.0)
         tOcO = thr_mma.partition_C(cute.make_identity_tensor((m, d)))
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((m, n)))
 
-        # softmax ownership: thread t holds row t // 2, columns (t % 2) * n / 2 ..
-        srow = tidx // 2
-        half = n // 2
-        c_lo = (tidx % 2) * half
-        row_max = Float32(-Float32.inf)
-        row_sum = Float32(0.0)
-        # keys j < limit are visible to this row: the sequence, and causal j <= j_last - Sq + 1 + token
-        limit = seqlen_k
+        # softmax in registers, on the S accumulator itself: the m16n8 C fragment gives this thread
+        # two rows, ra (values 0, 1 of each 4) and ra + 8 (values 2, 3; row_slot), 2 columns per
+        # 8-column block; the 4 threads of a quad (lane % 4) share the rows, so a row's max and sum
+        # are a register reduction and two shuffles. acc_O has the same rows (same MMA, same M).
+        ra = tScS[0][0]
+        rb = tScS[2][0]
+        row_max0 = Float32(-Float32.inf)
+        row_max1 = Float32(-Float32.inf)
+        row_sum0 = Float32(0.0)
+        row_sum1 = Float32(0.0)
+        # keys j < limit are visible to a row: the sequence, and causal j <= j_last - Sq + 1 + token
+        limit0 = seqlen_k
+        limit1 = seqlen_k
         if const_expr(cfg.causal):
-            limit = cutlass.min(seqlen_k, seqlen_k - seqlen_q + srow // gqa + 1)
+            limit0 = cutlass.min(seqlen_k, seqlen_k - seqlen_q + ra // gqa + 1)
+            limit1 = cutlass.min(seqlen_k, seqlen_k - seqlen_q + rb // gqa + 1)
 
         ops = (mK, mV, mSK, mSV, mGK, mGV, mPageTable, sK_all, sV_all, sK8, sV8, sK4, sV4, sKsc, sVsc, sSK, sSV,
                g2s, g2s8, b, hk, seqlen_k, tidx)
-        if const_expr(st == 2):  # the ring's first tile
-            if t_begin < t_end:
-                self.issue(ops, t_begin * n, 0)
+        # the ring's prologue: tiles t_begin .. t_begin + st - 2 into stages 0 .. st - 2, one
+        # commit group each (empty past the split: every thread commits the same count)
+        for s in cutlass.range_constexpr(st - 1):
+            if t_begin + s < t_end:
+                self.issue(ops, (t_begin + s) * n, s)
             cute.arch.cp_async_commit_group()
         for t in cutlass.range(t_begin, t_end, unroll=1):
             key0 = t * n
             stage = 0
-            if const_expr(st == 2):
-                stage = (t - t_begin) % 2
-            cute.arch.sync_threads()  # the previous tile's readers of the stage refilled now are done
             if const_expr(st == 1):
+                cute.arch.sync_threads()  # the previous tile's readers of the stage refilled now are done
                 self.issue(ops, key0, 0)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)  # this thread's copies landed
+                cute.arch.sync_threads()  # and every other thread's
             else:
-                if t + 1 < t_end:
-                    self.issue(ops, key0 + n, 1 - stage)  # the next tile, under this one's math
-                cute.arch.cp_async_commit_group()  # (empty on the last tile: the count stays uniform)
-                cute.arch.cp_async_wait_group(1)  # this tile's copies landed; the next may be in flight
-            cute.arch.sync_threads()  # and every other thread's
-            kstage = stage if const_expr(kst == 2) else 0
+                stage = (t - t_begin) % st
+                # group i is tile t_begin + i: with the prologue's st - 1 and one per earlier tile,
+                # at most st - 2 younger groups may still fly once tile t has landed
+                cute.arch.cp_async_wait_group(st - 2)
+                # every thread's copies of tile t landed, and every reader of tile t - 1 is done:
+                # its stage is the one refilled next
+                cute.arch.sync_threads()
+                nxt = t + st - 1
+                if nxt < t_end:
+                    self.issue(ops, nxt * n, (nxt - t_begin) % st)
+                cute.arch.cp_async_commit_group()  # (empty near the end: the count stays uniform)
+            kstage = stage if const_expr(kst == st) else 0
             tSsK_t = thr_mma.partition_B(sK_all[None, None, kstage])  # this tile's stage
             tOsV_t = thr_mma.partition_B(sVt_all[None, None, kstage])
             if const_expr(self.fp8):
-                # widen the E4M3 tiles to BF16 (exact), one word of 4 codes at a time
+                # widen the E4M3 tiles to BF16 (exact), one word of 4 codes at a time; word w is
+                # row w // (d / 4) of the dense staging tile, which starts PAD / 2 words later per
+                # row in the padded operand tile
                 for i in cutlass.range(n * d // 4 // self.threads, unroll=4):
                     w = tidx + i * self.threads
+                    o = 2 * w + (w // (d // 4)) * (PAD // 2)
                     fk = ptx.e4m3x4_to_f32(sK8w[0, w, stage])
-                    sKw[2 * w] = ptx.f32x2_to_bf16x2(fk[0], fk[1])
-                    sKw[2 * w + 1] = ptx.f32x2_to_bf16x2(fk[2], fk[3])
+                    sKw[o] = ptx.f32x2_to_bf16x2(fk[0], fk[1])
+                    sKw[o + 1] = ptx.f32x2_to_bf16x2(fk[2], fk[3])
                     fv = ptx.e4m3x4_to_f32(sV8w[0, w, stage])
-                    sVw[2 * w] = ptx.f32x2_to_bf16x2(fv[0], fv[1])
-                    sVw[2 * w + 1] = ptx.f32x2_to_bf16x2(fv[2], fv[3])
+                    sVw[o] = ptx.f32x2_to_bf16x2(fv[0], fv[1])
+                    sVw[o + 1] = ptx.f32x2_to_bf16x2(fv[2], fv[3])
                 cute.arch.sync_threads()
             if const_expr(self.nvfp4):
                 # widen E2M1 x E4M3 (x g) to BF16 (exact), one word of 8 codes at a time
                 for i in cutlass.range(n * d // 8 // self.threads, unroll=2):
                     w = tidx + i * self.threads
                     blk = (w * 8) // NVFP4_BLOCK  # row-major (n, d) tile: 16 elements per block
-                    self.widen_e2m1(sK4w[0, w, stage], sKsc[0, blk, stage], sLut, sKw, w)
-                    self.widen_e2m1(sV4w[0, w, stage], sVsc[0, blk, stage], sLut, sVw, w)
+                    o = 4 * w + (w // (d // 8)) * (PAD // 2)
+                    self.widen_e2m1(sK4w[0, w, stage], sKsc[0, blk, stage], sLut, sKw, o)
+                    self.widen_e2m1(sV4w[0, w, stage], sVsc[0, blk, stage], sLut, sVw, o)
                 cute.arch.sync_threads()
 
             # S = Q K^T
@@ -301,49 +326,79 @@ class DecodeKernel:
                 cute.autovec_copy(tSsQ[None, None, kb], tSrQ)
                 cute.autovec_copy(tSsK_t[None, None, kb], tSrK)
                 cute.gemm(tiled_mma, acc_S, tSrQ, tSrK, acc_S)
-            cute.autovec_copy(acc_S, tSsS)
-            cute.arch.sync_threads()
 
-            # online softmax of row srow, columns c_lo .. c_lo + half (two threads per row)
-            tile_max = Float32(-Float32.inf)
-            for c in cutlass.range_constexpr(half):
+            # online softmax (the reference's tile loop, numerics.reference._tile_loop):
+            # x = s * softmax_scale * log2 e, masked keys -inf, m_new = max(m, max x),
+            # p = 2^(x - m_new) rounded to bf16 for PV, l = l * 2^(m - m_new) + sum of unrounded p
+            tmax0 = Float32(-Float32.inf)
+            tmax1 = Float32(-Float32.inf)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                c = tScS[i][1]
                 if const_expr(self.token_scale):
-                    x = sS[srow, c_lo + c] * sSK[0, c_lo + c, stage] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
+                    x = acc_S[i] * sSK[0, c, stage] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
                 else:
-                    x = sS[srow, c_lo + c] * k_mult
-                if key0 + c_lo + c >= limit:
-                    x = Float32(-Float32.inf)
-                sS[srow, c_lo + c] = x
-                tile_max = cute.arch.fmax(tile_max, x)
-            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
-            m_new = cute.arch.fmax(row_max, tile_max)
-            m_use = m_new
-            if m_new == -Float32.inf:
-                m_use = Float32(0.0)  # nothing visible yet: p = 2^-inf = 0, not NaN
-            alpha = cute.math.exp2(row_max - m_use, fastmath=True)
-            tot = Float32(0.0)
-            for c in cutlass.range_constexpr(half):
-                p = cute.math.exp2(sS[srow, c_lo + c] - m_use, fastmath=True)
+                    x = acc_S[i] * k_mult
+                if const_expr(row_slot(i) == 0):
+                    if key0 + c >= limit0:
+                        x = Float32(-Float32.inf)
+                    tmax0 = cute.arch.fmax(tmax0, x)
+                else:
+                    if key0 + c >= limit1:
+                        x = Float32(-Float32.inf)
+                    tmax1 = cute.arch.fmax(tmax1, x)
+                acc_S[i] = x
+            for off in cutlass.range_constexpr(1, 3):  # the quad's 4 threads: lanes xor 1, xor 2
+                tmax0 = cute.arch.fmax(tmax0, cute.arch.shuffle_sync_bfly(tmax0, offset=off))
+                tmax1 = cute.arch.fmax(tmax1, cute.arch.shuffle_sync_bfly(tmax1, offset=off))
+            m_new0 = cute.arch.fmax(row_max0, tmax0)
+            m_new1 = cute.arch.fmax(row_max1, tmax1)
+            m_use0 = m_new0
+            m_use1 = m_new1
+            if m_new0 == -Float32.inf:
+                m_use0 = Float32(0.0)  # nothing visible yet: p = 2^-inf = 0, not NaN
+            if m_new1 == -Float32.inf:
+                m_use1 = Float32(0.0)
+            alpha0 = cute.math.exp2(row_max0 - m_use0, fastmath=True)
+            alpha1 = cute.math.exp2(row_max1 - m_use1, fastmath=True)
+            rP = cute.make_fragment_like(acc_S, BFloat16)
+            rPlo = cute.make_fragment_like(acc_S, BFloat16) if const_expr(self.token_scale) else None
+            tot0 = Float32(0.0)
+            tot1 = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                if const_expr(row_slot(i) == 0):
+                    p = cute.math.exp2(acc_S[i] - m_use0, fastmath=True)
+                    tot0 = tot0 + p
+                else:
+                    p = cute.math.exp2(acc_S[i] - m_use1, fastmath=True)
+                    tot1 = tot1 + p
                 pb = p.to(BFloat16)
                 if const_expr(self.token_scale):
                     # P' = bf16(p) s_v(j), as two bf16 halves for PV
-                    pw = pb.to(Float32) * sSV[0, c_lo + c, stage]
+                    pw = pb.to(Float32) * sSV[0, tScS[i][1], stage]
                     hi = pw.to(BFloat16)
-                    sP[srow, c_lo + c] = hi
-                    sPlo[srow, c_lo + c] = (pw - hi.to(Float32)).to(BFloat16)
+                    rP[i] = hi
+                    rPlo[i] = (pw - hi.to(Float32)).to(BFloat16)
                 else:
-                    sP[srow, c_lo + c] = pb
-                tot = tot + p
-            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1)
-            row_sum = row_sum * alpha + tot
-            row_max = m_new
-            if tidx % 2 == 0:
-                sAlpha[srow] = alpha
-            cute.arch.sync_threads()
+                    rP[i] = pb
+            for off in cutlass.range_constexpr(1, 3):
+                tot0 = tot0 + cute.arch.shuffle_sync_bfly(tot0, offset=off)
+                tot1 = tot1 + cute.arch.shuffle_sync_bfly(tot1, offset=off)
+            row_sum0 = row_sum0 * alpha0 + tot0
+            row_sum1 = row_sum1 * alpha1 + tot1
+            row_max0 = m_new0
+            row_max1 = m_new1
+            # P through SMEM into PV's A layout: a warp writes and reads only its own 16 rows
+            cute.autovec_copy(rP, tPsP)
+            if const_expr(self.token_scale):
+                cute.autovec_copy(rPlo, tPsPlo)
+            cute.arch.sync_warp()
 
             # O = O * alpha + P V
             for i in cutlass.range_constexpr(cute.size(acc_O)):
-                acc_O[i] = acc_O[i] * sAlpha[tOcO[i][0]]
+                if const_expr(row_slot(i) == 0):
+                    acc_O[i] = acc_O[i] * alpha0
+                else:
+                    acc_O[i] = acc_O[i] * alpha1
             for kb in cutlass.range(cute.size(tOsP, mode=[2]), unroll=1):
                 cute.autovec_copy(tOsP[None, None, kb], tOrP)
                 cute.autovec_copy(tOsV_t[None, None, kb], tOrV)
@@ -352,26 +407,29 @@ class DecodeKernel:
                     cute.autovec_copy(tOsPlo[None, None, kb], tOrP)
                     cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
 
-        # ---- epilogue: o_s = acc / l (0 where nothing was visible), lse_s = m + log2 l (-inf)
-        if tidx % 2 == 0:
-            sL[srow] = row_sum
-            if srow < seqlen_q * gqa:
+        # ---- epilogue: o_s = acc / l (0 where nothing was visible), lse_s = m + log2 l (-inf);
+        # lane t = 0 of each quad writes its two rows' LSE
+        if tidx % 4 == 0:
+            if ra < seqlen_q * gqa:
                 lse = Float32(-Float32.inf)
-                if row_sum > 0.0:
-                    lse = row_max + cute.math.log2(row_sum, fastmath=False)
-                mLSE[split, b, hk * gqa + srow % gqa, srow // gqa] = lse
-        cute.arch.sync_threads()
+                if row_sum0 > 0.0:
+                    lse = row_max0 + cute.math.log2(row_sum0, fastmath=False)
+                mLSE[split, b, hk * gqa + ra % gqa, ra // gqa] = lse
+            if rb < seqlen_q * gqa:
+                lse = Float32(-Float32.inf)
+                if row_sum1 > 0.0:
+                    lse = row_max1 + cute.math.log2(row_sum1, fastmath=False)
+                mLSE[split, b, hk * gqa + rb % gqa, rb // gqa] = lse
         for i in cutlass.range_constexpr(cute.size(acc_O)):
             r = tOcO[i][0]
             if r < seqlen_q * gqa:
-                l = sL[r]
+                l = row_sum0 if const_expr(row_slot(i) == 0) else row_sum1
                 o = Float32(0.0)
                 if l > 0.0:
                     o = acc_O[i] / l
                     if const_expr(self.fp8 and not self.token_scale):
                         o = o * v_mult
                 mO[split, b, hk * gqa + r % gqa, r // gqa, tOcO[i][1]] = o
-
 
     @cute.jit
     def issue(self, ops, key0, st):
@@ -450,13 +508,13 @@ class DecodeKernel:
             sVsc[0, e, st] = sv
 
     @cute.jit
-    def widen_e2m1(self, word, scale, sLut, dst, w):
+    def widen_e2m1(self, word, scale, sLut, dst, o):
         """8 E2M1 codes (element k in bits 4k..4k+3) times ``scale`` -> 4 words of bf16 pairs at
-        dst[4w ..]: exact (at most 4 significant bits)."""
+        dst[o ..]: exact (at most 4 significant bits)."""
         for k in cutlass.range_constexpr(4):
             lo = sLut[(word >> (8 * k)) & 0xF] * scale
             hi = sLut[(word >> (8 * k + 4)) & 0xF] * scale
-            dst[4 * w + k] = ptx.f32x2_to_bf16x2(lo, hi)
+            dst[o + k] = ptx.f32x2_to_bf16x2(lo, hi)
 
     @cute.jit
     def cache_row(self, mPageTable, b, j):

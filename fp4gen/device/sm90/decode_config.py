@@ -13,6 +13,9 @@ ROW_TILE = 64  # query rows per CTA: gqa x q_tokens, padded
 WARPS = 4  # one m16n8k16 MMA row block of 16 rows per warp
 HEAD_DIMS = (64, 128)
 TILE_NS = (64, 128)
+MAX_KV_STAGES = 4  # the load ring's depth, at most (SMEM decides what fits: smem_bytes)
+SMEM_LIMIT = 227 * 1024  # what Hopper gives one CTA
+PAD = 8  # bf16 elements after each SMEM row of Q, K, V, P (device/sm90/decode.py: bank conflicts)
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class DecodeConfig:
     gqa: int  # query heads per KV head
     tile_n: int  # keys per tile (the spec's schedule tile_n: the reference's split unit)
     # Fields with a default: a module renders them only when it sets them.
-    kv_stages: int = 1  # K/V load stages: 2 loads tile t + 1 while tile t computes (the spec's kv_stages)
+    kv_stages: int = 1  # K/V load stages: s keeps tiles t + 1 .. t + s - 1 in flight while t computes
 
     def __post_init__(self):
         name = self.kernel_name
@@ -44,8 +47,12 @@ class DecodeConfig:
         if not 1 <= self.q_tokens * self.gqa <= ROW_TILE:
             raise ValueError(f"{name}: q_tokens x gqa = {self.q_tokens * self.gqa} rows must fit one "
                              f"{ROW_TILE}-row tile")
-        if self.kv_stages not in (1, 2):
-            raise ValueError(f"{name}: kv_stages must be 1 or 2, got {self.kv_stages}")
+        if not 1 <= self.kv_stages <= MAX_KV_STAGES:
+            raise ValueError(f"{name}: kv_stages must be 1 to {MAX_KV_STAGES}, got {self.kv_stages}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"{name}: kv_stages {self.kv_stages} needs {self.smem_bytes} bytes of SMEM with tile_n "
+                             f"{self.tile_n}, D {self.head_dim} and a {self.cache_format} cache; a CTA has "
+                             f"{SMEM_LIMIT} (fewer stages, or tile_n 64)")
         if self.paged != (self.page_size is not None):
             raise ValueError(f"{name}: page_size is set exactly when the cache is paged")
         if self.paged and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
@@ -75,6 +82,23 @@ class DecodeConfig:
     def tensor_scale(self) -> bool:
         """An nvfp4 cache with the per-KV-head power of two g (two-level)."""
         return self.cache_format.endswith("tensor_scale=fp32)")
+
+    @property
+    def smem_bytes(self) -> int:
+        """The kernel's SMEM (``DecodeKernel.shared_storage``, every field 128-byte aligned: an
+        upper bound; tests compare): Q, K, V, P bf16 with padded rows, the ring's staging
+        tiles and scales (a bf16 cache's K/V tiles are the ring itself)."""
+        m, n, d, st = ROW_TILE, self.tile_n, self.head_dim, self.kv_stages
+        up = lambda x: -(-x // 128) * 128  # noqa: E731
+        kst = 1 if self.fp8 or self.nvfp4 else st
+        parts = [m * (d + PAD) * 2, 2 * n * (d + PAD) * 2 * kst, m * (n + PAD) * 2]
+        if self.fp8:
+            parts += [n * d * st] * 2
+        if self.nvfp4:
+            parts += [n * d // 2 * st] * 2 + [n * d // 16 * 4 * st] * 2 + [64]
+        if self.token_scale:
+            parts += [n * 4 * st] * 2 + [m * (n + PAD) * 2]
+        return sum(up(x) for x in parts)
 
     @property
     def num_threads(self) -> int:
