@@ -293,24 +293,33 @@ def check_layout(k_cache: CacheTensor, v_cache: CacheTensor, cache_seqlens, page
 MIN_TILES_PER_SPLIT = 2  # each split reads at least 2 key tiles: its partial costs one (rows x D) fp32 write
 MAX_SPLITS = 64
 SPLIT_EFFICIENCY = 0.9  # the fewest splits whose wave efficiency is within 90 % of the best
+CTAS_PER_SM = 2  # the decode CTAs an SM is given at once: each hides the other's load latency
 
 
 def split_count(ctas: int, key_tiles: int, sm_count: int) -> int:
     """Flash-decoding's split of the keys: ``ctas`` (batch x KV heads x row tiles) each read
-    ``key_tiles`` tiles; with s splits there are ctas * s CTAs over ``sm_count`` SMs, in waves
-    of sm_count. The wave efficiency of s is ctas s / (sm_count ceil(ctas s / sm_count)); the
-    rule takes the fewest splits (at most MAX_SPLITS, each with at least MIN_TILES_PER_SPLIT
-    tiles) whose efficiency is within SPLIT_EFFICIENCY of the best one (fewer splits: less
-    combine traffic), and 1 when the CTAs alone fill every SM."""
+    ``key_tiles`` tiles; with s splits there are ctas * s CTAs over sm_count x CTAS_PER_SM
+    slots, filled in waves. The wave efficiency of s is ctas s / (slots ceil(ctas s / slots));
+    the rule takes the fewest splits (at most MAX_SPLITS, each with at least MIN_TILES_PER_SPLIT
+    tiles) whose efficiency is within SPLIT_EFFICIENCY of the best one, and 1 when the CTAs
+    alone fill every slot.
+
+    Why two slots per SM: a decode CTA walks its tiles one after another, so while it waits on
+    a tile's loads (or computes) its SM idles unless a second CTA is there; every sm90a
+    decode variant's 128 threads fit twice in the register file (255 registers at most), and
+    a CTA too big for two in SMEM only runs the extra wave after the first. Why the fewest:
+    each split adds a (rows x D) fp32 partial write and read to the combine, and splits
+    beyond the slots only cut the key runs shorter."""
     if ctas <= 0 or key_tiles <= 0:
         return 1
     most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
-    if ctas >= sm_count or most == 1:
+    slots = sm_count * CTAS_PER_SM
+    if ctas >= slots or most == 1:
         return 1
 
     def eff(s):
         n = ctas * s
-        return n / (sm_count * -(-n // sm_count))
+        return n / (slots * -(-n // slots))
 
     best = max(eff(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if eff(s) >= SPLIT_EFFICIENCY * best)

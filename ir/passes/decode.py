@@ -63,9 +63,10 @@ def plan_decode(plan: KernelPlan) -> KernelPlan:
         cache_format=str(fmt), q_tokens=c.q_tokens, gqa=c.gqa,
         rows_per_cta=rows, row_tile=ROW_TILE, row_tiles=-(-rows // ROW_TILE), tile_n=spec.schedule.tile_n,
         sm_count=SM_COUNT, device=DEVICE,
-        split_rule=("splits = the fewest s <= min(max_splits, key_tiles // min_tiles_per_split) whose wave "
-                    "efficiency ctas*s / (sm_count*ceil(ctas*s / sm_count)) is within split_efficiency of the "
-                    "best; 1 when ctas >= sm_count (numerics.kvcache.split_count)"),
+        split_rule=(f"splits = the fewest s <= min(max_splits, key_tiles // min_tiles_per_split) whose wave "
+                    f"efficiency ctas*s / (slots*ceil(ctas*s / slots)), slots = {kv.CTAS_PER_SM} x sm_count "
+                    "(two CTAs an SM hide each other's load latency), is within split_efficiency of the "
+                    "best; 1 when ctas >= slots (numerics.kvcache.split_count)"),
         min_tiles_per_split=kv.MIN_TILES_PER_SPLIT, max_splits=kv.MAX_SPLITS, split_efficiency=kv.SPLIT_EFFICIENCY,
         combine=("each split s writes o_s = acc_s / l_s (fp32) and lse_s = m_s + log2 l_s; the combine takes "
                  "M = max_s lse_s, w_s = 2^(lse_s - M), o = sum w_s o_s / sum w_s, lse = M + log2 sum w_s "

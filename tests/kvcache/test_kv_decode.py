@@ -173,10 +173,14 @@ def test_split_kv_combine_equals_one_split(splits):
 
 
 def test_split_rule():
-    assert kv.split_count(512, 256, 132) == 1  # the CTAs fill the SMs
-    assert kv.split_count(8, 256, 132) == 15  # batch 1, 8 KV heads: 120 of 132 SMs
+    # two CTAs an SM (kv.CTAS_PER_SM): 264 slots on 132 SMs
+    assert kv.CTAS_PER_SM == 2
+    assert kv.split_count(512, 256, 132) == 1  # the CTAs fill the slots (batch 64 x 8 KV heads)
+    assert kv.split_count(264, 256, 132) == 1
+    assert kv.split_count(132, 256, 132) == 2  # one CTA an SM is not enough: 264 of 264 slots
+    assert kv.split_count(8, 256, 132) == 30  # batch 1, 8 KV heads: 240 of 264 slots (29 gives 0.88)
     assert kv.split_count(8, 2, 132) == 1  # too few tiles to split
-    assert kv.split_count(64, 64, 132) == 2
+    assert kv.split_count(64, 64, 132) == 4  # batch 8 x 8 KV heads: 256 of 264
     assert [len(r) for r in kv.split_tiles(10, 4)] == [3, 3, 3, 1]
 
 
