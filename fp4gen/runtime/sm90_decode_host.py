@@ -8,7 +8,8 @@ in the module so that the compile cache keys on the module's source), and binds 
 
 The kernel reads the cache as it is; appending new tokens is ``fp4gen.attention_with_kvcache``'s
 (``numerics.kvcache.append``, the reference quantizer, before the launch). The partials are
-combined by ``numerics.kvcache.combine`` on the device (torch): one split is o_s itself.
+combined by ``numerics.kvcache.combine`` on the device (torch); one split is o_s itself, with
+no combine launched.
 
 Importing this module imports only the standard library.
 """
@@ -205,8 +206,9 @@ class DecodeHost:
         B, Sq, H = self.check(q, k_cache, v_cache, seqlens_k, page_table, num_splits, softmax_scale, k_scale, v_scale,
                               k_tensor_scale, v_tensor_scale)
         scale = float(softmax_scale) if softmax_scale is not None else cfg.head_dim ** -0.5
-        o_s = torch.zeros((num_splits, B, H, Sq, cfg.head_dim), dtype=torch.float32, device=q.device)
-        lse_s = torch.full((num_splits, B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+        # the kernel writes every element of both (a split without keys: o 0, lse -inf), so no fill
+        o_s = torch.empty((num_splits, B, H, Sq, cfg.head_dim), dtype=torch.float32, device=q.device)
+        lse_s = torch.empty((num_splits, B, H, Sq), dtype=torch.float32, device=q.device)
         if B:
             k_scale, v_scale, k_tensor_scale, v_tensor_scale = (
                 None if t is None else t.contiguous() for t in (k_scale, v_scale, k_tensor_scale, v_tensor_scale))
@@ -216,7 +218,10 @@ class DecodeHost:
             self.launch(tensors, (int(num_splits), scale * math.log2(math.e)))
         if partials:
             return o_s, lse_s
-        o, lse2 = kv.combine(o_s, lse_s)  # (B, H, Sq, D), (B, H, Sq)
+        if num_splits == 1:  # combine of one split is the split itself, bit for bit (w = 2^0 = 1)
+            o, lse2 = o_s[0], lse_s[0]
+        else:
+            o, lse2 = kv.combine(o_s, lse_s)  # (B, H, Sq, D), (B, H, Sq)
         o = o.permute(0, 2, 1, 3).to(torch.bfloat16).contiguous()
         return (o, lse2 * kv.LN2) if return_lse else o
 
