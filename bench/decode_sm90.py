@@ -16,7 +16,10 @@ kernel that only reads its cache is compared with), FA4's BF16 decode (flash_att
 Each fp4gen row then carries ``x_fa4_bf16`` (FA4 time / fp4gen time) and ``of_copy_bw``.
 
     python3 bench/decode_sm90.py                                   # every format, batch 1/8/64, 4k/32k
-    python3 bench/decode_sm90.py --formats bf16 --batches 64 --lengths 32768 --stages 2
+    python3 bench/decode_sm90.py --formats bf16 --batches 64 --lengths 32768 --stages 2 --tile-n 64
+
+``--stages`` and ``--tile-n`` take several values: every (format, stages, tile) the kernel can hold
+in SMEM runs (the others are listed as skipped, with the reason).
     python3 bench/decode_sm90.py --anchors --batches 64 --lengths 32768 --json out.json
 """
 from __future__ import annotations
@@ -30,15 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkout import ensure_fp4gen_importable  # noqa: E402  (bench/checkout.py, beside this file)
 
 
-def spec_for(fmt: str, stages: int):
+def spec_for(fmt: str, stages: int, tile_n: int = 128):
     from fp4gen.frontend import parse_text
 
-    name = "".join(ch if ch.isalnum() else "_" for ch in f"bench_{fmt}_{stages}")
+    name = "".join(ch if ch.isalnum() else "_" for ch in f"bench_{fmt}_{stages}_{tile_n}")
     return parse_text(f"""attention {name} {{
   target sm90a
   head_dim 128
   mask causal
   schedule {{
+    tile 128 x {tile_n}
     kv_stages {stages}
   }}
   kv_cache {{
@@ -125,14 +129,29 @@ def anchor_rows(batch, length, iters, warmup, hkv=8, gqa=8, d=128):
     return rows
 
 
-def run_one(fmt, batch, length, stages, iters, warmup, hkv=8):
+def refusal_of(fmt, stages, tile_n):
+    """Why the sm90a decode kernel cannot run (fmt, stages, tile_n) (a ring too deep for SMEM),
+    or None."""
+    from fp4gen.ir.passes import plan_kernel
+    from fp4gen.ir.plan import PlanError
+    from fp4gen.lowering import LoweringError
+    from fp4gen.lowering.sm90_decode import config
+
+    try:
+        config(plan_kernel(spec_for(fmt, stages, tile_n)))
+    except (LoweringError, PlanError) as e:
+        return str(e)
+    return None
+
+
+def run_one(fmt, batch, length, stages, iters, warmup, hkv=8, tile_n=128):
     import torch
 
     import fp4gen
     from fp4gen.api import _kv_module, _kv_plan
     from fp4gen.numerics import kvcache as kv
 
-    spec = spec_for(fmt, stages)
+    spec = spec_for(fmt, stages, tile_n)
     mod = _kv_module(spec)
     pps = -(-length // 64)
     pt = torch.randperm(batch * pps, device="cuda").to(torch.int32).reshape(batch, pps)
@@ -159,7 +178,8 @@ def run_one(fmt, batch, length, stages, iters, warmup, hkv=8):
 
     us = median_us(call, iters, warmup)
     nbytes = int(2 * batch * hkv * length * spec.kv_cache.format.bytes_per_token(128))
-    return {"format": fmt, "batch": batch, "cache_len": length, "kv_stages": stages, "splits": splits,
+    return {"format": fmt, "batch": batch, "cache_len": length, "kv_stages": stages, "tile_n": tile_n,
+            "splits": splits,
             "us": round(us, 1), "cache_bytes": nbytes, "GB_per_s": round(nbytes / us / 1e3, 1)}
 
 
@@ -168,7 +188,9 @@ def main(argv=None):
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8e4m3(scale=token)", "nvfp4"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 32768])
-    ap.add_argument("--stages", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3], choices=(1, 2, 3, 4),
+                    help="load-ring depths to run (each that fits SMEM)")
+    ap.add_argument("--tile-n", nargs="+", type=int, default=[128], choices=(64, 128), help="keys per tile")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--anchors", action="store_true", help="copy bandwidth, FA4 BF16 and SDPA decode beside")
@@ -195,13 +217,20 @@ def main(argv=None):
                 emit(r)
             fa4 = next((r["us"] for r in anchors if r["anchor"] == "fa4_bf16" and "us" in r), None)
             for fmt in args.formats:
-                r = run_one(fmt, batch, length, args.stages, args.iters, args.warmup)
-                if fa4:
-                    r["x_fa4_bf16"] = round(fa4 / r["us"], 3)
-                if copy:
-                    r["of_copy_bw"] = round(r["GB_per_s"] / copy["GB_per_s"], 3)
-                emit(r)
-                torch.cuda.empty_cache()
+                for tile_n in args.tile_n:
+                    for stages in args.stages:
+                        why = refusal_of(fmt, stages, tile_n)
+                        if why:
+                            emit({"format": fmt, "batch": batch, "cache_len": length, "kv_stages": stages,
+                                  "tile_n": tile_n, "skipped": why})
+                            continue
+                        r = run_one(fmt, batch, length, stages, args.iters, args.warmup, tile_n=tile_n)
+                        if fa4:
+                            r["x_fa4_bf16"] = round(fa4 / r["us"], 3)
+                        if copy:
+                            r["of_copy_bw"] = round(r["GB_per_s"] / copy["GB_per_s"], 3)
+                        emit(r)
+                        torch.cuda.empty_cache()
     if args.json:
         from fp4gen.runtime.fileio import atomic_write
 
