@@ -212,6 +212,19 @@ def test_two_stage_load_ring(fmt, storage, sq, splits):
     compare(spec_of(storage=storage, gqa=8, fmt=fmt, kv_stages=2), LENGTHS, sq, splits, shuffle_pages=True, seed=8)
 
 
+@pytest.mark.parametrize("fmt,tile_n,stages", [("bf16", 64, 4), ("bf16", 128, 2), (FP8[0], 128, 3), (FP8[1], 64, 4),
+                                               (NVFP4[0], 128, 3), (NVFP4[1], 64, 4)],
+                         ids=["bf16-n64-s4", "bf16-n128-s2", "fp8_token-n128-s3", "fp8_tensor-n64-s4",
+                              "nvfp4-n128-s3", "nvfp4_2l-n64-s4"])
+@pytest.mark.parametrize("storage", [None, "paged(page_size=16)"], ids=["contiguous", "paged16"])
+def test_deep_load_rings(fmt, tile_n, stages, storage):
+    """schedule kv_stages 3 / 4: the ring's prologue, wait depth and stage reuse on hardware (the
+    CPU emulator lands every copy at once, so it cannot see a read before its copy landed);
+    splits 3 give runs shorter than the ring next to long ones."""
+    compare(spec_of(storage=storage, gqa=8, fmt=fmt, tile_n=tile_n, kv_stages=stages), LENGTHS, 2, 3,
+            shuffle_pages=True, seed=9)
+
+
 def test_planner_split_and_pages_out_of_order():
     spec = spec_of(storage="paged(page_size=64)", gqa=8)
     compare(spec, (4096, 33, 2500), 2, None, shuffle_pages=True, seed=3)
