@@ -19,7 +19,7 @@ prints the recipe table of docs/numerics.md;
 
     python -m fp4gen.numerics.accuracy --outliers [--seqlen 1024 --heads 2 --recipe NAME]
 
-its outlier-case table (section 13).
+its outlier-case table (section 14); ``--isolate CASE`` the one-operand-at-a-time table there.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import argparse
 import itertools
 import math
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -391,6 +392,30 @@ def outlier_table(seqlen: int = 1024, heads: int = 2, seed: int = 0, head_dim: i
     return rows
 
 
+def operand_isolation(case: str, seqlen: int = 1024, heads: int = 2, seed: int = 0, head_dim: int = 128,
+                      names=None, transforms=()) -> list[dict]:
+    """Which operand's quantization dominates a recipe's error on synthetic ``case``: rel-L2 of O
+    with every operand quantized ("all"), then with one of Q, K, P, V quantized and the others
+    bf16 ("q", "k", "p", "v"). A Direct-P recipe keeps its P format throughout (P is made in it),
+    so its "q"/"k"/"v" columns include P's error."""
+    from . import activations
+
+    c = activations.synthetic(case, seqlen=seqlen, heads=heads, head_dim=head_dim, seed=seed)
+    bf = _fmt("bf16")
+    rows = []
+    for spec in recipes(head_dim):
+        if names is not None and spec.name not in names:
+            continue
+        row = {"recipe": spec.name, "case": case, "all": report_case(spec, c, transforms)["rel_l2"]}
+        for op in ("q", "k", "p", "v"):
+            ops = {o: getattr(spec, o) if o == op else bf for o in ("q", "k", "p", "v")}
+            if spec.p_production.kind is not PKind.EXP:
+                ops["p"] = spec.p
+            row[op] = report_case(replace(spec, **ops), c, transforms)["rel_l2"]
+        rows.append(row)
+    return rows
+
+
 def print_outlier_table(rows: list[dict]) -> None:
     """Markdown: one line per (recipe, case), rel-L2 and (x randn) per option; cells above 2x bold."""
     opts = list(rows[0]["rel_l2"])
@@ -411,9 +436,11 @@ def main(argv=None) -> int:
     ap.add_argument("--outliers", action="store_true",
                     help="print the outlier-case table (synthetic cases x recipes, without transforms, "
                          "with K smoothing, and with smoothing and the first key exact; docs/numerics.md "
-                         "section 13)")
+                         "section 14)")
+    ap.add_argument("--isolate", metavar="CASE",
+                    help="print rel-L2 on synthetic CASE with one operand quantized at a time")
     ap.add_argument("--recipe", action="append", metavar="NAME",
-                    help="with --outliers: only this recipe (repeatable; the names of the --table rows)")
+                    help="with --outliers / --isolate: only this recipe (repeatable; the --table rows' names)")
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
@@ -421,6 +448,20 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     a = ap.parse_args(argv)
+    if a.isolate:
+        from .activations import SYNTHETIC
+
+        if a.isolate not in SYNTHETIC:
+            ap.error(f"--isolate: unknown case {a.isolate!r}; use one of {', '.join(SYNTHETIC)}")
+        rows = operand_isolation(a.isolate, a.seqlen, a.heads, a.seed, a.head_dim, names=a.recipe)
+        print(f"inputs: numerics.activations.synthetic({a.isolate!r}, seqlen={a.seqlen}, heads={a.heads}, "
+              f"head_dim={a.head_dim}, seed={a.seed}); rel-L2 of O, one operand quantized (the others bf16)")
+        print("| recipe | case | all | Q only | K only | P only | V only |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['recipe']} | {r['case']} | " + " | ".join(f"{r[c]:.4f}" for c in ("all", "q", "k", "p", "v"))
+                  + " |")
+        return 0
     if a.outliers:
         try:
             rows = outlier_table(a.seqlen, a.heads, a.seed, a.head_dim, names=a.recipe)
