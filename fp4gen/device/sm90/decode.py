@@ -250,6 +250,7 @@ class DecodeKernel:
         # are a register reduction and two shuffles. acc_O has the same rows (same MMA, same M).
         ra = tScS[0][0]
         rb = tScS[2][0]
+        warp_live = (tidx // 32) * 16 < seqlen_q * gqa  # the warp's rows: 16 w .. 16 w + 15
         row_max0 = Float32(-Float32.inf)
         row_max1 = Float32(-Float32.inf)
         row_sum0 = Float32(0.0)
@@ -317,95 +318,98 @@ class DecodeKernel:
                     self.widen_e2m1(sV4w[0, w, stage], sVsc[0, blk, stage], sLut, sVw, o)
                 cute.arch.sync_threads()
 
-            # S = Q K^T
-            acc_S = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, n)))
-            acc_S.fill(0.0)
-            # dynamic k-block loops: unrolled, the compiler hoists every block's operand loads
-            # at once (a K tile's fragments alone are 256 registers)
-            for kb in cutlass.range(cute.size(tSsQ, mode=[2]), unroll=1):
-                cute.autovec_copy(tSsQ[None, None, kb], tSrQ)
-                cute.autovec_copy(tSsK_t[None, None, kb], tSrK)
-                cute.gemm(tiled_mma, acc_S, tSrQ, tSrK, acc_S)
+            # a warp whose 16 rows are all padding (gqa x Sq < 64: decode with one token has 8 rows,
+            # one live warp) skips the math: it only copies, widens and meets the barriers
+            if warp_live:
+                # S = Q K^T
+                acc_S = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, n)))
+                acc_S.fill(0.0)
+                # dynamic k-block loops: unrolled, the compiler hoists every block's operand loads
+                # at once (a K tile's fragments alone are 256 registers)
+                for kb in cutlass.range(cute.size(tSsQ, mode=[2]), unroll=1):
+                    cute.autovec_copy(tSsQ[None, None, kb], tSrQ)
+                    cute.autovec_copy(tSsK_t[None, None, kb], tSrK)
+                    cute.gemm(tiled_mma, acc_S, tSrQ, tSrK, acc_S)
 
-            # online softmax (the reference's tile loop, numerics.reference._tile_loop):
-            # x = s * softmax_scale * log2 e, masked keys -inf, m_new = max(m, max x),
-            # p = 2^(x - m_new) rounded to bf16 for PV, l = l * 2^(m - m_new) + sum of unrounded p
-            tmax0 = Float32(-Float32.inf)
-            tmax1 = Float32(-Float32.inf)
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                c = tScS[i][1]
+                # online softmax (the reference's tile loop, numerics.reference._tile_loop):
+                # x = s * softmax_scale * log2 e, masked keys -inf, m_new = max(m, max x),
+                # p = 2^(x - m_new) rounded to bf16 for PV, l = l * 2^(m - m_new) + sum of unrounded p
+                tmax0 = Float32(-Float32.inf)
+                tmax1 = Float32(-Float32.inf)
+                for i in cutlass.range_constexpr(cute.size(acc_S)):
+                    c = tScS[i][1]
+                    if const_expr(self.token_scale):
+                        x = acc_S[i] * sSK[0, c, stage] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
+                    else:
+                        x = acc_S[i] * k_mult
+                    if const_expr(row_slot(i) == 0):
+                        if key0 + c >= limit0:
+                            x = Float32(-Float32.inf)
+                        tmax0 = cute.arch.fmax(tmax0, x)
+                    else:
+                        if key0 + c >= limit1:
+                            x = Float32(-Float32.inf)
+                        tmax1 = cute.arch.fmax(tmax1, x)
+                    acc_S[i] = x
+                for off in cutlass.range_constexpr(1, 3):  # the quad's 4 threads: lanes xor 1, xor 2
+                    tmax0 = cute.arch.fmax(tmax0, cute.arch.shuffle_sync_bfly(tmax0, offset=off))
+                    tmax1 = cute.arch.fmax(tmax1, cute.arch.shuffle_sync_bfly(tmax1, offset=off))
+                m_new0 = cute.arch.fmax(row_max0, tmax0)
+                m_new1 = cute.arch.fmax(row_max1, tmax1)
+                m_use0 = m_new0
+                m_use1 = m_new1
+                if m_new0 == -Float32.inf:
+                    m_use0 = Float32(0.0)  # nothing visible yet: p = 2^-inf = 0, not NaN
+                if m_new1 == -Float32.inf:
+                    m_use1 = Float32(0.0)
+                alpha0 = cute.math.exp2(row_max0 - m_use0, fastmath=True)
+                alpha1 = cute.math.exp2(row_max1 - m_use1, fastmath=True)
+                rP = cute.make_fragment_like(acc_S, BFloat16)
+                rPlo = cute.make_fragment_like(acc_S, BFloat16) if const_expr(self.token_scale) else None
+                tot0 = Float32(0.0)
+                tot1 = Float32(0.0)
+                for i in cutlass.range_constexpr(cute.size(acc_S)):
+                    if const_expr(row_slot(i) == 0):
+                        p = cute.math.exp2(acc_S[i] - m_use0, fastmath=True)
+                        tot0 = tot0 + p
+                    else:
+                        p = cute.math.exp2(acc_S[i] - m_use1, fastmath=True)
+                        tot1 = tot1 + p
+                    pb = p.to(BFloat16)
+                    if const_expr(self.token_scale):
+                        # P' = bf16(p) s_v(j), as two bf16 halves for PV
+                        pw = pb.to(Float32) * sSV[0, tScS[i][1], stage]
+                        hi = pw.to(BFloat16)
+                        rP[i] = hi
+                        rPlo[i] = (pw - hi.to(Float32)).to(BFloat16)
+                    else:
+                        rP[i] = pb
+                for off in cutlass.range_constexpr(1, 3):
+                    tot0 = tot0 + cute.arch.shuffle_sync_bfly(tot0, offset=off)
+                    tot1 = tot1 + cute.arch.shuffle_sync_bfly(tot1, offset=off)
+                row_sum0 = row_sum0 * alpha0 + tot0
+                row_sum1 = row_sum1 * alpha1 + tot1
+                row_max0 = m_new0
+                row_max1 = m_new1
+                # P through SMEM into PV's A layout: a warp writes and reads only its own 16 rows
+                cute.autovec_copy(rP, tPsP)
                 if const_expr(self.token_scale):
-                    x = acc_S[i] * sSK[0, c, stage] * softmax_scale_log2  # (q . k8) s_k c, as dot * c
-                else:
-                    x = acc_S[i] * k_mult
-                if const_expr(row_slot(i) == 0):
-                    if key0 + c >= limit0:
-                        x = Float32(-Float32.inf)
-                    tmax0 = cute.arch.fmax(tmax0, x)
-                else:
-                    if key0 + c >= limit1:
-                        x = Float32(-Float32.inf)
-                    tmax1 = cute.arch.fmax(tmax1, x)
-                acc_S[i] = x
-            for off in cutlass.range_constexpr(1, 3):  # the quad's 4 threads: lanes xor 1, xor 2
-                tmax0 = cute.arch.fmax(tmax0, cute.arch.shuffle_sync_bfly(tmax0, offset=off))
-                tmax1 = cute.arch.fmax(tmax1, cute.arch.shuffle_sync_bfly(tmax1, offset=off))
-            m_new0 = cute.arch.fmax(row_max0, tmax0)
-            m_new1 = cute.arch.fmax(row_max1, tmax1)
-            m_use0 = m_new0
-            m_use1 = m_new1
-            if m_new0 == -Float32.inf:
-                m_use0 = Float32(0.0)  # nothing visible yet: p = 2^-inf = 0, not NaN
-            if m_new1 == -Float32.inf:
-                m_use1 = Float32(0.0)
-            alpha0 = cute.math.exp2(row_max0 - m_use0, fastmath=True)
-            alpha1 = cute.math.exp2(row_max1 - m_use1, fastmath=True)
-            rP = cute.make_fragment_like(acc_S, BFloat16)
-            rPlo = cute.make_fragment_like(acc_S, BFloat16) if const_expr(self.token_scale) else None
-            tot0 = Float32(0.0)
-            tot1 = Float32(0.0)
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                if const_expr(row_slot(i) == 0):
-                    p = cute.math.exp2(acc_S[i] - m_use0, fastmath=True)
-                    tot0 = tot0 + p
-                else:
-                    p = cute.math.exp2(acc_S[i] - m_use1, fastmath=True)
-                    tot1 = tot1 + p
-                pb = p.to(BFloat16)
-                if const_expr(self.token_scale):
-                    # P' = bf16(p) s_v(j), as two bf16 halves for PV
-                    pw = pb.to(Float32) * sSV[0, tScS[i][1], stage]
-                    hi = pw.to(BFloat16)
-                    rP[i] = hi
-                    rPlo[i] = (pw - hi.to(Float32)).to(BFloat16)
-                else:
-                    rP[i] = pb
-            for off in cutlass.range_constexpr(1, 3):
-                tot0 = tot0 + cute.arch.shuffle_sync_bfly(tot0, offset=off)
-                tot1 = tot1 + cute.arch.shuffle_sync_bfly(tot1, offset=off)
-            row_sum0 = row_sum0 * alpha0 + tot0
-            row_sum1 = row_sum1 * alpha1 + tot1
-            row_max0 = m_new0
-            row_max1 = m_new1
-            # P through SMEM into PV's A layout: a warp writes and reads only its own 16 rows
-            cute.autovec_copy(rP, tPsP)
-            if const_expr(self.token_scale):
-                cute.autovec_copy(rPlo, tPsPlo)
-            cute.arch.sync_warp()
+                    cute.autovec_copy(rPlo, tPsPlo)
+                cute.arch.sync_warp()
 
-            # O = O * alpha + P V
-            for i in cutlass.range_constexpr(cute.size(acc_O)):
-                if const_expr(row_slot(i) == 0):
-                    acc_O[i] = acc_O[i] * alpha0
-                else:
-                    acc_O[i] = acc_O[i] * alpha1
-            for kb in cutlass.range(cute.size(tOsP, mode=[2]), unroll=1):
-                cute.autovec_copy(tOsP[None, None, kb], tOrP)
-                cute.autovec_copy(tOsV_t[None, None, kb], tOrV)
-                cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
-                if const_expr(self.token_scale):
-                    cute.autovec_copy(tOsPlo[None, None, kb], tOrP)
+                # O = O * alpha + P V
+                for i in cutlass.range_constexpr(cute.size(acc_O)):
+                    if const_expr(row_slot(i) == 0):
+                        acc_O[i] = acc_O[i] * alpha0
+                    else:
+                        acc_O[i] = acc_O[i] * alpha1
+                for kb in cutlass.range(cute.size(tOsP, mode=[2]), unroll=1):
+                    cute.autovec_copy(tOsP[None, None, kb], tOrP)
+                    cute.autovec_copy(tOsV_t[None, None, kb], tOrV)
                     cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
+                    if const_expr(self.token_scale):
+                        cute.autovec_copy(tOsPlo[None, None, kb], tOrP)
+                        cute.gemm(tiled_mma, acc_O, tOrP, tOrV, acc_O)
 
         # ---- epilogue: o_s = acc / l (0 where nothing was visible), lse_s = m + log2 l (-inf);
         # lane t = 0 of each quad writes its two rows' LSE
