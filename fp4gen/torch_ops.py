@@ -583,24 +583,19 @@ def _backward_takes_strides(mod) -> bool:
 def _tma_loadable(t) -> bool:
     """What ``checks.check_tma_layout`` accepts (the generated forward's own check): rows contiguous,
     a 16-byte aligned base, every other stride of a dim of size > 1 a multiple of 16 bytes."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
+    st, n = t.stride(), t.shape  # (B, S, H, D); written out: this runs on every call
+    if st[3] != 1 or t.data_ptr() & 15:
         return False
-    item = t.element_size()
-    return all(n == 1 or (st * item) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]))
+    a = 16 // t.element_size()  # elements per 16 bytes
+    return (n[0] == 1 or st[0] % a == 0) and (n[1] == 1 or st[1] % a == 0) and (n[2] == 1 or st[2] % a == 0)
 
 
 def _empty_like_is_compact(t) -> bool:
-    """Whether ``torch.empty_like(t)`` is contiguous: it keeps the strides of a non-overlapping and
-    dense tensor (a permuted one, e.g. SDPA's (B, H, S, D) transposed) and is contiguous otherwise
-    (a fused QKV projection's views, which have gaps)."""
-    if t.is_contiguous():
-        return True
-    expect = 1
-    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
-        if st != expect:
-            return True  # gaps or overlap: not dense
-        expect *= n
-    return False
+    """Whether ``torch.empty_like(t)`` is contiguous. It follows the order of t's strides (a
+    permuted t, e.g. SDPA's (B, H, S, D) transposed, gives a permuted tensor; a fused QKV
+    projection's views a contiguous one); torch's rules for size-1 and stride-0 dims are
+    intricate, so ask torch itself, on the meta device (no memory, ~3 us)."""
+    return t.is_contiguous() or torch.empty_like(t, device="meta").is_contiguous()
 
 
 def _forward_operands(plan: _Plan, q, k, v):
@@ -610,7 +605,7 @@ def _forward_operands(plan: _Plan, q, k, v):
     (tests/torch_ops/test_strided_gpu.py), so they keep the copy. A forward that reads its inputs
     only through the fused FP8 quantizer (``_forward_takes_strides``) gets them as they lie when
     its own TMA-layout check accepts them (else the copy, as before); q also when the module's
-    ``torch.empty_like(q)`` output is then compact, as its kernel writes O (a dense permuted q
+    ``torch.empty_like(q)`` output is then compact, as its kernel writes O (a permuted q
     would give a permuted O)."""
     if not plan.strided_fwd:
         return q.contiguous(), k.contiguous(), v.contiguous()

@@ -275,9 +275,9 @@ def _fits_compiled(t: Any, head_dim: int) -> bool:
     as it lies: their head stride is the static head dim, the token and batch strides symbolic
     multiples of it (CuTe DSL derives them so; TVM-FFI checks them at the call), rows contiguous,
     a 16-byte aligned base. A fused QKV projection's q/k/v views fit."""
-    if t.stride(3) != 1 or t.data_ptr() % 16 or (t.stride(2) != head_dim and t.shape[2] != 1):
-        return False
-    return t.stride(1) % head_dim == 0 and t.stride(0) % head_dim == 0
+    st = t.stride()
+    return (st[3] == 1 and not t.data_ptr() & 15 and (st[2] == head_dim or t.shape[2] == 1)
+            and st[1] % head_dim == 0 and st[0] % head_dim == 0)
 
 
 def _fp8_bytes(t: Any):

@@ -201,7 +201,7 @@ def test_planted_backward_copy_is_caught(on_pretend_sm90a, monkeypatch):
 
 
 def test_layouts_that_still_copy(on_pretend_sm90a, monkeypatch):
-    """A dense permuted q (SDPA's (B, H, S, D) transposed) would give the module a permuted O
+    """A permuted q (SDPA's (B, H, S, D) transposed) would give the module a permuted O
     (``torch.empty_like``): copied, as before. An unaligned view is copied too (TMA-layout check)."""
     seen, install = on_pretend_sm90a
     install(DS8)
@@ -236,3 +236,22 @@ def test_fits_compiled_is_the_compiled_argument_layout():
     interleaved = torch.randn(B, S, H, 3, D, dtype=torch.bfloat16)[:, :, :, 0]  # head stride 3 D
     assert not sm90_bwd_host._fits_compiled(interleaved, D)
     assert not sm90_bwd_host._fits_compiled(q[:, :, :, :64], 64)  # head stride 128 != 64
+
+
+def test_tma_loadable_agrees_with_the_modules_check():
+    """torch_ops._tma_loadable predicts checks.check_tma_layout (the generated forward's own check),
+    and _empty_like_is_compact predicts torch.empty_like, on layouts that pass and fail."""
+    x, q, k, _ = _fused_qkv(requires_grad=False)
+    flat = torch.randn(B * S * H * D + 8, dtype=torch.bfloat16)
+    cases = [q, k, q.contiguous(), q.transpose(1, 2), q.transpose(2, 3), q[:, :, :, :64], q[:1, :5],
+             flat[1:1 + B * S * H * D].view(B, S, H, D),  # 2-byte offset base
+             torch.randn(B, S, H, D + 4, dtype=torch.bfloat16)[..., :D],  # token stride 8 bytes off
+             torch.randn(B, H, S, D, dtype=torch.bfloat16).transpose(1, 2)]
+    for i, t in enumerate(cases):
+        try:
+            checks.check_tma_layout("k", "q", t)
+            ok = True
+        except checks.AttentionInputError:
+            ok = False
+        assert torch_ops._tma_loadable(t) == ok, i
+        assert torch_ops._empty_like_is_compact(t) == torch.empty_like(t).is_contiguous(), i
