@@ -12,8 +12,11 @@ the thread's CPU time (``time.thread_time_ns``), so that a busy machine's preemp
     python3 bench/host_overhead.py --json bench/results/host-overhead-cpu.json
 
 Cases: ``dense`` (the FP8 ds8 training recipe's module: causal, forward state), ``gqa`` (the same
-with H = 8, Hkv = 2), ``varlen`` (a BF16 varlen forward module; the backward is the reference's),
-``transforms`` (FP8 exp forward with K smoothing and V channel scales; reference backward).
+with H = 8, Hkv = 2), ``fused`` (``dense`` on q, k, v views of one fused QKV projection, the stub
+module carrying the sm90a host objects, so that torch_ops takes the strided path of issue 24: no
+copies; the stubs do not run the hosts' own code), ``varlen`` (a BF16 varlen forward module; the
+backward is the reference's), ``transforms`` (FP8 exp forward with K smoothing and V channel
+scales; reference backward).
 """
 from __future__ import annotations
 
@@ -55,11 +58,12 @@ _FP8 = ("Q : fp8e4m3(block=128); K : fp8e4m3(block=128){smooth}; P : fp8e4m3 via
 SPECS = {
     "dense": "mask causal; " + _FP8 + "; backward { reuse q k lse; dO : fp8e4m3; dS : fp8e4m3; deterministic false }",
     "gqa": "mask causal; " + _FP8 + "; backward { reuse q k lse; dO : fp8e4m3; dS : fp8e4m3; deterministic false }",
+    "fused": "mask causal; " + _FP8 + "; backward { reuse q k lse; dO : fp8e4m3; dS : fp8e4m3; deterministic false }",
     "varlen": "mask causal; layout varlen; Q : bf16; K : bf16; P : bf16; V : bf16; O : bf16",
     "transforms": "mask none; " + _FP8,
 }
 SHAPES = {  # (B, S, H, Hkv, D); varlen: B sequences of S tokens packed
-    "dense": (2, 64, 4, 4, 128), "gqa": (2, 64, 8, 2, 128), "varlen": (2, 64, 4, 4, 128),
+    "dense": (2, 64, 4, 4, 128), "gqa": (2, 64, 8, 2, 128), "fused": (2, 64, 4, 4, 128), "varlen": (2, 64, 4, 4, 128),
     "transforms": (2, 64, 4, 4, 128),
 }
 
@@ -71,8 +75,9 @@ def case_spec(name: str):
     return s
 
 
-def stub_module(spec, counter=None):
-    """A module honouring the generated-module contract whose functions only allocate outputs."""
+def stub_module(spec, counter=None, with_hosts: bool = False):
+    """A module honouring the generated-module contract whose functions only allocate outputs
+    (``with_hosts``: also the sm90a host objects, which the stubs never call)."""
     from fp4gen.device.quantize import transposed_shape
 
     count = counter if counter is not None else {}
@@ -120,6 +125,13 @@ def stub_module(spec, counter=None):
     if fp8_state:
         mod.BWD_S_FP8, mod.BWD_DO_FP8, mod.BWD_DS_FP8, mod.QUANT_BLOCK = True, True, True, 128
         mod.quantize_inputs = quantize_inputs
+    if with_hosts:  # what torch_ops looks for to pass strided views (_forward_takes_strides, ...)
+        from fp4gen.runtime.sm90_bwd_host import BackwardHost
+        from fp4gen.runtime.sm90_host import ForwardHost
+
+        mod._HOST = ForwardHost(types.SimpleNamespace(in_fp8=True, varlen=False, kernel_name=spec.name), None,
+                                quantizer=object())
+        mod._BWD_HOST = BackwardHost(spec.name, None, None, prep=None, quantize=None)
     return mod
 
 
@@ -158,6 +170,10 @@ def case_inputs(name: str, requires_grad: bool):
     if name == "varlen":
         q, k, v = torch.randn(b * s, h, d, dtype=dt), torch.randn(b * s, hkv, d, dtype=dt), \
             torch.randn(b * s, hkv, d, dtype=dt)
+    elif name == "fused":  # views of one (B, S, (H + 2 Hkv) D) projection, as a model's QKV linear gives
+        x = torch.randn(b, s, (h + 2 * hkv) * d, dtype=dt, requires_grad=requires_grad)
+        q, k, v = (t.view(b, s, -1, d) for t in x.split([h * d, hkv * d, hkv * d], -1))
+        return q, k, v
     else:
         q, k, v = torch.randn(b, s, h, d, dtype=dt), torch.randn(b, s, hkv, d, dtype=dt), \
             torch.randn(b, s, hkv, d, dtype=dt)
@@ -244,7 +260,7 @@ def main(argv=None) -> int:
         if name not in SPECS:
             ap.error(f"unknown case {name!r}; cases: {', '.join(SPECS)}")
         spec = case_spec(name)
-        mod = stub_module(spec)
+        mod = stub_module(spec, with_hosts=name == "fused")
         install(spec, mod)
         assert torch_ops.explain(spec, "cpu")["forward"].startswith("generated:"), torch_ops.explain(spec, "cpu")
         fwd = time_per_call(call_fn(name, spec, False), a.calls, a.rounds)
