@@ -33,6 +33,7 @@ from .. import layout as dlayout
 from .. import mask as dmask
 from .. import ptx
 from .. import softmax as dsoftmax
+from ..pipelines import tma_pipelines
 from ..quantize import BLOCK as QUANT_BLOCK  # tokens per FP8 Q/K scale (the forward's quantizer)
 
 BF16 = cutlass.BFloat16
@@ -371,16 +372,8 @@ class Backward:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.kv_bytes, defer_sync=True)
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=cfg.q_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.qdo_bytes, defer_sync=True)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_kv, pipe_qdo = tma_pipelines(
+            self.mma_threads, (storage.mbar_kv, 1, self.kv_bytes), (storage.mbar_qdo, cfg.q_stages, self.qdo_bytes))
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)

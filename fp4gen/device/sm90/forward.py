@@ -54,6 +54,7 @@ from .. import layout as dlayout
 from .. import mask as dmask
 from .. import ptx
 from .. import softmax as dsoftmax
+from ..pipelines import tma_pipelines
 from .config import VARLEN_V_GAP, ForwardConfig
 
 BAR_SCHED = 1  # named barriers: 0 is __syncthreads; BAR_SCHED + i gates consumer warpgroup i's MMA issue
@@ -258,19 +259,9 @@ class ForwardKernel:
             cpasync.prefetch_descriptor(tma_atom_V)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage_t)
-        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.num_mma_threads // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.k_bytes, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.v_bytes, defer_sync=True)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_q, pipe_k, pipe_v = tma_pipelines(
+            cfg.num_mma_threads, (storage.mbar_q, 1, self.q_bytes), (storage.mbar_k, self.kv_stages, self.k_bytes),
+            (storage.mbar_v, self.kv_stages, self.v_bytes))
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)

@@ -1,0 +1,45 @@
+"""How the kernels set up their CuTe DSL pipelines (mbarrier rings), one home for both targets.
+
+- ``coop(n)``: the cooperative group of ``n`` threads a pipeline end is made of.
+- ``participants(kind, barrier, producer, consumer, ...)``: a pipeline of class ``kind``
+  (``PipelineTmaUmma``, ``PipelineUmmaAsync``, ``PipelineAsyncUmma``, ...) on the SMEM
+  mbarrier array ``barrier`` (a ``Storage`` field), as its (producer, consumer) participant
+  handles: the sm100a kernels' form.
+- ``tma_pipelines(consumer_threads, *loads)``: the sm90a kernels' load pipelines, one
+  ``PipelineTmaAsync`` per load from one TMA thread to the MMA warps, initialised together
+  (deferred sync, one mbarrier init fence and CTA barrier for all).
+
+Plain Python called while tracing: the same CuTe DSL calls in the same order as the code each
+kernel had inline, so its PTX is unchanged (``scripts/ptx_fingerprint.py``).
+"""
+from __future__ import annotations
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+
+
+def coop(n: int):
+    return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+
+def participants(kind, barrier, producer, consumer, *, stages: int = 1, **create):
+    """(producer, consumer) handles of a ``kind`` pipeline of ``stages`` stages whose mbarriers
+    are the SMEM array ``barrier``; ``create`` passes the rest (``tx_count`` for TMA loads)."""
+    return kind.create(barrier_storage=barrier.data_ptr(), num_stages=stages, producer_group=producer,
+                       consumer_group=consumer, **create).make_participants()
+
+
+def tma_pipelines(consumer_threads: int, *loads):
+    """One TMA load pipeline per ``(barrier, stages, tx_count)`` in ``loads``: produced by one
+    thread (the TMA warp's elected one), consumed by the ``consumer_threads // 32`` MMA warps.
+    Their inits are deferred and published together: one ``mbarrier_init_fence`` and one
+    ``sync_threads`` after the last. Returns the ``PipelineTmaAsync`` objects in order."""
+    tma_thread = coop(1)
+    mma_warps = coop(consumer_threads // 32)  # counted in warps, as both kernels had it
+    pipes = [pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier.data_ptr(), num_stages=stages, producer_group=tma_thread,
+        consumer_group=mma_warps, tx_count=tx_count, defer_sync=True)
+        for barrier, stages, tx_count in loads]
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return pipes
