@@ -20,15 +20,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from fp4gen.device import ptx
+from fp4gen.device.pipelines import coop, participants
 from fp4gen.device.sm100 import bwd as bdev
 from fp4gen.device.sm100.config import BackwardKernelConfig
+from fp4gen.device.sm100.copies import tma_part
 
 BF16 = cutlass.BFloat16
 CHUNK = 32  # TMEM columns per tcgen05.ld.32x32b.x32 (one register per column)
-
-
-def coop(n):
-    return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
 
 def slice0(layout):
@@ -187,29 +185,18 @@ class AttentionBwdSm100:
         # 2026-12-01: not a defect.
         one, wg = coop(1), coop(128)
         # load -> MMA: K/V once, Q/dO per query tile (TMA transaction bytes)
-        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
-            barrier_storage=st.kv_bar.data_ptr(), num_stages=1, producer_group=one, consumer_group=one,
-            tx_count=self.kv_bytes).make_participants()
-        qdo_prod, qdo_cons = pipeline.PipelineTmaUmma.create(
-            barrier_storage=st.qdo_bar.data_ptr(), num_stages=cfg.q_stages, producer_group=one,
-            consumer_group=one, tx_count=self.qdo_bytes).make_participants()
+        kv_prod, kv_cons = participants(pipeline.PipelineTmaUmma, st.kv_bar, one, one, tx_count=self.kv_bytes)
+        qdo_prod, qdo_cons = participants(pipeline.PipelineTmaUmma, st.qdo_bar, one, one, stages=cfg.q_stages,
+                                          tx_count=self.qdo_bytes)
         # MMA -> compute: S^T and dP^T complete; compute -> MMA (release): both drained
-        s_prod, s_cons = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.s_bar.data_ptr(), num_stages=1, producer_group=one,
-            consumer_group=wg).make_participants()
+        s_prod, s_cons = participants(pipeline.PipelineUmmaAsync, st.s_bar, one, wg)
         # compute -> MMA: P^T in TMEM and dS^T in SMEM (fenced); MMA -> compute (release):
         # dV, dK and dQ of that tile have read them
-        p_prod, p_cons = pipeline.PipelineAsyncUmma.create(
-            barrier_storage=st.p_bar.data_ptr(), num_stages=1, producer_group=wg,
-            consumer_group=one).make_participants()
+        p_prod, p_cons = participants(pipeline.PipelineAsyncUmma, st.p_bar, wg, one)
         # MMA -> dQ warps: dQ complete; dQ warps -> MMA (release): dQ's columns drained
-        dq_prod, dq_cons = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.dq_bar.data_ptr(), num_stages=1, producer_group=one,
-            consumer_group=wg).make_participants()
+        dq_prod, dq_cons = participants(pipeline.PipelineUmmaAsync, st.dq_bar, one, wg)
         # MMA -> compute: dK, dV final
-        dkv_prod, dkv_cons = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.dkv_bar.data_ptr(), num_stages=1, producer_group=one,
-            consumer_group=wg).make_participants()
+        dkv_prod, dkv_cons = participants(pipeline.PipelineUmmaAsync, st.dkv_bar, one, wg)
 
         tmem = utils.TmemAllocator(
             st.tmem_holding_buf.ptr,
@@ -253,10 +240,10 @@ class AttentionBwdSm100:
             gV = cute.local_tile(gV_all[None, None, head_kv, batch], (BN, D), (None, None))
             gQ = cute.local_tile(gQ_all[None, None, head, batch], (BM, D), (None, None))
             gdO = cute.local_tile(gdO_all[None, None, head, batch], (BM, D), (None, None))
-            tKs, tKg = self.tma_part(tma_k, sK, thr_s.partition_A(gK))
-            tVs, tVg = self.tma_part(tma_v, sV, thr_dp.partition_A(gV))
-            tQs, tQg = self.tma_part(tma_q, sQ, thr_s.partition_B(gQ))
-            tdOs, tdOg = self.tma_part(tma_do, sdO, thr_dp.partition_B(gdO))
+            tKs, tKg = tma_part(tma_k, sK, thr_s.partition_A(gK), False)
+            tVs, tVg = tma_part(tma_v, sV, thr_dp.partition_A(gV), False)
+            tQs, tQg = tma_part(tma_q, sQ, thr_s.partition_B(gQ), False)
+            tdOs, tdOg = tma_part(tma_do, sdO, thr_dp.partition_B(gdO), False)
             hkv = kv_prod.acquire_and_advance()
             cute.copy(tma_k, tKg[None, n_block, 0], tKs[None, 0], tma_bar_ptr=hkv.barrier)
             cute.copy(tma_v, tVg[None, n_block, 0], tVs[None, 0], tma_bar_ptr=hkv.barrier)
@@ -333,11 +320,6 @@ class AttentionBwdSm100:
             cute.arch.setmaxregister_increase(count)
         else:
             cute.arch.setmaxregister_decrease(count)
-
-    @cute.jit
-    def tma_part(self, atom, s, g):
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
-                                     cute.group_modes(g, 0, 3))
 
     @cute.jit
     def compute(self, t: Int32, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,

@@ -129,11 +129,10 @@ def _build(cfg: KernelConfig):
     K_STEPS = cfg.k_steps
     PRODUCTS = cfg.products
     FENCED = cfg.fenced
+    from fp4gen.device.pipelines import coop, participants
+    from fp4gen.device.sm100 import copies  # the forward's TMA and scale-factor copies
     from fp4gen.device.sm100.bwd import tcgen05_fence_after_thread_sync, tcgen05_fence_before_thread_sync
     WORDS = K // 8  # 32-bit TMEM columns of one A row (8 E2M1 codes each)
-
-    def coop(n):
-        return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
     def slice0(layout):
         return cute.slice_(layout, (None, None, None, 0))
@@ -209,22 +208,14 @@ def _build(cfg: KernelConfig):
             # the start state of every CuTe producer. The kernels also ran to completion in
             # fp4gen's PTX emulator under both its schedules.
             # TMA of B + SFB -> MMA thread
-            b_prod, b_cons = pipeline.PipelineTmaUmma.create(
-                barrier_storage=st.b_bar.data_ptr(), num_stages=1, producer_group=one,
-                consumer_group=one, tx_count=self.b_bytes).make_participants()
+            b_prod, b_cons = participants(pipeline.PipelineTmaUmma, st.b_bar, one, one, tx_count=self.b_bytes)
             # all threads: A stored in TMEM + SFA bytes in SMEM -> MMA thread (the forward's P pipe)
-            a_prod, a_cons = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=st.a_bar.data_ptr(), num_stages=1, producer_group=wg,
-                consumer_group=one).make_participants()
+            a_prod, a_cons = participants(pipeline.PipelineAsyncUmma, st.a_bar, wg, one)
             # MMA commit -> all threads read D
-            d_prod, d_cons = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=st.d_bar.data_ptr(), num_stages=1, producer_group=one,
-                consumer_group=wg).make_participants()
+            d_prod, d_cons = participants(pipeline.PipelineUmmaAsync, st.d_bar, one, wg)
             m_prod, m_cons = None, None
             if const_expr(FENCED and PRODUCTS == 2):
-                m_prod, m_cons = pipeline.PipelineUmmaAsync.create(
-                    barrier_storage=st.mid_bar.data_ptr(), num_stages=1, producer_group=one,
-                    consumer_group=one).make_participants()
+                m_prod, m_cons = participants(pipeline.PipelineUmmaAsync, st.mid_bar, one, one)
 
             tmem = cmem.TmemAllocator(
                 st.tmem_holding_buf.ptr,
@@ -241,8 +232,8 @@ def _build(cfg: KernelConfig):
             if warp == 0:
                 gB = cute.local_tile(gB_nkl, cute.slice_(self.tiler, (0, None, None)), (None, None, None))
                 gSFB = cute.local_tile(gSFB_nkl, cute.slice_(self.tiler, (0, None, None)), (None, None, None))
-                tBs, tBg = self.tma_part(tma_b, sB, thr.partition_B(gB), False)
-                tSFBs, tSFBg = self.tma_part(tma_sfb, sSFB, thr.partition_B(gSFB), True)
+                tBs, tBg = copies.tma_part(tma_b, sB, thr.partition_B(gB), False)
+                tSFBs, tSFBg = copies.tma_part(tma_sfb, sSFB, thr.partition_B(gSFB), True)
                 hb_p = b_prod.acquire_and_advance()
                 cute.copy(tma_b, tBg[None, 0, 0, 0], tBs[None, 0], tma_bar_ptr=hb_p.barrier)
                 cute.copy(tma_sfb, tSFBg[None, 0, 0, 0], tSFBs[None, 0], tma_bar_ptr=hb_p.barrier)
@@ -292,8 +283,8 @@ def _build(cfg: KernelConfig):
                     tSFA = cute.make_tensor(cute.recast_ptr(base + COL[csa], dtype=E8M0), tSFA_l)
                     tSFB = cute.make_tensor(cute.recast_ptr(base + COL[csb], dtype=E8M0), tSFB_l)
                     tD = cute.make_tensor(base + COL[cd], d_fake.layout)
-                    self.s2t(s2t, sSFA, tSFA)
-                    self.s2t(s2t, sSFB, tSFB)
+                    copies.s2t(copies.s2t_part(s2t, sSFA, tSFA), 0)  # SMEM has one stage
+                    copies.s2t(copies.s2t_part(s2t, sSFB, tSFB), 0)
                     for kb in cutlass.range_constexpr(K_STEPS):
                         mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
                         mma.set(tcgen05.Field.SFA, tSFA[None, None, kb].iterator)
@@ -336,23 +327,6 @@ def _build(cfg: KernelConfig):
                 tmem.relinquish_alloc_permit()
                 tmem.free(base)
 
-        @cute.jit
-        def tma_part(self, atom, s, g, is_sf: cutlass.Constexpr):
-            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                           cute.group_modes(s, 0, 3), cute.group_modes(g, 0, 3))
-            if const_expr(is_sf):
-                ts = cute.filter_zeros(ts)
-                tg = cute.filter_zeros(tg)
-            return ts, tg
-
-        def s2t(self, atom, s_sf, t_sf):
-            s_c = cute.filter_zeros(s_sf)
-            t_c = cute.filter_zeros(t_sf)
-            tiled = tcgen05.make_s2t_copy(atom, t_c)
-            cp = tiled.get_slice(0)
-            src = tcgen05.get_s2t_smem_desc_tensor(tiled, cp.partition_S(s_c))
-            cute.copy(tiled, src[None, None, None, None, 0], cp.partition_D(t_c))
-
     return SelftestPV, cutlass, cute
 
 
@@ -372,15 +346,23 @@ def _pointers(tensors, fake):
                      assumed_align=al) for n, _, cdt, al in _ARGS]
 
 
+# the kernel library files the kernels trace besides this one (their edits must recompile)
+_TRACED = ("../pipelines.py", "copies.py", "bwd.py")
+
+
 def _source_key(cfg: KernelConfig) -> str:
-    """sha256 of this file, the config and the CuTe DSL version: what the PTX depends on."""
+    """sha256 of this file and the ones it traces, the config and the CuTe DSL version: what
+    the PTX depends on."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         dsl = version("nvidia-cutlass-dsl")
     except PackageNotFoundError:  # pragma: no cover - CuTe DSL is needed to compile at all
         dsl = "?"
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    here = Path(__file__)
+    h = hashlib.sha256(here.read_bytes())
+    for rel in _TRACED:
+        h.update((here.parent / rel).read_bytes())
     h.update(f"{cfg!r} {dsl}".encode())
     return h.hexdigest()[:16]
 
@@ -392,7 +374,7 @@ def cache_dir() -> Path:
 def compile_only(name: str, *, cache: bool = True, fenced: bool = False) -> str:
     """Compile check ``name``'s kernel for sm_100a without a GPU; return its PTX.
 
-    The PTX is cached under ``cache_dir()`` keyed by the sha256 of this file and the config
+    The PTX is cached under ``cache_dir()`` keyed by the sha256 of the source and the config
     (a compile costs seconds of CPU). CuTe DSL reads ``CUTE_DSL_ARCH`` when it compiles; it is
     set to sm_100a here unless already set to something else (then: RuntimeError)."""
     cfg = kernel_config(name, fenced)
