@@ -68,20 +68,11 @@ class AttentionBwdSm100:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE2: cute.Tensor,
-        mDsum: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mdQturn: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        scale_log2: Float32,
-        softmax_scale: Float32,
-        causal_offset: Int32,
-        stream,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,  # bf16 (B, S, H, D)
+        mLSE2: cute.Tensor, mDsum: cute.Tensor,  # fp32 (B, H, Sqp): the forward's LSE2, rowsum(dO O)
+        mdQacc: cute.Tensor, mdQturn: cute.Tensor,  # fp32 (B, H, Sqp, D), int32 (B, H, Sqp / tile_m)
+        mdK: cute.Tensor, mdV: cute.Tensor,  # (B, Sk, H, D), per query head (fp32 for GQA)
+        scale_log2: Float32, softmax_scale: Float32, causal_offset: Int32, stream,
     ):
         cfg = self.config
         D, BM, BN = cfg.head_dim, cfg.tile_m, cfg.tile_n
