@@ -596,8 +596,9 @@ class Backward:
                         acc_S[i] = dsoftmax.tanh_approx(acc_S[i] * tanh_scale)
                 # mask keys past the end (causal: and keys after the query's diagonal; window: and
                 # keys outside it)
-                if cutlass.const_expr(cfg.softcap > 0 and cfg.window is not None):
-                    self.softcap_window_mask(S, c_mn, key0, q0, seqlen_k, causal_offset)
+                if cutlass.const_expr(self.window_by_rows):
+                    self.window_mask_rows(S, c_mn, key0, q0, seqlen_k, causal_offset,
+                                          SOFTCAP_FILL if cfg.softcap > 0 else None)
                 else:
                     dmask.apply_keys_by_queries(S, c_mn, key0, q0, bn, bm, seqlen_k, cfg.causal, causal_offset,
                                                 cfg.window, SOFTCAP_FILL if cfg.softcap > 0 else None)
@@ -822,17 +823,26 @@ class Backward:
             return lse_row[j] - P_LOG2_SCALE
         return lse_row[j]
 
+    @property
+    def window_by_rows(self) -> bool:
+        """Whether the window is masked by ``window_mask_rows``: with a softcap, and in the FP8
+        recipes (FP8 dO: FP8 and all-FP8), where ``mask.apply_keys_by_queries``' per-element
+        form spilled (4-12 B, ptxas 13.5). The BF16 window backward without a softcap keeps
+        the per-element form: it does not spill there, and its PTX stays the one measured."""
+        cfg = self.config
+        return cfg.window is not None and (cfg.softcap > 0 or cfg.do_fp8)
+
     @cute.jit
-    def softcap_window_mask(self, s_mn: cute.Tensor, c_mn: cute.Tensor, key0: Int32, q0: Int32, seqlen_k: Int32,
-                            causal_offset: Int32):
+    def window_mask_rows(self, s_mn: cute.Tensor, c_mn: cute.Tensor, key0: Int32, q0: Int32, seqlen_k: Int32,
+                         causal_offset: Int32, fill: cutlass.Constexpr):
         """``mask.apply_keys_by_queries``' rule for a window (keys past ``seqlen_k``, and key j
         seen by the queries i with j - offset - right <= i <= j - offset + left), entries set to
-        SOFTCAP_FILL, with per-row bounds: each of the thread's key rows gets its first and last
-        visible query relative to the thread's first query column, and the columns, which lie
-        at constant distances from that one, compare against them as immediates. The
-        per-element form keeps a sum per query column live next to the in-flight dP^T, which
-        made the FP8 window + softcap backwards spill. Only a tile that crosses a bound is
-        walked."""
+        ``fill`` (None: -inf; SOFTCAP_FILL on the tanh tile), with per-row bounds: each of the
+        thread's key rows gets its first and last visible query relative to the thread's first
+        query column, and the columns, which lie at constant distances from that one, compare
+        against them as immediates. The per-element form keeps a sum per query column live
+        next to the in-flight dP^T, which made the FP8 window backwards spill. Only a tile that
+        crosses a bound is walked."""
         cfg = self.config
         bm, bn = cfg.tile_m, cfg.tile_n
         left, right = cfg.window
@@ -857,7 +867,10 @@ class Backward:
                     if cutlass.const_expr(left >= 0):
                         bad = bad | (dj > rel + left)
                     if bad:
-                        s_mn[r, j] = Float32(SOFTCAP_FILL)
+                        if cutlass.const_expr(fill is None):
+                            s_mn[r, j] = -Float32.inf
+                        else:
+                            s_mn[r, j] = Float32(fill)
 
     @cute.jit
     def store_ds_fp8(self, acc_ds, frg_dk, smem_addr):
