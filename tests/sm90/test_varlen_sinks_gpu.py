@@ -3,8 +3,9 @@ GPU, against the reference backend (``reference.forward_varlen`` / ``reference.f
 
 Tolerances are test_window_softcap_gpu.py's ``_check`` (per recipe, test_sm90_gpu.py's TOL): a
 sink only adds one term to each row's denominator, and varlen only changes which rows and keys a
-CTA reads, so neither adds error of its own. Rows that see no key: O == 0 and LSE == -inf (the
-sink's logit with sinks), exactly where the reference has them.
+CTA reads, so neither adds error of its own (FP8 Direct-P's LSE bound, computed per row from the
+reference's codes, counts the sink's share of l: a sink-dominated row cannot move). Rows that see
+no key: O == 0 and LSE == -inf (the sink's logit with sinks), exactly where the reference has them.
 """
 from __future__ import annotations
 
@@ -66,4 +67,5 @@ def test_sinks_match_reference(variant, mult, tmp_path):
         sinks = torch.linspace(-4.0, 12.0, H, device="cuda") * mult
         o, lse = mod.forward(q, k, v, sinks=sinks, return_lse=True)
         o_ref, lse_ref = reference.forward(q, k, v, plan.spec, sinks=sinks)
-        _check(o, lse, o_ref, lse_ref, variant, what=f"{variant} sinks x{mult} {Sq}x{Sk}")
+        _check(o, lse, o_ref, lse_ref, variant, what=f"{variant} sinks x{mult} {Sq}x{Sk}",
+               inputs=(q, k, v, plan.spec, sinks))

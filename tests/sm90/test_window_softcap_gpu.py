@@ -17,6 +17,11 @@ are -inf, so it adds nothing. A softcap adds the error of ``tanh.approx.f32``: r
 2^-10.987 at most (PTX ISA), so a capped score c tanh(s / c) is off by up to
 c * 2^-10.987 (natural-log units), which moves each P and the LSE by up to that much
 (relative / absolute): added to the O and LSE bounds as ``_softcap_slack``.
+
+FP8 Direct-P's LSE is held to a per-row error-model bound instead of TOL's flat one
+(``directp_bounds.lse_bound``: which P codes the FP8 MMA's score errors can flip, from the
+reference's own codes and l; docs/numerics.md, "FP8 Direct-P: the LSE bound"), so ``_check``
+takes the reference's inputs for that recipe.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import directp_bounds  # noqa: E402
 from plans import VARIANTS, load_module, make_plan  # noqa: E402
 from test_sm90_gpu import TOL, _inputs, _rel_l2  # noqa: E402
 
@@ -53,7 +59,10 @@ def _softcap_slack(softcap: float) -> float:
     return softcap * TANH_APPROX_REL_ERR
 
 
-def _check(o, lse, o_ref, lse_ref, variant, softcap=0.0, what=""):
+def _check(o, lse, o_ref, lse_ref, variant, softcap=0.0, what="", inputs=None, l_from_mma=False):
+    """O and LSE against the reference's; ``inputs`` (q, k, v, spec[, sinks]), what the
+    reference was given: needed for fp8_directp, whose LSE bound is computed from them
+    (``l_from_mma``: the plan's, l summed on the tensor cores)."""
     tol_o, tol_abs, tol_rel = TOL[variant]
     slack = _softcap_slack(softcap)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), what
@@ -65,7 +74,9 @@ def _check(o, lse, o_ref, lse_ref, variant, softcap=0.0, what=""):
     err = _rel_l2(o.float(), o_ref.float())
     assert err < tol_o + slack, f"{what}: rel-L2 vs reference {err:.3e} (bound {tol_o + slack:.3e})"
     fin = ~inf_r
-    if fin.any():
+    if variant == "fp8_directp" and inputs is not None:
+        directp_bounds.check_directp_lse(lse, lse_ref, inputs, slack, what, l_from_mma)
+    elif fin.any():  # (fp8_directp without inputs, e.g. a varlen caller: TOL's flat bound)
         dl = (lse[fin] - lse_ref[fin]).abs()
         bound = tol_abs + slack + tol_rel * lse_ref[fin].abs()
         assert (dl <= bound).all(), f"{what}: max |dLSE| {dl.max().item():.3e}"
@@ -91,7 +102,7 @@ def test_window_matches_reference(variant, case, tmp_path_factory):
     q, k, v = _inputs(B, Sq, Sk, H, Hkv, 128, 1.0, seed=Sq * 3 + Sk)
     o, lse = mod.forward(q, k, v, return_lse=True)
     o_ref, lse_ref = reference.forward(q, k, v, plan.spec)
-    _check(o, lse, o_ref, lse_ref, variant, what=f"{variant} window{window} {Sq}x{Sk}")
+    _check(o, lse, o_ref, lse_ref, variant, what=f"{variant} window{window} {Sq}x{Sk}", inputs=(q, k, v, plan.spec))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -107,7 +118,8 @@ def test_softcap_matches_reference(variant, causal, mult, tmp_path_factory):
         q, k, v = _inputs(B, Sq, Sk, H, Hkv, 128, mult, seed=Sq + Sk)
         o, lse = mod.forward(q, k, v, return_lse=True)
         o_ref, lse_ref = reference.forward(q, k, v, plan.spec)
-        _check(o, lse, o_ref, lse_ref, variant, 30.0, f"{variant} softcap causal={causal} x{mult} {Sq}x{Sk}")
+        _check(o, lse, o_ref, lse_ref, variant, 30.0, f"{variant} softcap causal={causal} x{mult} {Sq}x{Sk}",
+               inputs=(q, k, v, plan.spec))
 
 
 def test_window_with_softcap(tmp_path_factory):
@@ -119,7 +131,7 @@ def test_window_with_softcap(tmp_path_factory):
     q, k, v = _inputs(1, 700, 900, 2, 2, 128, 30.0, seed=11)
     o, lse = mod.forward(q, k, v, return_lse=True)
     o_ref, lse_ref = reference.forward(q, k, v, plan.spec)
-    _check(o, lse, o_ref, lse_ref, "fp8_directp", 30.0, "directp window+softcap")
+    _check(o, lse, o_ref, lse_ref, "fp8_directp", 30.0, "directp window+softcap", inputs=(q, k, v, plan.spec))
 
 
 @pytest.mark.parametrize("name,variant", [
@@ -138,7 +150,7 @@ def test_example_modules(name, variant):
         q, k, v = _inputs(B, Sq, Sk, H, Hkv, 128, mult, seed=100 + i)
         o, lse = mod.forward(q, k, v, return_lse=True)
         o_ref, lse_ref = reference.forward(q, k, v, spec)
-        _check(o, lse, o_ref, lse_ref, variant, spec.softcap, f"{name} {Sq}x{Sk} x{mult}")
+        _check(o, lse, o_ref, lse_ref, variant, spec.softcap, f"{name} {Sq}x{Sk} x{mult}", inputs=(q, k, v, spec))
 
 
 @pytest.mark.parametrize("kw", [dict(overlap=False), dict(l_from_mma=True)], ids=["plain_steps", "l_from_mma"])
@@ -154,4 +166,5 @@ def test_window_other_schedules(kw, tmp_path_factory):
         q, k, v = _inputs(B, Sq, Sk, H, Hkv, 128, 1.0, seed=Sq + 2 * Sk)
         o, lse = mod.forward(q, k, v, return_lse=True)
         o_ref, lse_ref = reference.forward(q, k, v, plan.spec)
-        _check(o, lse, o_ref, lse_ref, variant, plan.spec.softcap, f"{kw} {Sq}x{Sk}")
+        _check(o, lse, o_ref, lse_ref, variant, plan.spec.softcap, f"{kw} {Sq}x{Sk}", inputs=(q, k, v, plan.spec),
+               l_from_mma=bool(kw.get("l_from_mma")))
