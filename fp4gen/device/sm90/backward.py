@@ -35,6 +35,7 @@ from .. import ptx
 from .. import softmax as dsoftmax
 from ..pipelines import tma_pipelines
 from ..quantize import BLOCK as QUANT_BLOCK  # tokens per FP8 Q/K scale (the forward's quantizer)
+from .config import check_window_softcap
 
 BF16 = cutlass.BFloat16
 FP8 = cutlass.Float8E4M3FN
@@ -82,13 +83,7 @@ class BackwardConfig:
     softcap: float = 0.0  # c > 0: scaled scores are c tanh(s / c), dS takes 1 - tanh^2; 0: none
 
     def __post_init__(self):
-        if self.window is not None:
-            left, right = self.window
-            if self.causal or (left, right) in ((-1, -1), (-1, 0)) or min(left, right) < -1 or max(left, right) >= 2 ** 30:
-                raise ValueError(f"backward window {self.window} must bound a side, be neither causal (-1, 0) nor "
-                                 "combined with causal, and each side in [-1, 2^30)")
-        if self.softcap < 0:
-            raise ValueError(f"backward softcap must be > 0 (or 0: none), got {self.softcap}")
+        check_window_softcap("backward", self.causal, self.window, self.softcap, side_limit=2 ** 30)
 
     @property
     def softcap_log2(self) -> float:

@@ -14,6 +14,21 @@ WARPGROUP_THREADS = 128
 VARLEN_V_GAP = 32
 
 
+def check_window_softcap(who: str, causal: bool, window, softcap: float, side_limit: int | None = None):
+    """The forward's and the backward's rule for their mask options: a window bounds a side, is
+    neither causal (-1, 0) nor combined with causal, each side >= -1 (and < ``side_limit`` where
+    the kernel's index arithmetic needs one); a softcap is > 0, or 0 for none."""
+    if window is not None:
+        left, right = window
+        if (causal or (left, right) in ((-1, -1), (-1, 0)) or min(left, right) < -1
+                or (side_limit is not None and max(left, right) >= side_limit)):
+            sides = "each side >= -1" if side_limit is None else f"each side in [-1, {side_limit})"
+            raise ValueError(f"{who}: window {window} must bound a side, be neither causal (-1, 0) nor "
+                             f"combined with causal, and {sides}")
+    if softcap < 0:
+        raise ValueError(f"{who}: softcap must be > 0 (or 0: none), got {softcap}")
+
+
 @dataclass(frozen=True)
 class ForwardConfig:
     """Everything the sm90a forward takes from its plan (fp4gen/lowering/sm90.py: ``config``).
@@ -65,13 +80,7 @@ class ForwardConfig:
             # the kernel reads one K scale per key tile (ForwardKernel.tile_mult)
             raise ValueError(f"{self.kernel_name}: FP8 scale blocks ({self.quant_block}) must be key tiles "
                              f"({self.tile_n})")
-        if self.window is not None:
-            left, right = self.window
-            if self.causal or (left, right) in ((-1, -1), (-1, 0)) or min(left, right) < -1:
-                raise ValueError(f"{self.kernel_name}: window {self.window} must bound a side, be neither "
-                                 "causal (-1, 0) nor combined with causal, and each side >= -1")
-        if self.softcap < 0:
-            raise ValueError(f"{self.kernel_name}: softcap must be > 0 (or 0: none), got {self.softcap}")
+        check_window_softcap(self.kernel_name, self.causal, self.window, self.softcap)
 
     @property
     def extended(self) -> bool:
