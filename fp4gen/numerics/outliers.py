@@ -26,7 +26,7 @@ real arithmetic), so that one scale per (batch, head) or per block fits the data
   dropping leading keys (every bound is relative to the diagonal), so causal and windowed
   kernels still see the right keys; the n exact keys get the mask and softcap themselves. Why:
   a sink's small value row shares an FP4 V block (32 keys per channel) with larger ones and
-  loses its precision there, at half of each row's weight (docs/numerics.md section 13).
+  loses its precision there, at half of each row's weight (docs/numerics.md section 14).
 
 ``apply(q, k, v, transforms)`` runs them in a fixed order and returns the transformed
 inputs and a ``Post`` that maps the transformed attention's (O, LSE) back.

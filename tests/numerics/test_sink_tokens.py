@@ -5,7 +5,7 @@ Exactness: on float64 inputs, float64 attention of the transformed inputs merged
 equals float64 attention of the originals (to float32 rounding: the transform computes in
 float32), for every mask kind, softcap, learned sinks, GQA and Sq != Sk (rows that see no key
 among the rest included). Accuracy: on the synthetic sink case the FP4-V recipes lose most of
-their precision in the sink's value row (docs/numerics.md section 13); with the first key exact
+their precision in the sink's value row (docs/numerics.md section 14); with the first key exact
 they come back below their randn error. The planted faults (a merge that drops the exact part,
 a split that forgets the mask) fail the checks.
 """
@@ -93,7 +93,7 @@ def _rel(name, kind, transforms):
 @pytest.mark.slow  # 4 FP4 reference forwards at S=512 (~6 s)
 def test_sink_tokens_fix_the_fp4_v_sink_case():
     """NV/MX exp, S=512 (measured 2026-12-02: randn 0.229, sink 0.576 -> 0.157 with the first key
-    exact, 0.69x randn; the S=1024 numbers are in docs/numerics.md section 13)."""
+    exact, 0.69x randn; the S=1024 numbers are in docs/numerics.md section 14)."""
     base = _rel("NV/MX exp", "randn", ())
     plain, fixed = _rel("NV/MX exp", "sink", ()), _rel("NV/MX exp", "sink", ("sink_tokens",))
     assert plain > 2.0 * base and fixed < 0.4 * plain and fixed < base  # measured 2.52x; 0.27x; 0.69x
