@@ -250,6 +250,10 @@ def git_commit() -> str:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from checkout import ensure_fp4gen_importable  # the GPU machine's tree is not pip-installed
+
+    ensure_fp4gen_importable()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     problem = device_problem(args.cpu_smoke)
