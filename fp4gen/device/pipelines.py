@@ -25,6 +25,11 @@ def coop(n: int):
 def participants(kind, barrier, producer, consumer, *, stages: int = 1, **create):
     """(producer, consumer) handles of a ``kind`` pipeline of ``stages`` stages whose mbarriers
     are the SMEM array ``barrier``; ``create`` passes the rest (``tx_count`` for TMA loads)."""
+    # CuTe's checker reports C3 "arrive count may not match the mbarrier.init count" here for
+    # callers whose arriving side is a multi-warp group behind a warp-ID guard (the sm100a
+    # backward's `wg` pipelines: `warp < 4` selects four warps, 128 threads = the init count; its
+    # note at the call site says so). Triaged 2026-12-02: not a defect; a caller with a new
+    # group must check its own count.
     return kind.create(barrier_storage=barrier.data_ptr(), num_stages=stages, producer_group=producer,
                        consumer_group=consumer, **create).make_participants()
 

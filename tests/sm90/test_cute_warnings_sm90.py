@@ -61,9 +61,9 @@ def test_a_planted_sm90_arrive_count_defect_is_reported_and_must_be_triaged():
 
 
 def _pipeline_line() -> int:
-    """A line of the sm90 forward that creates a pipeline (where a C3 would point)."""
+    """A line of the sm90 forward that creates its pipelines (device/pipelines.tma_pipelines)."""
     return next(i for i, ln in enumerate(SM90_FORWARD.read_text().splitlines(), 1)
-                if "PipelineTmaAsync.create(" in ln)
+                if "tma_pipelines(" in ln)
 
 
 def test_an_untriaged_warning_in_the_sm90_forward_fails_its_row_only(monkeypatch):
