@@ -27,6 +27,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
+from fp4gen.device.pipelines import coop
+from fp4gen.device.sm100 import copies
 from fp4gen.device.sm100 import direct_p as dp
 from fp4gen.device.sm100 import opaque as opq
 from fp4gen.device.sm100 import two_level as tl
@@ -35,10 +37,6 @@ from fp4gen.device.sm100.config import ForwardKernelConfig
 F4 = cutlass.Float4E2M1FN
 E4M3 = cutlass.Float8E4M3FN
 E8M0 = cutlass.Float8E8M0FNU
-
-
-def coop(n):
-    return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
 
 class AttentionFwdSm100:
@@ -312,11 +310,11 @@ class AttentionFwdSm100:
             gV = cute.local_tile(gV_nkl, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
             gSFQ = cute.local_tile(gSFQ_mkl, cute.slice_(self.qk_tiler, (None, 0, None)), (None, None, None))
             gSFK = cute.local_tile(gSFK_nkl, cute.slice_(self.qk_tiler, (0, None, None)), (None, None, None))
-            tQs, tQg = self.tma_part(tma_q, sQ, qk_thr.partition_A(gQ), False)
-            tKs, tKg = self.tma_part(tma_k, sK, qk_thr.partition_B(gK), False)
-            tVs, tVg = self.tma_part(tma_v, sV, pv_thr.partition_B(gV), False)
-            tSFQs, tSFQg = self.tma_part(tma_sfq, sSFQ, qk_thr.partition_A(gSFQ), True)
-            tSFKs, tSFKg = self.tma_part(tma_sfk, sSFK, qk_thr.partition_B(gSFK), True)
+            tQs, tQg = copies.tma_part(tma_q, sQ, qk_thr.partition_A(gQ), False)
+            tKs, tKg = copies.tma_part(tma_k, sK, qk_thr.partition_B(gK), False)
+            tVs, tVg = copies.tma_part(tma_v, sV, pv_thr.partition_B(gV), False)
+            tSFQs, tSFQg = copies.tma_part(tma_sfq, sSFQ, qk_thr.partition_A(gSFQ), True)
+            tSFKs, tSFKg = copies.tma_part(tma_sfk, sSFK, qk_thr.partition_B(gSFK), True)
             # CuTe's checker reports W0014 (a tcgen05.ld outstanding at a release) at this
             # acquire. The load warp issues no tcgen05.ld, so none can be outstanding here;
             # the checker does not know which role's code a warp runs. Triaged 2026-12-01.
@@ -333,7 +331,7 @@ class AttentionFwdSm100:
                 cute.copy(tma_v, tVg[None, 0, i, bh_kv], tVs[None, hv.index], tma_bar_ptr=hv.barrier)
                 if const_expr(cfg.pv_block_scaled):
                     gSFV = cute.local_tile(gSFV_nkl, cute.slice_(self.pv_tiler, (0, None, None)), (None, None, None))
-                    tSFVs, tSFVg = self.tma_part(tma_sfv, sSFV, pv_thr.partition_B(gSFV), True)
+                    tSFVs, tSFVg = copies.tma_part(tma_sfv, sSFV, pv_thr.partition_B(gSFV), True)
                     cute.copy(tma_sfv, tSFVg[None, 0, i, bh_kv], tSFVs[None, hv.index], tma_bar_ptr=hv.barrier)
 
         # ============================ MMA warp =============================
@@ -349,13 +347,13 @@ class AttentionFwdSm100:
                 tOrP_all = pv_mma.make_fragment_A(sP)  # SMEM descriptors of P (p_source smem)
                 tOrP = [tOrP_all[None, None, None, j] for j in range(cfg.q_stages)]
             s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), E4M3)
-            cpQ = [self.s2t_part(s2t, sSFQ, tSFQ[j]) for j in range(cfg.q_stages)]
-            cpK = [self.s2t_part(s2t, sSFK, tSFK[j]) for j in range(cfg.q_stages)]
+            cpQ = [copies.s2t_part(s2t, sSFQ, tSFQ[j]) for j in range(cfg.q_stages)]
+            cpK = [copies.s2t_part(s2t, sSFK, tSFK[j]) for j in range(cfg.q_stages)]
             cpV, cpP = None, None
             if const_expr(cfg.pv_block_scaled):
                 s2t8 = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.pv_sf)
-                cpV = [self.s2t_part(s2t8, sSFV, tSFV[j]) for j in range(cfg.q_stages)]
-                cpP = [self.s2t_part(s2t8, sSFP, tSFP[j]) for j in range(cfg.q_stages)]
+                cpV = [copies.s2t_part(s2t8, sSFV, tSFV[j]) for j in range(cfg.q_stages)]
+                cpP = [copies.s2t_part(s2t8, sSFP, tSFP[j]) for j in range(cfg.q_stages)]
             hq0 = q_cons.wait_and_advance()
             hq1 = q_cons.wait_and_advance()
             hk = k_cons.wait_and_advance()
@@ -467,22 +465,13 @@ class AttentionFwdSm100:
         return tStS, tOtO, tOrP, tSFQ, tSFK, tSFV, tSFP
 
     @cute.jit
-    def tma_part(self, atom, s, g, is_sf: cutlass.Constexpr):
-        ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                       cute.group_modes(s, 0, 3), cute.group_modes(g, 0, 3))
-        if const_expr(is_sf):
-            ts = cute.filter_zeros(ts)
-            tg = cute.filter_zeros(tg)
-        return ts, tg
-
-    @cute.jit
     def issue_qk(self, j: cutlass.Constexpr, qk_mma, tStS, tSFQ, tSFK, cpQ, cpK, tSrQ, tSrK,
                  q_idx, k_idx, s_prod_j, s_prod_other):
         """S_j <- Q_j K^T (block16 NVFP4). Its scales go to the other stage's drained S columns."""
         s_prod_other.acquire()  # the other stage's S is drained (no advance: its own QK re-waits)
         hs = s_prod_j.acquire_and_advance()
-        self.s2t(cpQ[j], q_idx)
-        self.s2t(cpK[j], k_idx)
+        copies.s2t(cpQ[j], q_idx)
+        copies.s2t(cpK[j], k_idx)
         for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
             qk_mma.set(tcgen05.Field.SFA, tSFQ[j][None, None, kb].iterator)
@@ -504,8 +493,8 @@ class AttentionFwdSm100:
             hp = p_cons_j.wait_and_advance()
             if const_expr(cfg.pv_block_scaled and part == 0):
                 # part 1 carries the block scales of the whole tile (plan.publish)
-                self.s2t(cpV[j], v_idx)
-                self.s2t(cpP[j], j)
+                copies.s2t(cpV[j], v_idx)
+                copies.s2t(cpP[j], j)
             for kk in cutlass.range_constexpr(per_part):
                 kb = part * per_part + kk
                 pv_mma.set(tcgen05.Field.ACCUMULATE, (i != 0) or (kb != 0))
@@ -547,18 +536,6 @@ class AttentionFwdSm100:
             cute.copy(st, reg, st.partition_D(chunks[None, (None, c)]))
             if const_expr(wait_each):
                 cute.arch.fence_view_async_tmem_store()
-
-    def s2t_part(self, atom, s_sf, t_sf):
-        s_c = cute.filter_zeros(s_sf)
-        t_c = cute.filter_zeros(t_sf)
-        tiled = tcgen05.make_s2t_copy(atom, t_c)
-        thr = tiled.get_slice(0)
-        src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(s_c))
-        return (tiled, src, thr.partition_D(t_c))
-
-    def s2t(self, cp, stage):
-        tiled, src, dst = cp
-        cute.copy(tiled, src[None, None, None, None, stage], dst)
 
     @cute.jit
     def softmax(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, n_kv: Int32,
