@@ -361,7 +361,7 @@ def varlen_block_ids(cu_seqlens: torch.Tensor, total: int, block: int):
     return (first[seq] + pos // block).clamp_(0, n - 1), n
 
 
-def _group_amax(x: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+def group_amax(x: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
     """amax over D and the tokens of each group: x (total, H, D), ids (total,) -> (n, H);
     a group holding a NaN gets NaN (as ``_amax``), an empty group 0."""
     tok = x.abs().amax(dim=2)  # (total, H), NaN where a token has one
@@ -388,10 +388,10 @@ def quantize_fp8_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, granularity: 
     total = x.shape[0]
     if granularity == "block":
         ids, n = varlen_block_ids(cu_seqlens, total, block)
-        s = _fp8_scale(_group_amax(x, ids, n), fmt)[ids]  # (total, H)
+        s = _fp8_scale(group_amax(x, ids, n), fmt)[ids]  # (total, H)
         return FP8VarlenTensor(encode(x / s[..., None], fmt), s, fmt, "block", block)
     if granularity == "tensor":
         seq, _ = varlen_token_positions(cu_seqlens, total)
-        s = _fp8_scale(_group_amax(x, seq, max(cu_seqlens.numel() - 1, 1)), fmt)  # (B, H)
+        s = _fp8_scale(group_amax(x, seq, max(cu_seqlens.numel() - 1, 1)), fmt)  # (B, H)
         return FP8VarlenTensor(encode(x / s[seq][..., None], fmt), s, fmt, "tensor", 0)
     raise ValueError(f"quantize_fp8_varlen: granularity must be 'block' or 'tensor', got {granularity!r}")

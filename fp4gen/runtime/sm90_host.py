@@ -340,10 +340,10 @@ class ForwardHost:
         out = []
         for x, cu in ((q, cu_q), (k, cu_k)):
             ids, n = quant.varlen_block_ids(cu, x.shape[0], blk)
-            s = scale_of(quant._group_amax(x.float(), ids, n))[ids].contiguous()  # (total, Hx)
+            s = scale_of(quant.group_amax(x.float(), ids, n))[ids].contiguous()  # (total, Hx)
             out.append((cast(x, s), s))
         seq, _ = quant.varlen_token_positions(cu_k, v.shape[0])
-        sv = scale_of(quant._group_amax(v.float(), seq, max(cu_k.numel() - 1, 1))).contiguous()  # (B, Hkv)
+        sv = scale_of(quant.group_amax(v.float(), seq, max(cu_k.numel() - 1, 1))).contiguous()  # (B, Hkv)
         v8 = cast(v, sv[seq])
         return (out[0][0], out[1][0], self.v_operand_varlen(v8, cu_k), out[0][1], out[1][1], sv)
 
@@ -357,6 +357,8 @@ class ForwardHost:
         up to 32 (TMA's 16-byte strides). No host read of the offsets."""
         import torch
 
+        from fp4gen.numerics import quant
+
         gap = self.config.varlen_v_gap
         total, H, D = v8.shape
         cu = cu_k.to(torch.int64)
@@ -364,9 +366,7 @@ class ForwardHost:
         tkp = (total + gap * nseq + 31) // 32 * 32
         dev = v8.device
         start = cu + gap * torch.arange(nseq + 1, device=dev)  # each sequence's first column
-        col = torch.arange(tkp, device=dev)
-        b = torch.searchsorted(start[1:].contiguous(), col, right=True).clamp_(max=max(nseq - 1, 0))
-        j = col - start[b]
+        b, j = quant.varlen_token_positions(start, tkp)  # each column's sequence and place in it
         perm = torch.tensor(self.quantizer.FP8_P_KEY_PERM, device=dev)
         src = cu[b] + j // 32 * 32 + perm[j % 32]
         valid = (j >= 0) & (src < cu[b + 1])
