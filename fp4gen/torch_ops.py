@@ -580,16 +580,6 @@ def _backward_takes_strides(mod) -> bool:
     return isinstance(getattr(mod, "_BWD_HOST", None), BackwardHost)
 
 
-def _tma_loadable(t) -> bool:
-    """What ``checks.check_tma_layout`` accepts (the generated forward's own check): rows contiguous,
-    a 16-byte aligned base, every other stride of a dim of size > 1 a multiple of 16 bytes."""
-    st, n = t.stride(), t.shape  # (B, S, H, D); written out: this runs on every call
-    if st[3] != 1 or t.data_ptr() & 15:
-        return False
-    a = 16 // t.element_size()  # elements per 16 bytes
-    return (n[0] == 1 or st[0] % a == 0) and (n[1] == 1 or st[1] % a == 0) and (n[2] == 1 or st[2] % a == 0)
-
-
 def _empty_like_is_compact(t) -> bool:
     """Whether ``torch.empty_like(t)`` is contiguous. It follows the order of t's strides (a
     permuted t, e.g. SDPA's (B, H, S, D) transposed, gives a permuted tensor; a fused QKV
@@ -609,8 +599,8 @@ def _forward_operands(plan: _Plan, q, k, v):
     would give a permuted O)."""
     if not plan.strided_fwd:
         return q.contiguous(), k.contiguous(), v.contiguous()
-    return (q if _tma_loadable(q) and _empty_like_is_compact(q) else q.contiguous(),
-            k if _tma_loadable(k) else k.contiguous(), v if _tma_loadable(v) else v.contiguous())
+    return (q if checks.tma_loadable(q) and _empty_like_is_compact(q) else q.contiguous(),
+            k if checks.tma_loadable(k) else k.contiguous(), v if checks.tma_loadable(v) else v.contiguous())
 
 
 def _keeps_forward_state(mod) -> bool:

@@ -239,7 +239,7 @@ def test_fits_compiled_is_the_compiled_argument_layout():
 
 
 def test_tma_loadable_agrees_with_the_modules_check():
-    """torch_ops._tma_loadable predicts checks.check_tma_layout (the generated forward's own check),
+    """checks.tma_loadable predicts checks.check_tma_layout (the generated forward's own check),
     and _empty_like_is_compact predicts torch.empty_like, on layouts that pass and fail."""
     x, q, k, _ = _fused_qkv(requires_grad=False)
     flat = torch.randn(B * S * H * D + 8, dtype=torch.bfloat16)
@@ -253,5 +253,5 @@ def test_tma_loadable_agrees_with_the_modules_check():
             ok = True
         except checks.AttentionInputError:
             ok = False
-        assert torch_ops._tma_loadable(t) == ok, i
+        assert checks.tma_loadable(t) == ok, i
         assert torch_ops._empty_like_is_compact(t) == torch.empty_like(t).is_contiguous(), i
