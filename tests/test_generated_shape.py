@@ -125,3 +125,17 @@ def test_the_checks_can_fail(tmp_path):
     bloated = base + "\n".join(f"X{i} = CONFIG" for i in range(300)) + "\n"
     with pytest.raises(AssertionError):
         test_at_most_half_the_lines_of_issue_17s_modules(("sm90_bf16_d128_sm90a", bloated, ast.parse(bloated)))
+
+
+# `git grep -o "{%" 3dfd8ce -- templates | wc -l`: the jinja control tags of the four templates
+# then (sm90 fwd 107, bwd 185; sm100 fwd 28, bwd 12)
+CONTROL_TAGS_AT_3DFD8CE = 332
+
+
+def test_templates_carry_at_most_a_third_of_the_control_tags():
+    """Issue 17: templates render structure, the lowering writes the prose and values; every
+    template counts, those added since (decode, the reference module) included."""
+    counts = {p.relative_to(ROOT).as_posix(): p.read_text().count("{%")
+              for p in sorted((ROOT / "templates").rglob("*.j2"))}
+    assert sum(counts.values()) <= CONTROL_TAGS_AT_3DFD8CE // 3, counts
+

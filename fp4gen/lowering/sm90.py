@@ -95,7 +95,68 @@ def context(plan) -> dict:
         config=cfg,
         config_fields=_config_fields(cfg, origins),
         structure=_structure(plan),
+        summary=_summary(cfg),
+        origin_lines=_origin_lines(cfg, origins),
+        forward_note=_forward_doc(cfg)[0],
+        forward_doc=_forward_doc(cfg)[1],
     )
+
+
+# ------------------------------------------------------------------ the module's prose
+# Written here from the config's values rather than as jinja branches: the template keeps
+# the module's structure, these functions what it says about the variant.
+
+
+def _summary(cfg) -> list:
+    """The module docstring's description of the variant, one Comment per line."""
+    if cfg.in_fp8:
+        p = ("by FP8 Direct-P (E4M3 codes from float arithmetic, no exp)" if cfg.p_mode == "fp8_directp"
+             else "= e4m3(2^8 exp2(x - m))")
+        lines = [f"Q, K, V in FP8 E4M3 with fp32 scales (Q, K per {cfg.quant_block}-token block, V per head);",
+                 f"P {p}, O in bf16."]
+    else:
+        lines = ["Q, K, V, P in BF16, fp32 accumulation, O in bf16."]
+    mask = f"window{pyrepr(cfg.window)}" if cfg.window else "causal" if cfg.causal else "no mask"
+    extras = "".join([f", softcap {pyrepr(cfg.softcap)} (MUFU tanh)" if cfg.softcap else "",
+                      ", a learned sink logit per head" if cfg.sinks else "",
+                      ", packed variable-length sequences (varlen)" if cfg.varlen else ""])
+    overlap = "".join([", softmax of tile n overlapped with QK^T of tile n+1" if cfg.intra_wg_overlap else "",
+                       ", warpgroups take turns on the tensor cores" if cfg.pingpong else ""])
+    lines += [f"head_dim {cfg.head_dim}, {mask}{extras}; tile {cfg.tile_m} x {cfg.tile_n},",
+              f"{cfg.consumer_wgs} consumer warpgroups (64 query rows each) + 1 producer warp (TMA),",
+              f"{cfg.kv_stages} K/V stages{overlap}."]
+    return [Comment(x) for x in lines]
+
+
+def _origin_lines(cfg, origins) -> list:
+    """(name, spec line) of each choice the module docstring cites."""
+    keys = ["Q", "K", "P", "V", "O", "mask"] + (["sinks"] if cfg.sinks else []) + \
+        (["layout"] if cfg.varlen else []) + ["head_dim", "schedule"]
+    return [(k, origins[k]) for k in keys]
+
+
+def _forward_doc(cfg) -> tuple:
+    """``forward``'s docstring lines about the variant: (the note after its first line, the
+    paragraphs after its Returns line), one Comment per line."""
+    note = ["This is a varlen kernel: this dense entry refuses every call; use ``forward_varlen``."] if cfg.varlen else []
+    if cfg.in_fp8:
+        doc = ["``prepared``: the operands ``quantize_inputs(q, k, v)`` made earlier for these",
+               "same q, k, v (with or without ``for_backward``); the quantization is then skipped."]
+    else:
+        doc = ["``prepared``: unused (BF16 takes q, k, v as they are); accepted for a uniform API."]
+    if cfg.causal:
+        doc += ["Causal, bottom-right aligned: key j is visible to query i iff j <= i + Sk - Sq."]
+    if cfg.window:
+        doc += [f"Window (left, right) = {pyrepr(cfg.window)} (-1: unbounded), bottom-right aligned: key j",
+                "is visible to query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right; a row that sees",
+                "no key gets o = 0 and lse = -inf."]
+    if cfg.softcap:
+        doc += [f"Softcap c = {pyrepr(cfg.softcap)}: each scaled score s becomes c * tanh(s / c)."]
+    if cfg.sinks:
+        doc += ["``sinks`` (H,) float: the sink logit of each query head (required), in the units of the",
+                "scaled scores: exp(sinks[h]) joins every row's softmax denominator (and the LSE), with no",
+                "value row; a row that sees no key gets o = 0 and lse = its sink."]
+    return [Comment(x) for x in note], [Comment(x) for x in doc]
 
 
 def _structure(plan) -> list:
