@@ -207,8 +207,28 @@ class _Facts:
     loop_mma: list = field(default_factory=list)  # (qk, pv) gemm counts per scf.for that issues MMAs
 
 
-def _offsets(op: Optional[_Op], depth: int = 0, seen=None) -> set:
-    """Static TMEM column offsets (from retrieve_tmem_ptr) that the value defined by ``op`` is built on."""
+def _stage_stride(op: Optional[_Op]) -> Optional[int]:
+    """N when ``op`` is ``cute.make_int_tuple(%x)`` of ``%x = arith.muli %stage, %cN`` (either
+    operand order): the column offset of a run-time query stage (``stage_tmem``: stage 0's
+    region plus stage * N). None for any other run-time offset."""
+    if op is None or op.name != "cute.make_int_tuple" or not op.defs:
+        return None
+    mul = op.defs[0]
+    if mul is None or mul.name != "arith.muli":
+        return None
+    for d in mul.defs:
+        m = re.search(r"arith\.constant (\d+) : i32", d.line) if d is not None else None
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _offsets(op: Optional[_Op], depth: int = 0, seen=None, stages: int = 1) -> set:
+    """Static TMEM column offsets (from retrieve_tmem_ptr) that the value defined by ``op`` is built on.
+
+    A run-time offset ``stage * N`` (one traced body for every query stage) stands for every
+    stage of the plan: ``stages`` offsets, 0, N, ..., (stages - 1) N. Which stage a warp takes
+    is not read from the IR; the emulator runs every stage's warps at their real addresses."""
     seen = set() if seen is None else seen
     if op is None or depth > 60 or id(op) in seen:
         return set()
@@ -218,14 +238,17 @@ def _offsets(op: Optional[_Op], depth: int = 0, seen=None) -> set:
     if ".atom.make" in op.name or op.name in ("cute.make_atom", "cute.make_tiled_copy", "cute.make_tiled_mma"):
         return set()  # a copy/MMA atom built from some tensor is not an address of the data
     if op.name == "cute.add_offset":
-        inner = _offsets(_def(op, 0), depth + 1, seen)
+        inner = _offsets(_def(op, 0), depth + 1, seen, stages)
         m = _INT_TUPLE.search(op.line.split(" : ", 1)[-1])
         if m is None:
-            return {("dynamic",)} if inner else set()
+            stride = _stage_stride(_def(op, 1))
+            if stride is None:
+                return {("dynamic",)} if inner else set()
+            return {o + k * stride for o in inner if isinstance(o, int) for k in range(stages)}
         return {o + int(m.group(1)) for o in inner if isinstance(o, int)}
     out = set()
     for d in op.defs:
-        out |= _offsets(d, depth + 1, seen)
+        out |= _offsets(d, depth + 1, seen, stages)
     return out
 
 
@@ -233,10 +256,14 @@ def _use(op: _Op, i: int) -> set:
     return _offsets(_def(op, i))
 
 
-def mlir_facts(mlir_text: str, pv_atom: Optional[str] = None) -> _Facts:
+def mlir_facts(mlir_text: str, pv_atom: Optional[str] = None, stages: int = 1) -> _Facts:
     """``pv_atom``: with P in SMEM (p_source smem) both products read A from SMEM, so the PV
-    gemm is the one whose tiled-MMA type contains this text; None: the gemm with A in TMEM."""
+    gemm is the one whose tiled-MMA type contains this text; None: the gemm with A in TMEM.
+    ``stages``: the plan's query stages, over which a run-time stage offset ranges (``_offsets``)."""
     ops, aliases = _split_ops(mlir_text)
+
+    def _use(op: _Op, i: int) -> set:
+        return _offsets(_def(op, i), stages=stages)
 
     def expand(t: str) -> str:
         return aliases.get(t, t)
@@ -447,7 +474,7 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
         if (qk.sf_dtype, qk.sf_block) == (pv.sf_dtype, pv.sf_block):
             out.append(Mismatch("mlir.PV.atom", "a PV tiled MMA type unlike QK^T's", pv_atom, "mlir",
                                 "with P in SMEM the check tells PV from QK^T by the MMA type only"))
-    f = mlir_facts(artifacts.mlir, pv_atom)
+    f = mlir_facts(artifacts.mlir, pv_atom, spec.schedule.q_stages)
     if f.alloc_columns != [plan.tmem.alloc_columns]:
         out.append(Mismatch("mlir.tmem.alloc", plan.tmem.alloc_columns, f.alloc_columns, "mlir"))
     q = spec.schedule.q_stages

@@ -94,3 +94,28 @@ def test_the_perf_model_reads_the_shape_from_the_rendered_config(path):
     info = perf.fp4gen_info(str(path))
     assert (info.tile_m, info.tile_n, info.head_dim, info.causal) == (
         cfg.tile_m * cfg.q_stages, cfg.tile_n, cfg.head_dim, cfg.causal)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.stem)
+def test_one_softmax_body_can_serve_every_stage(path):
+    """The forward traces one softmax and one epilogue body for both query stages: a warp's stage
+    is (warp - first) // per, stage j's S, O and P columns are stage 0's plus j strides."""
+    cfg = load(path).FWD_CONFIG
+    first, per = cfg.softmax_stage_warps()
+    assert [(w - first) // per for g in cfg.softmax_warps for w in g] == [j for j in range(cfg.q_stages) for _ in range(per)]
+    for region in ("S", "O") + (() if cfg.p_smem else ("P",)):
+        cols = [cfg.first_col(f"{region}{j}") for j in range(cfg.q_stages)]
+        assert cols == [cols[0] + j * cfg.stage_stride(region) for j in range(cfg.q_stages)]
+    if not cfg.p_smem:
+        assert cfg.stage_stride("P") == cfg.stage_stride("S")  # P_j sits at one offset inside every S_j
+
+
+def test_uneven_stages_are_refused_by_name():
+    import dataclasses
+
+    cfg = load(MODULES[0]).FWD_CONFIG
+    three = dataclasses.replace(cfg, q_stages=3, tmem=(("S0", 0, 63), ("S1", 64, 127), ("S2", 160, 223)))
+    with pytest.raises(ValueError, match=r"S0..S2 start at columns \[0, 64, 160\]"):
+        three.stage_stride("S")
+    with pytest.raises(ValueError, match="consecutive groups"):
+        dataclasses.replace(cfg, softmax_warps=((0, 1, 2, 3), (8, 9, 10, 11))).softmax_stage_warps()

@@ -21,6 +21,9 @@ from fp4gen.lowering import LoweringError, sm100
 from fp4gen.lowering import conformance as C
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# the guard's block vote: bar.sync on named barrier 3 + stage (a register: one softmax body
+# serves both query stages), 128 threads; the correction warps' barrier 2 is an immediate
+GUARD_VOTE = r"bar\.sync\s+(3|%r\d+), 128"
 SUPPORTED = ("fa4_fp4_d128", "fa4_nvfp8_d128", "fa4_nvmx_accurate_d128", "sage3_fp4_d128")
 
 
@@ -206,9 +209,9 @@ def test_fast_direct_p_kernel_conforms(fast_artifacts):
     assert "kind::mxf4nvf4.block_scale.block32" in art.ptx
     assert "ex2." not in art.ptx
     assert "tcgen05.cp.cta_group::1" in art.ptx
-    # the spec asks for the guard: its block vote (named barriers 3/4 of the softmax
-    # warpgroups) and the byte loads of the sampled keys are in the kernel
-    assert re.search(r"bar\.sync\s+3, 128", art.ptx) and re.search(r"ld\.global\.[su]8", art.ptx)
+    # the spec asks for the guard: its block vote (named barrier 3 + stage of the softmax
+    # warpgroups, a register: one body serves both) and the byte loads of the sampled keys
+    assert re.search(GUARD_VOTE, art.ptx) and re.search(r"ld\.global\.[su]8", art.ptx)
 
 
 @pytest.mark.slow
@@ -223,18 +226,30 @@ def test_checker_reports_a_plan_the_kernel_does_not_implement(fast_artifacts):
     unfenced = dataclasses.replace(art, ptx="\n".join(
         ln for ln in art.ptx.splitlines() if "tcgen05.wait::st" not in ln))
     assert any(m.check == "ptx.fence.tmem_store" for m in C.check_conformance(plan, unfenced))
+    # a run-time stage stride other than the plan's (one softmax body for both stages: stage j
+    # reads S at S0 + j * 128): made 96, stage 1 would store P1 at 160 and rescale O1 at 352
+    assert re.search(r"arith\.muli %\w+, %c128_i32", art.mlir)
+    stride96 = dataclasses.replace(art, mlir=re.sub(
+        r"^(\s*)(%\w+) = arith\.muli (%\w+), %c128_i32",
+        r"\1%c96_planted = arith.constant 96 : i32\n\1\2 = arith.muli \3, %c96_planted", art.mlir, flags=re.M))
+    got = C.check_conformance(plan, stride96)
+    checks = {m.check for m in got}
+    assert {"mlir.tcgen05.st.P", "mlir.tcgen05.st.dst"} <= checks, C.report(got)
 
 
 @pytest.mark.slow
 def test_wrong_offset_is_caught(tmp_path):
-    """Render with P0 moved (a template/plan disagreement), check against the original plan."""
+    """Render with P moved (a template/plan disagreement), check against the original plan.
+    P0 and P1 move together: one softmax body serves both stages, so P_j must sit at one
+    offset inside every S_j (the kernel refuses a plan where it does not, at compile time)."""
     plan = plan_of("fa4_fp4_d128")
-    art = C.compile_artifacts(sm100.render(moved(plan, "P0", 96)), str(tmp_path))
+    shifted = moved(moved(plan, "P0", 96), "P1", 224)
+    art = C.compile_artifacts(sm100.render(shifted), str(tmp_path))
     got = C.check_conformance(plan, art)
     checks = {m.check for m in got}
     assert "mlir.PV.A(P)" in checks and "mlir.tcgen05.st.P" in checks, C.report(got)
     # ... and the same artifacts conform to the plan they were rendered from
-    assert C.check_conformance(moved(plan, "P0", 96), art) == []
+    assert C.check_conformance(shifted, art) == []
 
 
 @pytest.mark.slow
@@ -252,13 +267,13 @@ def test_other_variants_conform(name, tmp_path):
                                  spill_budget_bytes=plan.pipeline.spill_budget_bytes) == []
     if name == "fa4_nvfp8_d128":
         assert "kind::f8f6f4" in art.ptx and "block_scale.block32" not in art.ptx
-        assert not re.search(r"bar\.sync\s+3, 128", art.ptx)  # no guard in this spec
+        assert not re.search(GUARD_VOTE, art.ptx)  # no guard in this spec
     elif name == "sage3_fp4_d128":
         # two-level P: exp2 on the MUFU, hardware E2M1 / E4M3 conversions, one block16 kind
         assert "kind::mxf4nvf4.block_scale.block16" in art.ptx and "block_scale.block32" not in art.ptx
         assert "ex2." in art.ptx
         assert "cvt.rn.satfinite.e2m1x2.f32" in art.ptx and "cvt.rn.satfinite.e4m3x2.f32" in art.ptx
-        assert not re.search(r"bar\.sync\s+3, 128", art.ptx)  # no guard in this spec
+        assert not re.search(GUARD_VOTE, art.ptx)  # no guard in this spec
     else:
         assert "ex2." in art.ptx  # the accurate policy puts EX2 on the value path
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 MAIN_BOUND = 1080  # instructions per row per unmasked tile, each softmax warpgroup
-MASKED_BOUND = 1400
+MASKED_BOUND = 1410
 MASK_COMPARES = 16  # ISETP on the unmasked path: none per key (the masked copy has ~128)
 
 
@@ -49,7 +49,7 @@ def softmax_roles(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_fast_direct_p_tile_stays_under_its_instruction_bound(softmax_roles):
-    assert len(softmax_roles) == 2  # one per query stage
+    assert len(softmax_roles) == 1  # one traced body serves both query stages (stage_view)
     for r in softmax_roles:
         assert r["loops"] == 2, "unmasked and masked"
         assert r["main"]["instructions"] <= MAIN_BOUND, r["main"]["opcodes"]

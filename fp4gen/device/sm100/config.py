@@ -95,6 +95,28 @@ class ForwardKernelConfig:
         """First TMEM column of a plan region."""
         return _first_cols(self.tmem)[region]
 
+    def softmax_stage_warps(self) -> tuple:
+        """(first softmax warp, warps per stage): stage j's softmax warps are
+        first + j * per .. first + (j + 1) * per - 1, so that a warp's stage is
+        ``(warp - first) // per`` (the one softmax body finds its stage so)."""
+        first, per = self.softmax_warps[0][0], len(self.softmax_warps[0])
+        want = tuple(tuple(range(first + j * per, first + (j + 1) * per)) for j in range(self.q_stages))
+        if tuple(map(tuple, self.softmax_warps)) != want:
+            raise ValueError(f"softmax warps {self.softmax_warps}: not {self.q_stages} consecutive groups of "
+                             f"{per}, one softmax body cannot tell a warp's stage")
+        return first, per
+
+    def stage_stride(self, region: str) -> int:
+        """Columns from query stage j's ``region`` (S, O, P) to stage j+1's. The softmax and
+        the epilogue trace one body for every stage and address stage j's region as stage 0's
+        plus ``j`` strides, so the plan's regions must be evenly spaced (the D128 plan's are)."""
+        firsts = [self.first_col("%s%d" % (region, j)) for j in range(self.q_stages)]
+        strides = {b - a for a, b in zip(firsts, firsts[1:])} or {0}
+        if len(strides) != 1:
+            raise ValueError(f"TMEM regions {region}0..{region}{self.q_stages - 1} start at columns "
+                             f"{firsts}: not evenly spaced, one softmax body cannot serve every stage")
+        return strides.pop()
+
 
 @dataclass(frozen=True)
 class BackwardKernelConfig:

@@ -27,7 +27,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
-from fp4gen.device.pipelines import coop
+from fp4gen.device.pipelines import coop, stage_pipelines, stage_view
 from fp4gen.device.sm100 import copies
 from fp4gen.device.sm100 import direct_p as dp
 from fp4gen.device.sm100 import opaque as opq
@@ -199,7 +199,7 @@ class AttentionFwdSm100:
             k_bar: cute.struct.MemRange[cutlass.Int64, cfg.kv_stages * 2]
             v_bar: cute.struct.MemRange[cutlass.Int64, cfg.kv_stages * 2]
             s_bar: cute.struct.MemRange[cutlass.Int64, cfg.q_stages * 2]
-            p_bar: cute.struct.MemRange[cutlass.Int64, cfg.q_stages * 2 * 2]
+            p_bar: cute.struct.MemRange[cutlass.Int64, cfg.q_stages * 2 * self.p_parts]
             o_bar: cute.struct.MemRange[cutlass.Int64, cfg.q_stages * 2]
             stats_bar: cute.struct.MemRange[cutlass.Int64, cfg.q_stages * 2]
             # two-level P: row_sum also holds the last tile's row factor r (after the sums)
@@ -244,35 +244,16 @@ class AttentionFwdSm100:
         v_prod, v_cons = pipeline.PipelineTmaUmma.create(
             barrier_storage=st.v_bar.data_ptr(), num_stages=cfg.kv_stages,
             producer_group=one, consumer_group=one, tx_count=self.v_bytes).make_participants()
+        # Per query stage j (pipelines.stage_pipelines: stage j's mbarriers follow stage j-1's):
         # MMA -> softmax_j: "S_j full"; softmax_j -> MMA (release): "S_j drained" (scores in
         # registers; the lower columns of S_j may now take the other stage's QK^T scales)
-        s_prod0, s_cons0 = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.s_bar.data_ptr(), num_stages=1,
-            producer_group=one, consumer_group=wg).make_participants()
-        s_prod1, s_cons1 = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.s_bar.data_ptr() + 2, num_stages=1,
-            producer_group=one, consumer_group=wg).make_participants()
+        s_pipes = stage_pipelines(pipeline.PipelineUmmaAsync, st.s_bar, cfg.q_stages, one, wg)
         # softmax_j -> MMA: P_j part h written (tcgen05.st + fence) and, with part 1, its scales
-        p_prod0, p_cons0 = pipeline.PipelineAsyncUmma.create(
-            barrier_storage=st.p_bar.data_ptr(), num_stages=self.p_parts,
-            producer_group=wg, consumer_group=one).make_participants()
-        p_prod1, p_cons1 = pipeline.PipelineAsyncUmma.create(
-            barrier_storage=st.p_bar.data_ptr() + 4, num_stages=self.p_parts,
-            producer_group=wg, consumer_group=one).make_participants()
+        p_pipes = stage_pipelines(pipeline.PipelineAsyncUmma, st.p_bar, cfg.q_stages, wg, one, stages=self.p_parts)
         # MMA -> correction: O_j final
-        o_prod0, o_cons0 = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.o_bar.data_ptr(), num_stages=1,
-            producer_group=one, consumer_group=wg).make_participants()
-        o_prod1, o_cons1 = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=st.o_bar.data_ptr() + 2, num_stages=1,
-            producer_group=one, consumer_group=wg).make_participants()
+        o_pipes = stage_pipelines(pipeline.PipelineUmmaAsync, st.o_bar, cfg.q_stages, one, wg)
         # softmax_j -> correction: final row statistics of stage j
-        t_prod0, t_cons0 = pipeline.PipelineAsync.create(
-            barrier_storage=st.stats_bar.data_ptr(), num_stages=1,
-            producer_group=wg, consumer_group=wg).make_participants()
-        t_prod1, t_cons1 = pipeline.PipelineAsync.create(
-            barrier_storage=st.stats_bar.data_ptr() + 2, num_stages=1,
-            producer_group=wg, consumer_group=wg).make_participants()
+        t_pipes = stage_pipelines(pipeline.PipelineAsync, st.stats_bar, cfg.q_stages, wg, wg)
 
         # the word tcgen05.alloc writes the TMEM base to, at a register address (opaque_i32 says
         # why: without the uniform-base hint LLVM folds SMEM addresses into symbol + offset)
@@ -354,6 +335,12 @@ class AttentionFwdSm100:
                 s2t8 = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.pv_sf)
                 cpV = [copies.s2t_part(s2t8, sSFV, tSFV[j]) for j in range(cfg.q_stages)]
                 cpP = [copies.s2t_part(s2t8, sSFP, tSFP[j]) for j in range(cfg.q_stages)]
+            s_prod0, _ = s_pipes[0].make_participants()
+            s_prod1, _ = s_pipes[1].make_participants()
+            _, p_cons0 = p_pipes[0].make_participants()
+            _, p_cons1 = p_pipes[1].make_participants()
+            o_prod0, _ = o_pipes[0].make_participants()
+            o_prod1, _ = o_pipes[1].make_participants()
             hq0 = q_cons.wait_and_advance()
             hq1 = q_cons.wait_and_advance()
             hk = k_cons.wait_and_advance()
@@ -381,22 +368,21 @@ class AttentionFwdSm100:
             hq1.release()
 
         # ========================== softmax warps ==========================
-        if warp < self.softmax_warps[0][-1] + 1:
+        # One traced body serves every query stage: stage j is its warps' (the plan's groups of
+        # softmax warps, in order), and its TMEM columns, mbarriers and SMEM rows are stage 0's
+        # plus j strides. Traced once per stage, the softmax made up most of the kernel twice
+        # over (compile time, issue 16).
+        if warp < self.softmax_warps[-1][-1] + 1:
             cute.arch.setmaxregister_increase(cfg.regs_softmax)
+            first, per = cfg.softmax_stage_warps()
+            j = (warp - first) // per
             m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
             tmem_base = tmem.retrieve_ptr(Float32)
             tStS, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-            self.softmax(0, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
-                         tStS[0], tOtO[0], sSFP, sP, s_cons0, p_prod0, t_prod0,
-                         st.row_sum.data_ptr(), st.row_max.data_ptr(),
-                         mQb, mKb, mSFQb, mSFKb, bh, bh_kv, st.guard_flag.data_ptr())
-        if warp >= self.softmax_warps[1][0] and warp < self.softmax_warps[1][-1] + 1:
-            cute.arch.setmaxregister_increase(cfg.regs_softmax)
-            m_block, bh, bh_kv, n_kv = self.tile_coords(seqlen_q, seqlen_k, kv_group)
-            tmem_base = tmem.retrieve_ptr(Float32)
-            tStS, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
-            self.softmax(1, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
-                         tStS[1], tOtO[1], sSFP, sP, s_cons1, p_prod1, t_prod1,
+            self.softmax(j, tidx % 128, m_block, n_kv, seqlen_q, seqlen_k, scale_log2,
+                         stage_tmem(tStS[0], j, cfg.stage_stride("S")), stage_tmem(tOtO[0], j, cfg.stage_stride("O")),
+                         sSFP, sP, stage_view(s_pipes, j).make_consumer(), stage_view(p_pipes, j).make_producer(),
+                         stage_view(t_pipes, j).make_producer(),
                          st.row_sum.data_ptr(), st.row_max.data_ptr(),
                          mQb, mKb, mSFQb, mSFKb, bh, bh_kv, st.guard_flag.data_ptr())
 
@@ -408,10 +394,11 @@ class AttentionFwdSm100:
             _, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
             tmem.relinquish_alloc_permit()
             v_scale = mVS[bh_kv]
-            self.epilogue(0, tidx % 128, m_block, bh, seqlen_q, tOtO[0], mO, mLSE, v_scale,
-                          o_cons0, t_cons0, st.row_sum.data_ptr(), st.row_max.data_ptr())
-            self.epilogue(1, tidx % 128, m_block, bh, seqlen_q, tOtO[1], mO, mLSE, v_scale,
-                          o_cons1, t_cons1, st.row_sum.data_ptr(), st.row_max.data_ptr())
+            # the stages one after the other, one traced body (as the softmax's)
+            for j in cutlass.range(cfg.q_stages, unroll=1):
+                self.epilogue(j, tidx % 128, m_block, bh, seqlen_q, stage_tmem(tOtO[0], j, cfg.stage_stride("O")),
+                              mO, mLSE, v_scale, stage_view(o_pipes, j).make_consumer(),
+                              stage_view(t_pipes, j).make_consumer(), st.row_sum.data_ptr(), st.row_max.data_ptr())
             cute.arch.barrier(barrier_id=2, number_of_threads=128)
             tmem.free(tmem_base)
 
@@ -538,11 +525,12 @@ class AttentionFwdSm100:
                 cute.arch.fence_view_async_tmem_store()
 
     @cute.jit
-    def softmax(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, n_kv: Int32,
+    def softmax(self, j: Int32, t: Int32, m_block: Int32, n_kv: Int32,
                 seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tStS, tOtO, sSFP, sP,
                 s_cons, p_prod, st_prod, row_sum_ptr, row_max_ptr,
                 mQb, mKb, mSFQb, mSFKb, bh: Int32, bh_kv: Int32, guard_flag_ptr):
-        """Softmax warpgroup of query stage j: one thread per query row (TMEM lane)."""
+        """Softmax warpgroup of query stage j (known at run time only): one thread per query row
+        (TMEM lane). ``tStS``, ``tOtO`` and the pipelines are stage j's."""
         cfg = self.config
         # S_j tile (128 lanes x tile_n fp32 columns) -> registers, one row per thread
         # loaded in 32-column chunks (one tcgen05.ld.32x32b.x32 each): a single x128 load
@@ -565,7 +553,11 @@ class AttentionFwdSm100:
             p_sw = ((t * cfg.p_row_bytes) >> Int32(7)) & Int32(cfg.p_row_bytes // 16 - 1)
         else:
             part_l = cute.composition(tStS.layout, cute.make_layout((cfg.tile_m, part_cols)))
-            p_off = cfg.first_col("P%d" % j) - cfg.first_col("S%d" % j)  # P_j's plan columns, relative to S_j
+            # P_j's plan columns, relative to S_j: the same for every stage (P moves with S)
+            if cfg.stage_stride("P") != cfg.stage_stride("S"):
+                raise ValueError(f"P_j moves by {cfg.stage_stride('P')} columns per stage, S_j by "
+                                 f"{cfg.stage_stride('S')}: one softmax body needs P at one offset inside every S_j")
+            p_off = cfg.first_col("P0") - cfg.first_col("S0")
             tStP_parts = [cute.make_tensor(tStS.iterator + p_off + h * part_cols, part_l)
                           for h in range(self.p_parts)]
             st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(part_cols)), Float32)
@@ -854,7 +846,7 @@ class AttentionFwdSm100:
         hst.commit()
 
     @cute.jit
-    def epilogue(self, j: cutlass.Constexpr, t: Int32, m_block: Int32, bh: Int32, seqlen_q: Int32,
+    def epilogue(self, j: Int32, t: Int32, m_block: Int32, bh: Int32, seqlen_q: Int32,
                  tOtO, mO, mLSE, v_scale: Float32, o_cons, st_cons, row_sum_ptr, row_max_ptr):
         """O_j / l -> bf16 rows in global memory, LSE in natural log."""
         cfg = self.config
@@ -899,6 +891,12 @@ def row_in_warpgroup(*, loc=None, ip=None) -> Int32:
     tid = Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
     return tid & Int32(127)
+
+
+def stage_tmem(stage0, j, stride: int):
+    """Query stage ``j``'s copy of the TMEM region ``stage0`` (stage 0's), ``stride`` columns per
+    stage (``ForwardKernelConfig.stage_stride``)."""
+    return cute.make_tensor(stage0.iterator + j * stride, stage0.layout)
 
 
 def slice0l(layout):
