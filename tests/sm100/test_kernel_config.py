@@ -117,5 +117,8 @@ def test_uneven_stages_are_refused_by_name():
     three = dataclasses.replace(cfg, q_stages=3, tmem=(("S0", 0, 63), ("S1", 64, 127), ("S2", 160, 223)))
     with pytest.raises(ValueError, match=r"S0..S2 start at columns \[0, 64, 160\]"):
         three.stage_stride("S")
+    p_moves = tuple((n, f + 16 if n == "P1" else f, last) for n, f, last in cfg.tmem)
+    with pytest.raises(ValueError, match="P_j moves by 144 columns per stage, S_j by 128"):
+        dataclasses.replace(cfg, tmem=p_moves).p_offset_in_s()
     with pytest.raises(ValueError, match="consecutive groups"):
         dataclasses.replace(cfg, softmax_warps=((0, 1, 2, 3), (8, 9, 10, 11))).softmax_stage_warps()

@@ -117,6 +117,14 @@ class ForwardKernelConfig:
                              f"{firsts}: not evenly spaced, one softmax body cannot serve every stage")
         return strides.pop()
 
+    def p_offset_in_s(self) -> int:
+        """Columns from S_j's first to P_j's (TMEM P): one offset for every stage, since one
+        softmax body addresses P_j from S_j."""
+        if self.stage_stride("P") != self.stage_stride("S"):
+            raise ValueError(f"P_j moves by {self.stage_stride('P')} columns per stage, S_j by "
+                             f"{self.stage_stride('S')}: one softmax body needs P at one offset inside every S_j")
+        return self.first_col("P0") - self.first_col("S0")
+
 
 @dataclass(frozen=True)
 class BackwardKernelConfig:

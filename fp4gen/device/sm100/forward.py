@@ -553,11 +553,7 @@ class AttentionFwdSm100:
             p_sw = ((t * cfg.p_row_bytes) >> Int32(7)) & Int32(cfg.p_row_bytes // 16 - 1)
         else:
             part_l = cute.composition(tStS.layout, cute.make_layout((cfg.tile_m, part_cols)))
-            # P_j's plan columns, relative to S_j: the same for every stage (P moves with S)
-            if cfg.stage_stride("P") != cfg.stage_stride("S"):
-                raise ValueError(f"P_j moves by {cfg.stage_stride('P')} columns per stage, S_j by "
-                                 f"{cfg.stage_stride('S')}: one softmax body needs P at one offset inside every S_j")
-            p_off = cfg.first_col("P0") - cfg.first_col("S0")
+            p_off = cfg.p_offset_in_s()  # P_j's plan columns relative to S_j, one for every stage
             tStP_parts = [cute.make_tensor(tStS.iterator + p_off + h * part_cols, part_l)
                           for h in range(self.p_parts)]
             st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(part_cols)), Float32)
