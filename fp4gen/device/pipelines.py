@@ -42,11 +42,10 @@ def participants(kind, barrier, producer, consumer, *, stages: int = 1, **create
 def stage_pipelines(kind, barrier, q_stages: int, producer, consumer, *, stages: int = 1, **create):
     """One ``kind`` pipeline of ``stages`` stages per query stage j, on the mbarriers
     ``barrier + 2 * stages * j`` (full then empty barriers of each), initialised in order."""
-    # CuTe's checker reports C3 "arrive count may not match the mbarrier.init count (effective
-    # count: 32)" here for the sm100a forward's 128-thread sides: it assumes a warp-ID guard
-    # selects one warp. The softmax guard selects every softmax warp, and stage_view sends each
-    # warp to its own stage's barriers (4 warps, 128 threads per stage); the correction warps
-    # are four. Triaged 2026-12-07: not a defect; a caller with a new group checks its own count.
+    # CuTe's checker may report C3 "arrive count may not match the mbarrier.init count
+    # (effective count: 32)" here for a 128-thread side behind a warp-ID guard that selects
+    # several warps (the sm100a forward's: each stage's four softmax warps, the four correction
+    # warps). Triaged 2026-12-07: not a defect; a caller with a new group checks its own count.
     return [kind.create(barrier_storage=barrier.data_ptr() + 2 * stages * j, num_stages=stages,
                         producer_group=producer, consumer_group=consumer, **create)
             for j in range(q_stages)]

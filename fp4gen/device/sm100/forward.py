@@ -228,11 +228,11 @@ class AttentionFwdSm100:
             sSFP = smem.allocate_tensor(self.pv_sf, sSFP_l, 128)
 
         one = coop(1)
-        # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
-        # the mbarrier.init count (effective count: 32)" for the eight barriers with a `wg`
-        # side: it assumes a warp-ID guard selects one warp, but `warp < 4`, `4 <= warp < 8`
-        # and the correction test each select four, 128 threads = this init count. Triaged
-        # 2026-12-01: not a defect.
+        # The `wg` side of a stage's barriers is 128 threads: that stage's four softmax warps
+        # (stage_view sends each warp to its own stage's barriers) or the four correction warps.
+        # CuTe's checker reported C3 (arrive count vs init count) on them while each stage had
+        # its own code; with run-time stage addresses it pairs no arrive with an init and is
+        # silent (2026-12-07): the emulator's protocol check counts the arrivals instead.
         wg = coop(32 * 4)
         # load -> MMA
         q_prod, q_cons = pipeline.PipelineTmaUmma.create(
@@ -296,9 +296,8 @@ class AttentionFwdSm100:
             tVs, tVg = copies.tma_part(tma_v, sV, pv_thr.partition_B(gV), False)
             tSFQs, tSFQg = copies.tma_part(tma_sfq, sSFQ, qk_thr.partition_A(gSFQ), True)
             tSFKs, tSFKg = copies.tma_part(tma_sfk, sSFK, qk_thr.partition_B(gSFK), True)
-            # CuTe's checker reports W0014 (a tcgen05.ld outstanding at a release) at this
-            # acquire. The load warp issues no tcgen05.ld, so none can be outstanding here;
-            # the checker does not know which role's code a warp runs. Triaged 2026-12-01.
+            # (CuTe's checker reported W0014, a tcgen05.ld outstanding at a release, at this
+            # acquire until 2026-12-07; the load warp issues no tcgen05.ld.)
             for j in cutlass.range_constexpr(cfg.q_stages):
                 h = q_prod.acquire_and_advance()
                 mt = m_block * cfg.q_stages + j
