@@ -305,7 +305,8 @@ def _explain_transforms(spec) -> dict:
     t = transforms_plan(spec)
     return {"names": list(t.transforms), "runs": "torch passes around the attention (every backend), not fused",
             "example": list(t.example), "example_bytes": t.example_bytes, "example_us": t.example_us,
-            "hadamard_seed": spec.transforms.hadamard_seed}
+            "hadamard_seed": spec.transforms.hadamard_seed,
+            **({"sink_tokens": spec.transforms.sink_tokens} if spec.transforms.sink_tokens else {})}
 
 
 def cmd_schedule(args) -> int:
@@ -383,7 +384,8 @@ def _accuracy_report_transformed(spec, args) -> dict:
     case = activations.Case(f"randn(seed={args.seed})", q, k, v)
     t = spec.transforms
     try:
-        rep = accuracy.report_case(spec, case, t.names, hadamard_seed=t.hadamard_seed)
+        rep = accuracy.report_case(spec, case, t.names, hadamard_seed=t.hadamard_seed,
+                                   sink_tokens=t.sink_tokens or 1)
     except ValueError as e:
         raise UserError(f"{spec.name}: {e}") from None
     for key in ("_o", "_o_ref", "per_head"):
@@ -459,13 +461,13 @@ def _accuracy_inputs(specs, args) -> int:
     from fp4gen.driver import UserError
     from fp4gen.numerics import accuracy, activations
 
-    from fp4gen.numerics.outliers import TRANSFORMS
+    from fp4gen.numerics.outliers import ALL_TRANSFORMS
 
     extra = [t.strip() for t in (args.transform or "").split(",") if t.strip()]
-    bad = [t for t in extra if t not in TRANSFORMS]
+    bad = [t for t in extra if t not in ALL_TRANSFORMS]
     if bad:
         raise UsageError(f"--transform: unknown {', '.join(bad)}; use a comma-separated subset of "
-                         f"{', '.join(TRANSFORMS)}")
+                         f"{', '.join(ALL_TRANSFORMS)}")
     try:
         cases = activations.load(args.inputs)
     except activations.InputsError as e:
@@ -508,11 +510,13 @@ def _accuracy_inputs(specs, args) -> int:
 
 
 def _report_inputs(accuracy, spec, cases, transforms) -> dict:
-    """``accuracy.report_inputs`` with the spec's Hadamard seed (``rotate qk hadamard(seed=N)``)."""
+    """``accuracy.report_inputs`` with the spec's Hadamard seed (``rotate qk hadamard(seed=N)``) and
+    sink token count (``sink_tokens N``; 1 for ``--transform sink_tokens`` on a spec without it)."""
     import torch
 
-    seed = spec.transforms.hadamard_seed
-    reps = [accuracy.report_case(spec, c, transforms, hadamard_seed=seed) for c in cases]
+    t = spec.transforms
+    reps = [accuracy.report_case(spec, c, transforms, hadamard_seed=t.hadamard_seed, sink_tokens=t.sink_tokens or 1)
+            for c in cases]
     o = torch.cat([r.pop("_o").flatten() for r in reps])
     ref = torch.cat([r.pop("_o_ref").flatten() for r in reps])
     out = {"kernel": spec.name, "target": spec.target.value, "cases": reps}
@@ -562,7 +566,7 @@ def cmd_run(args) -> int:
     from fp4gen.numerics import accuracy
     from fp4gen.api import LoadError, load
     from fp4gen.ir.spec import Layout, Sinks
-    from fp4gen.runtime.checks import UnsupportedDeviceError
+    from fp4gen.runtime.checks import AttentionInputError, UnsupportedDeviceError
 
     try:
         mod = load(args.spec, kernel=spec.name, target=target)
@@ -598,6 +602,8 @@ def cmd_run(args) -> int:
             o, lse = mod.forward(q, k, v, return_lse=True, **extra)
             grads = mod.backward(q, k, v, o, lse, do, **extra) if bwd else None
     except UnsupportedDeviceError as e:  # a GPU of another architecture
+        raise UserError(str(e)) from None
+    except AttentionInputError as e:  # inputs the spec cannot take (sink_tokens N with --seqlen <= N)
         raise UserError(str(e)) from None
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -920,7 +926,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "reports per case, per head and overall instead of random inputs")
     a.add_argument("--transform", metavar="T[,T]",
                    help="with --inputs: outlier transforms before the spec's numerics, besides the spec's own "
-                        "(smooth_k, channel_scale_v, hadamard; fp4gen.numerics.outliers)")
+                        "(smooth_k, channel_scale_v, hadamard, sink_tokens; fp4gen.numerics.outliers; "
+                        "sink_tokens takes the spec's count, else the first key)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.add_argument("--quiet", action="store_true", help="no progress lines on stderr (none off a terminal anyway)")
     a.set_defaults(func=cmd_accuracy)

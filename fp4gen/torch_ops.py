@@ -858,6 +858,55 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, dsinks, None, None, None, None
 
 
+class _SinkTokensAttention(torch.autograd.Function):
+    """A spec with ``sink_tokens N`` (``outliers.SinkTokens``): the attention op on the transformed
+    keys N.. (q2, k2, v2), its (O', LSE') mapped back and merged with the N exact keys
+    (``Post.apply``), as one autograd node. Not the op followed by the merge: the merge depends on
+    LSE', through which the op passes no gradient. The backward runs the op's backward on keys N..
+    with the merged O and LSE (``Post.kernel_frame``: exact without an LSE gradient, see
+    ``outliers.SinkTokens``) and adds the exact keys' share (``SinkTokens.grads``): dq2, dk2, dv2
+    for the transform steps before it (autograd takes them to q, k, v), dq, dk_sink, dv_sink for
+    the exact keys' inputs (q itself, k[:, :N], v[:, :N] in float32), and dL/d(smoothing's LSE
+    shift), which the merge adds to LSE' (``SinkTokens.grads``). The returned LSE carries no
+    gradient, as the op's."""
+
+    @staticmethod
+    def forward(ctx, q2, k2, v2, q, ks, vs, lse_add, sinks, post, key, softmax_scale, backend):
+        ctx.fast = _eager_fast_path(q2, k2, v2, sinks)
+        fwd = _attention_fwd_impl if ctx.fast else torch.ops.fp4gen.attention_fwd
+        o2, lse2, state = fwd(q2, k2, v2, key, softmax_scale, backend, sinks)
+        o, lse = post.apply(o2, lse2)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q2, k2, v2, o, lse, sinks, *state)
+        ctx.post, ctx.key, ctx.softmax_scale, ctx.backend = post, key, softmax_scale, backend
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        q2, k2, v2, o, lse, sinks, *state = ctx.saved_tensors
+        post = ctx.post
+        do = do.contiguous()
+        o2, lse2, do2 = post.kernel_frame(o, lse, do)
+        bwd = _attention_bwd_impl if ctx.fast else torch.ops.fp4gen.attention_bwd
+        dq2, dk2, dv2 = bwd(q2, k2, v2, o2.contiguous(), lse2.contiguous(), do2.contiguous(), list(state),
+                            ctx.key, ctx.softmax_scale, ctx.backend, sinks)
+        dq, dks, dvs, dlse_add = post.sinks.grads(o, lse, do)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[7]:  # the learned sink's share of the merged row
+            dsinks = _reference().sinks_grad(o, lse, do, sinks).to(sinks.dtype)
+        dlse_add = dlse_add if ctx.needs_input_grad[6] else None  # no smoothing (None), or detached
+        return dq2, dk2, dv2, dq.to(o.dtype), dks, dvs, dlse_add, dsinks, None, None, None, None
+
+
+def _sink_tokens_attention(q2, k2, v2, post, key, softmax_scale, backend, sinks):
+    """(o, lse) of a spec with sink_tokens (``_SinkTokensAttention``); o in q2's dtype."""
+    st = post.sinks
+    return _SinkTokensAttention.apply(q2, k2, v2, st.q, st.k, st.v, post.lse_add, sinks, post, key, softmax_scale,
+                                      backend)
+
+
 def _attention_op(q, k, v, key, softmax_scale, backend, sinks=None, cu_q=None, cu_k=None, max_q=0, max_k=0):
     """(o, lse) of one call: the custom op, or in plain eager mode the same work without its dispatch."""
     if _eager_fast_path(q, k, v, sinks, cu_q, cu_k):
@@ -1012,6 +1061,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         _remember_checked(ck)
     dtype = q.dtype
     q, k, v, post = _transforms_before(key, q, k, v, softmax_scale, sinks)
+    if post is not None and post.sinks is not None:  # sink_tokens: op and merge as one autograd node
+        o, lse = _sink_tokens_attention(q, k, v, post, key, softmax_scale, backend, sinks)
+        return (o.to(dtype), lse) if return_lse else o.to(dtype)
     o, lse = _attention_op(q, k, v, key, softmax_scale, backend, sinks)
     if post is not None:
         o, lse = post.o(o).to(dtype), post.lse(lse)

@@ -411,7 +411,7 @@ class TransformPass:
     do not fuse them yet): what it reads and writes, in bytes per row of ``per`` (a key token of
     one KV head, or a query token of one query head), for bf16 inputs."""
 
-    transform: str  # smooth_k | channel_scale_v | hadamard
+    transform: str  # smooth_k | channel_scale_v | hadamard | sink_tokens
     step: str
     per: str  # "key" (per key token and KV head) | "query" (per query token and query head)
     bytes_read: int
@@ -455,6 +455,14 @@ def transforms_plan(spec: KernelSpec) -> Optional[TransformsPlan]:
         passes += [TransformPass("channel_scale_v", "amax of V's channels over tokens", "key", row, 0),
                    TransformPass("channel_scale_v", "V / c", "key", row, row),
                    TransformPass("channel_scale_v", "O * c", "query", row, row)]
+    if t.sink_tokens:
+        # the kernel runs on keys n..: K and V without their first n rows, a copy for a kernel that
+        # reads compact K/V (the sm90a FP8 quantizer reads the view in place); then the n sink keys
+        # attended in float32 (a read of Q: the n keys themselves are a few rows) and the merge of
+        # O and LSE with their part (O and LSE read and written once)
+        passes += [TransformPass("sink_tokens", "K, V without the first n keys", "key", 2 * row, 2 * row),
+                   TransformPass("sink_tokens", "Q . K_sink (n keys, float32)", "query", row, 0),
+                   TransformPass("sink_tokens", "merge O and LSE with the sinks", "query", row + 4, row + 4)]
     b, h, s = TRANSFORM_EXAMPLE
     nbytes = sum((p.bytes_read + p.bytes_written) * b * h * s for p in passes)  # MHA: as many K rows as Q rows
     return TransformsPlan(

@@ -95,6 +95,8 @@ def _extensions_to(spec: KernelSpec) -> dict[str, Any]:
         t = spec.transforms
         d["transforms"] = {"smooth_k": t.smooth_k, "channel_scale_v": t.channel_scale_v, "hadamard": t.hadamard,
                            "hadamard_seed": t.hadamard_seed}
+        if t.sink_tokens:  # written only when set: the transforms of older specs keep their bytes
+            d["transforms"]["sink_tokens"] = t.sink_tokens
     return d
 
 
@@ -114,7 +116,8 @@ def _transforms_from(t: Optional[Mapping[str, Any]]) -> Transforms:
         return Transforms()
     seed = t.get("hadamard_seed")
     return Transforms(smooth_k=bool(t["smooth_k"]), channel_scale_v=bool(t["channel_scale_v"]),
-                      hadamard=bool(t["hadamard"]), hadamard_seed=None if seed is None else int(seed))
+                      hadamard=bool(t["hadamard"]), hadamard_seed=None if seed is None else int(seed),
+                      sink_tokens=int(t.get("sink_tokens", 0)))
 
 
 def spec_to_dict(spec: KernelSpec, *, with_source: bool = True) -> dict[str, Any]:

@@ -339,18 +339,25 @@ class Transforms:
       per (batch, kv head, channel), O's columns multiplied back.
     - ``hadamard`` (``rotate qk hadamard(seed=N)``): Q and K times one orthonormal Hadamard
       matrix (random column signs from ``hadamard_seed``, None = no signs).
+    - ``sink_tokens`` (``sink_tokens N``): the first N keys of every sequence (attention sinks)
+      are left out of the quantized attention, so that their V rows share no FP4/FP8 scale with
+      the others, and attended exactly in float32 beside it; the two parts are merged by their
+      log-sum-exps (``outliers.Post.apply``). 0 = off.
 
-    All off by default; a spec that sets none serializes as before the field existed."""
+    All off by default; a spec that sets none serializes as before the field existed (and one
+    without ``sink_tokens`` as before that field existed)."""
 
     smooth_k: bool = False
     channel_scale_v: bool = False
     hadamard: bool = False
     hadamard_seed: Optional[int] = None
+    sink_tokens: int = 0  # leading keys attended exactly outside the quantized attention; 0 = none
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The ``outliers.TRANSFORMS`` names that are on, in that (application) order."""
-        return tuple(n for n in ("smooth_k", "channel_scale_v", "hadamard") if getattr(self, n))
+        """The ``outliers.ALL_TRANSFORMS`` names that are on (``outliers.apply`` runs them in its
+        own fixed order, sink_tokens first)."""
+        return tuple(n for n in ("smooth_k", "channel_scale_v", "hadamard", "sink_tokens") if getattr(self, n))
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -359,11 +366,15 @@ class Transforms:
         parts = [n for n in ("smooth_k", "channel_scale_v") if getattr(self, n)]
         if self.hadamard:
             parts.append("hadamard" + (f"(seed={self.hadamard_seed})" if self.hadamard_seed is not None else ""))
+        if self.sink_tokens:
+            parts.append(f"sink_tokens({self.sink_tokens})")
         return ", ".join(parts) or "none"
 
 
 # rotate qk hadamard(seed=N): a torch.Generator seed (numerics.outliers.hadamard_matrix)
 HADAMARD_SEED_RANGE = range(0, 1 << 31)
+# sink_tokens N: StreamingLLM keeps 4; the exact part costs a float32 (Sq x N) score block per head
+SINK_TOKENS_RANGE = range(1, 129)
 
 
 BACKWARD_OPERANDS = ("dO", "dS", "dP", "dQ", "dK", "dV")

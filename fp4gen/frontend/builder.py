@@ -20,7 +20,7 @@ from fp4gen.ir.spec import (
     BACKWARD_OPERANDS, DIRECT_P_A_RANGE, DIRECT_P_B_RANGE, DIRECT_P_FORMATS, FORWARD_OPERANDS, FP8_TOKEN_BLOCKS,
     GUARD_L_RANGE, GUARD_M_RANGE, HADAMARD_SEED_RANGE, HEAD_DIM_RANGE, KV_CACHE_FORMATS, KV_GQA_RANGE, KV_PAGE_SIZES, KV_Q_TOKENS_RANGE,
     KV_STAGES_RANGE, MX_BLOCK, Q_STAGES_RANGE, REUSABLE_STATE, SOFTCAP_RANGE, SOFTMAX_SCALE_RANGE, TILE_RANGE,
-    WINDOW_RANGE,
+    SINK_TOKENS_RANGE, WINDOW_RANGE,
     Backward, CacheFormat, DirectPPolicy, Format, Guard, GuardKind, KernelSpec, KvCache, KvStorage, Layout, Mask,
     OperandFormat, PKind, PProduction,
     PPublish, PSource, ScaleGranularity, Schedule, Sinks, SourceLoc, Target, TmemRegionRequest, Transforms,
@@ -44,7 +44,7 @@ GUARDS = tuple(g.value for g in GuardKind)
 SCALE_WORDS = ("tensor", "token", "none", "fp32", "e8m0", "e4m3")
 
 KERNEL_KEYWORDS = ("target", "head_dim", "mask", "softcap", "sinks", "layout", "scale", "guard", "rotate",
-                   "schedule", "backward", "kv_cache")
+                   "sink_tokens", "schedule", "backward", "kv_cache")
 # outlier transforms written after an operand's format: word -> (operand, Transforms field)
 OPERAND_OPTIONS = {"smooth": ("K", "smooth_k"), "channel_scale": ("V", "channel_scale_v")}
 ROTATIONS = ("hadamard",)
@@ -285,7 +285,9 @@ class KernelBuilder:
                     tok = child.children[0] if isinstance(child, Tree) else child
                     if tok.type != "NAME":
                         self.error(tok, f"sinks takes {one_of(SINKS)}, not a count of sink tokens ('{tok}')",
-                                   hint="'sinks learned' is GPT-OSS's learned per-head sink logit")
+                                   hint="'sinks learned' is GPT-OSS's learned per-head sink logit; for the first "
+                                        "keys attended exactly beside the quantized attention write "
+                                        f"'sink_tokens {tok}'")
                     else:
                         v = self.word(tok, SINKS, "sinks value")
                         if v is not None:
@@ -319,6 +321,9 @@ class KernelBuilder:
             elif kind == "rotate_stmt":
                 if self.first_time("rotate", st, "the rotation"):
                     self.rotate(st)
+            elif kind == "sink_tokens_stmt":
+                if self.first_time("sink_tokens", st, "sink_tokens"):
+                    self.sink_tokens(st)
             elif kind == "operand_stmt":
                 res = self.operand(st, FORWARD_OPERANDS, "", where="kernel")
                 if res is not None:
@@ -475,6 +480,12 @@ class KernelBuilder:
                            hint="their gradients follow through autograd; drop the word here")
                 good = False
                 continue
+            if word == "sink_tokens":
+                self.error(tok, f"sink_tokens is a statement of the attention block (it takes keys out of K and V "
+                                f"together), not an option of {name}",
+                           hint="write 'sink_tokens 1' on a line of its own")
+                good = False
+                continue
             if word not in OPERAND_OPTIONS:
                 valid = [w for w, (op, _) in OPERAND_OPTIONS.items() if op == name]
                 if valid:
@@ -528,6 +539,32 @@ class KernelBuilder:
         self.transform_toks["hadamard"] = tok
         self.locs["rotate"] = self.err.loc(tok)
 
+    def sink_tokens(self, st: Tree) -> None:
+        """``sink_tokens N``: the first N keys left out of the quantized attention and attended
+        exactly beside it (``sink_tokens none``: the default, no transform)."""
+        (child,) = st.children
+        tok = child.children[0] if isinstance(child, Tree) else child
+        what = "sink_tokens"
+        if tok.type == "NAME":
+            if str(tok) == "learned":
+                self.error(tok, "sink_tokens takes a count of leading keys, not 'learned'",
+                           hint="a learned sink logit per head is 'sinks learned'")
+            elif self.word(tok, ("none",), "sink_tokens value") is not None:
+                self.locs["sink_tokens"] = self.err.loc(tok)
+            return
+        if not self.short(tok, what):
+            return
+        if re.fullmatch(r"[+-]?0+", str(tok)):
+            self.error(tok, "sink_tokens 0 attends no key exactly", hint="write 'sink_tokens none' (the default) "
+                                                                       "or drop the line")
+            return
+        n = self.integer(tok, what, SINK_TOKENS_RANGE)
+        if n is None:
+            return
+        self.transforms["sink_tokens"] = n
+        self.transform_toks["sink_tokens"] = tok
+        self.locs["sink_tokens"] = self.err.loc(tok)
+
     def transform_conflicts(self, f: dict) -> None:
         """What ``numerics.outliers.apply`` refuses, at the transform's line: each transform must
         leave the attention unchanged (in real arithmetic)."""
@@ -549,9 +586,16 @@ class KernelBuilder:
                            f"the Hadamard rotation needs a power-of-two head dim, got {d}",
                            notes=[Note("head_dim set here", self.locs["head_dim"])],
                            hint="head_dim 64, 128 or 256, or drop the rotate line")
+        if "sink_tokens" in self.transform_toks and f.get("layout", Layout.DENSE) is Layout.VARLEN:
+            self.error(self.transform_toks["sink_tokens"],
+                       "sink_tokens with layout varlen is not built: the first keys of every packed sequence "
+                       "would leave the kernel's keys (new cu_seqlens_k) and be merged per sequence",
+                       notes=[Note("layout set here", self.locs["layout"])],
+                       hint="drop the sink_tokens line, or use layout dense")
         if "kv_cache" in self.seen:
-            for tok in self.transform_toks.values():
-                self.error(tok, f"'{tok}' with a kv_cache block: the outlier transforms run around prefill "
+            for field, tok in self.transform_toks.items():
+                word = f"sink_tokens {tok}" if field == "sink_tokens" else str(tok)
+                self.error(tok, f"'{word}' with a kv_cache block: the outlier transforms run around prefill "
                                 "attention (fp4gen.attention), not against a KV cache",
                            hint="drop it, or the kv_cache block")
 

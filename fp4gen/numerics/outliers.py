@@ -27,6 +27,11 @@ real arithmetic), so that one scale per (batch, head) or per block fits the data
   kernels still see the right keys; the n exact keys get the mask and softcap themselves. Why:
   a sink's small value row shares an FP4 V block (32 keys per channel) with larger ones and
   loses its precision there, at half of each row's weight (docs/numerics.md section 14).
+  Backward (``SinkTokens.grads`` and ``Post.kernel_frame``): the attention's backward on keys n..
+  is given the merged O and LSE (in its own frame) instead of its own, which makes it exact
+  without an LSE gradient: P = exp(s - LSE) is then each key's share of the whole row, and
+  D = rowsum(dO * O) the whole row's, as split-KV and ring attention run their splits' backwards;
+  the n exact keys' share of dQ, dK, dV is computed in float32 beside it.
 
 ``apply(q, k, v, transforms)`` runs them in a fixed order and returns the transformed
 inputs and a ``Post`` that maps the transformed attention's (O, LSE) back.
@@ -42,10 +47,11 @@ import torch
 from . import masking
 from .formats import pow2
 
-TRANSFORMS = ("smooth_k", "channel_scale_v", "hadamard")  # the spec options (K smooth, V channel_scale, rotate)
-# not a spec option yet: its Post merges O and LSE together (``Post.apply``), which the callers of
-# ``Post.o`` / ``Post.lse`` (fp4gen.attention, a generated module) do not do, and its LSE-dependent
-# merge has no backward through the attention op (whose LSE carries no gradient)
+# spec options K smooth, V channel_scale, rotate: their Post maps O and LSE one at a time (Post.o, Post.lse)
+TRANSFORMS = ("smooth_k", "channel_scale_v", "hadamard")
+# spec option ``sink_tokens N``: its Post merges O and LSE together (``Post.apply``), and its backward
+# needs the merged O and LSE (``Post.kernel_frame``, ``SinkTokens.grads``): fp4gen.attention runs it as
+# one autograd node (torch_ops._SinkTokensAttention), a generated module in runtime/transforms.py
 SPLIT_TRANSFORMS = ("sink_tokens",)
 ALL_TRANSFORMS = TRANSFORMS + SPLIT_TRANSFORMS
 
@@ -132,18 +138,24 @@ class SinkTokens:
     softcap: float = 0.0
     window: tuple = masking.NO_WINDOW
 
-    def merge(self, o: torch.Tensor, lse: torch.Tensor):
-        """(O, LSE) over all keys from the attention's (o, lse) over keys n.. (float32)."""
-        B, Sq, H, D = self.q.shape
-        g = H // self.k.shape[2]
-        dev = o.device
-        k, v = (x.repeat_interleave(g, dim=2).to(dev) for x in (self.k, self.v))
-        s = torch.einsum("bqhd,bnhd->bhqn", self.q.to(device=dev, dtype=torch.float32), k) * self.scale
+    def _scores(self, q, k, v, dev):
+        """(t, k, v): the sink keys' scores (B, H, Sq, n) float32, scaled, capped and masked (-inf),
+        and k, v repeated to the query heads (GQA), for queries ``q`` (B, Sq, H, D)."""
+        Sq, H = q.shape[1], q.shape[2]
+        g = H // k.shape[2]
+        k, v = (x.repeat_interleave(g, dim=2).to(dev) for x in (k, v))
+        s = torch.einsum("bqhd,bnhd->bhqn", q.to(device=dev, dtype=torch.float32), k) * self.scale
         s = masking.softcap(s, self.softcap)
         if masking.is_masked(self.window):
             n = k.shape[1]
             ok = masking.allowed(torch.arange(Sq, device=dev), torch.arange(n, device=dev), Sq, self.sk, self.window)
             s = s.masked_fill(~ok, float("-inf"))
+        return s, k, v
+
+    def merge(self, o: torch.Tensor, lse: torch.Tensor):
+        """(O, LSE) over all keys from the attention's (o, lse) over keys n.. (float32)."""
+        dev = o.device
+        s, k, v = self._scores(self.q, self.k, self.v, dev)
         lse = lse.to(torch.float32)
         m = torch.maximum(lse, s.amax(-1))  # (B, H, Sq)
         m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # a row that sees no key at all
@@ -156,6 +168,35 @@ class SinkTokens:
                          torch.zeros_like(num))
         lse2 = torch.where(den > 0, m + torch.log(safe), torch.full_like(m, float("-inf")))
         return o2, lse2
+
+    def grads(self, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor):
+        """(dq, dk, dv, dlse) float32: the n exact keys' share of the attention's gradient, given
+        the merged (O, LSE) over all keys (``merge``'s) and dO: dv_j = sum_i P_ij dO_i, dS_ij =
+        P_ij (dO_i . v_j - D_i) with P_ij = exp(s_ij - LSE_i) and D_i = rowsum(dO_i * O_i), through
+        softcap and the scale to q (B, Sq, H, D) and k (B, n, Hkv, D) (summed over each GQA
+        group). With the attention's own backward on keys n.. given the same O and LSE
+        (``Post.kernel_frame``), the sum is the gradient of attention over all keys (the LSE, as
+        the op's, carries none). ``dlse`` (B, H, Sq): dL/d(LSE of the attention over keys n..),
+        the merge's only other input: adding c_i to it adds c_i to each of those keys' scores, so
+        it is the sum of their dS, and as every row's dS sums to 0, minus the exact keys' sum. A
+        shift the merge adds to that LSE (smoothing's ``lse_shift``) takes it (the shift depends
+        on q and K's mean: with sink_tokens it is not a constant of the merged O)."""
+        dev = o.device
+        q = self.q.detach().to(device=dev, dtype=torch.float32)
+        t, kh, vh = self._scores(q, self.k.detach(), self.v.detach(), dev)  # (B, H, Sq, n); kh, vh per query head
+        lse = lse.detach().to(torch.float32)
+        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)  # no key at all: P = 0
+        p = torch.exp(t - lse[..., None])  # each exact key's share of the whole row (0 where masked)
+        dof = do.detach().to(torch.float32)
+        drow = (dof * o.detach().to(torch.float32)).sum(-1).transpose(1, 2)  # D_i (B, H, Sq)
+        dt = p * (torch.einsum("bqhd,bnhd->bhqn", dof, vh) - drow[..., None])  # dL/d(capped score)
+        ds = dt * masking.softcap_grad(t, self.softcap) if self.softcap else dt
+        B, n, hkv, D = self.k.shape
+        g = q.shape[2] // hkv
+        dq = torch.einsum("bhqn,bnhd->bqhd", ds, kh) * self.scale
+        dk = (torch.einsum("bhqn,bqhd->bnhd", ds, q) * self.scale).reshape(B, n, hkv, g, D).sum(3)
+        dv = torch.einsum("bhqn,bqhd->bnhd", p, dof).reshape(B, n, hkv, g, D).sum(3)
+        return dq, dk, dv, -dt.sum(-1)
 
 
 @dataclass
@@ -193,11 +234,25 @@ class Post:
         o, lse = self._o(o), self._lse(lse)
         return (o, lse) if self.sinks is None else self.sinks.merge(o, lse)
 
+    def kernel_frame(self, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor):
+        """(o', lse', do') for the transformed attention's backward from the original attention's
+        O, LSE (``apply``'s outputs) and dO: O / c and dO * c (O = O' c: exact, c a power of two),
+        LSE minus the smoothing shift; o' and do' in o's and do's dtypes. With sink_tokens these
+        are the merged O and LSE over all keys, not the attention's own over keys n..: its
+        backward then computes each key's P against the whole row's LSE and D = rowsum(dO' * o')
+        over the whole row, which is the exact gradient for keys n.. (``SinkTokens.grads`` adds
+        the exact keys' share)."""
+        c = self._o(torch.ones_like(o, dtype=torch.float32))  # O's column scales (1 without channel_scale)
+        o2 = (o.to(torch.float32) / c).to(o.dtype)
+        do2 = (do.to(torch.float32) * c).to(do.dtype)
+        lse2 = lse - self._lse(torch.zeros_like(lse))
+        return o2, lse2, do2
+
 
 def apply(q, k, v, transforms: Sequence[str], scale: float, *, softcap: float = 0.0,
           sinks=None, hadamard_seed: Optional[int] = None, sink_tokens: int = 1,
           window=masking.NO_WINDOW):
-    """(q', k', v', Post) with ``transforms`` (a subset of TRANSFORMS) applied in the order
+    """(q', k', v', Post) with ``transforms`` (a subset of ALL_TRANSFORMS) applied in the order
     sink_tokens (the first ``sink_tokens`` keys split off, so that the others' mean and channel
     scales do not see them), smooth_k, hadamard, channel_scale_v (the mean of K R is the mean of
     K times R, so the order of those two does not matter; V is independent). ``window``: the

@@ -1,10 +1,11 @@
 """The spec's outlier transforms (issue 21) on every entry point of a generated module.
 
 ``fp4gen.attention`` runs a spec's transforms (``K : ... smooth``, ``V : ... channel_scale``,
-``rotate qk hadamard``) as torch steps around whatever backend it picks (``before`` below,
-``fp4gen.numerics.outliers.apply`` and its ``Post``). A generated module of such a spec must mean
-the same when called directly, so its template ends with ``install(__name__, PLAN_JSON)``
-(rendered only when the plan has transforms: every other module stays as it was). ``install``
+``rotate qk hadamard``, ``sink_tokens N``) as torch steps around whatever backend it picks
+(``before`` below, ``fp4gen.numerics.outliers.apply`` and its ``Post``). A generated module of
+such a spec must mean the same when called directly, so its template ends with
+``install(__name__, PLAN_JSON)`` (rendered only when the plan has transforms: every other
+module stays as it was). ``install``
 makes the module's public ``forward``, ``forward_varlen`` and ``backward`` apply the transforms
 around the functions the module defines, which stay reachable as ``forward_untransformed``,
 ``forward_varlen_untransformed`` and ``backward_untransformed``: the kernel on inputs already
@@ -35,20 +36,28 @@ def before(spec, q, k, v, scale: float, sinks=None, packed: bool = False):
     """``spec``'s transforms applied to q, k, v: (q', k', v', post) with q', k', v' in q's dtype
     and ``post`` (an ``outliers.Post``) mapping the transformed attention's (O, LSE) back; None
     for ``post`` when the spec has none. The LSE shift is detached (the attention's LSE carries
-    no gradient). ``packed``: varlen (total, H, D) tensors, taken as one sequence of all tokens
-    (one mean, one scale per channel: still exact, every row's keys get the same shift).
-    ValueError for what the transforms refuse (smoothing with softcap or sinks)."""
+    no gradient), except with sink_tokens, whose merged O depends on it (``SinkTokens.grads``).
+    ``packed``: varlen (total, H, D) tensors, taken as one sequence of all tokens (one mean, one
+    scale per channel: still exact, every row's keys get the same shift).
+    ``sink_tokens N``: k' and v' are keys N.. and ``post.sinks`` attends the first N exactly with
+    the spec's mask and softcap; ``post.apply`` (not ``post.o``/``post.lse``) merges them.
+    ValueError for what the transforms refuse (smoothing with softcap or sinks; sink_tokens with
+    packed sequences, or with no more keys than N)."""
     if not spec.transforms:
         return q, k, v, None
     from fp4gen.numerics import outliers
 
     t = spec.transforms
     dtype = q.dtype
+    if packed and t.sink_tokens:
+        raise ValueError(f"sink_tokens {t.sink_tokens} with packed (varlen) sequences is not built: the first "
+                         "keys of every sequence would have to leave the kernel's keys; use fp4gen.attention")
     if packed:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     q2, k2, v2, post = outliers.apply(q, k, v, t.names, scale, softcap=spec.softcap, sinks=sinks,
-                                      hadamard_seed=t.hadamard_seed)
-    if post.lse_add is not None:
+                                      hadamard_seed=t.hadamard_seed, sink_tokens=t.sink_tokens or 1,
+                                      window=spec.window_size)
+    if post.lse_add is not None and post.sinks is None:  # (the merge of sink_tokens takes its gradient)
         post.lse_add = post.lse_add.detach()
     if packed:
         q2, k2, v2 = q2[0], k2[0], v2[0]
@@ -67,6 +76,9 @@ class PackedPost:
 
     def lse(self, lse):
         return self.post.lse(lse.unsqueeze(0))[0]
+
+    def kernel_frame(self, o, lse, do):
+        return tuple(x[0] for x in self.post.kernel_frame(o.unsqueeze(0), lse.unsqueeze(0), do.unsqueeze(0)))
 
 
 def untransformed(mod, entry: str):
@@ -117,30 +129,43 @@ class ModuleTransforms:
         packed = packed or any(kw.get(n) is not None for n in _VARLEN_ARGS)
         q2, k2, v2, post = self._before(q, k, v, self._scale(softmax_scale), kw.get("sinks"), packed)
         o, lse = raw(q2, k2, v2, *args, softmax_scale=softmax_scale, return_lse=True, **kw)
-        o, lse = post.o(o).to(q.dtype), post.lse(lse)
+        if getattr(post, "sinks", None) is not None:  # sink_tokens: O and LSE merged together
+            o, lse = post.apply(o, lse)
+            o = o.to(q.dtype)
+        else:
+            o, lse = post.o(o).to(q.dtype), post.lse(lse)
         return (o, lse) if return_lse else o
 
     def backward(self, raw, q, k, v, o, lse, do, *, softmax_scale=None, **kw):
         """Gradients at the original q, k, v of ``forward`` (o, lse: its outputs): ``raw`` (the
         module's own backward) at the transformed inputs, on the transformed attention's o, lse
-        and dO (Post undone: O / c, dO * c, LSE - shift), then the transforms' own chain rule by
-        autograd through ``before`` (the same steps, so no second derivation of them)."""
+        and dO (Post undone, ``Post.kernel_frame``: O / c, dO * c, LSE - shift), then the
+        transforms' own chain rule by autograd through ``before`` (the same steps, so no second
+        derivation of them). ``sink_tokens``: ``raw`` runs on keys N.. with the merged O and LSE
+        (exact, ``outliers.Post.kernel_frame``), the N exact keys' share beside it
+        (``SinkTokens.grads``)."""
         self._refuse_prepared(kw)
         packed = any(kw.get(n) is not None for n in _VARLEN_ARGS)
         scale = self._scale(softmax_scale)
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
             q2, k2, v2, post = self._before(*leaves, scale, kw.get("sinks"), packed)
-        c = post.o(torch.ones_like(o, dtype=torch.float32))  # O's column scales (1 without channel_scale)
-        o2 = (o.to(torch.float32) / c).to(o.dtype)  # exact: c is a power of two
-        do2 = (do.to(torch.float32) * c).to(do.dtype)  # O = O' c, so dL/dO' = dL/dO c
-        lse2 = lse - post.lse(torch.zeros_like(lse))
+        o2, lse2, do2 = post.kernel_frame(o, lse, do)  # O = O' c, so dL/dO' = dL/dO c; c a power of two
         dq2, dk2, dv2 = raw(q2.detach(), k2.detach(), v2.detach(), o2, lse2, do2, softmax_scale=softmax_scale,
                             **kw)
         outs = [(t, g) for t, g in zip((q2, k2, v2), (dq2, dk2, dv2)) if t.requires_grad]
+        sink = getattr(post, "sinks", None)
+        dq_sink = None
+        if sink is not None:  # the exact keys: their k and v rows (graph to k, v), and q's share directly
+            dq_sink, dk_s, dv_s, dlse = sink.grads(o, lse, do)
+            outs += [(t, g) for t, g in ((sink.k, dk_s), (sink.v, dv_s), (post.lse_add, dlse))
+                     if t is not None and t.requires_grad]
         grads = torch.autograd.grad([t for t, _ in outs], leaves, [g.to(t.dtype) for t, g in outs],
                                     allow_unused=True)
-        return tuple(torch.zeros_like(x) if g is None else g.to(x.dtype) for x, g in zip((q, k, v), grads))
+        grads = [torch.zeros_like(x, dtype=torch.float32) if g is None else g for x, g in zip(leaves, grads)]
+        if dq_sink is not None:
+            grads[0] = grads[0].to(torch.float32) + dq_sink
+        return tuple(g.to(x.dtype) for x, g in zip((q, k, v), grads))
 
 
 class TransformedModule(types.ModuleType):

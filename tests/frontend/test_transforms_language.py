@@ -146,3 +146,100 @@ def test_no_options_no_field():
     assert "transforms" not in spec_to_dict(s)
     pd = plan_to_dict(plan_kernel(s))
     assert "transforms" not in pd and "transforms" not in pd["spec"]
+
+
+# ------------------------------------------------------------------ sink_tokens N -----
+
+@pytest.mark.parametrize("body, want", [
+    ("  sink_tokens 1", Transforms(sink_tokens=1)),
+    ("  sink_tokens 4", Transforms(sink_tokens=4)),
+    ("  sink_tokens 128", Transforms(sink_tokens=128)),
+    ("  sink_tokens none", Transforms()),
+    ("  sink_tokens 2\n  K : fp8e4m3 smooth\n  V : fp8e4m3 channel_scale\n  rotate qk hadamard(seed=1)",
+     Transforms(True, True, True, 1, 2)),
+    ("  sink_tokens 3\n  softcap 30\n  sinks learned\n  mask window(64, 0)", Transforms(sink_tokens=3)),
+])
+def test_sink_tokens_parse(body, want):
+    s = one(body)
+    assert s.transforms == want
+    assert ("sink_tokens" in s.transforms.names) == bool(want.sink_tokens)
+
+
+def test_sink_tokens_location_and_text():
+    s = one("  mask causal\n  sink_tokens 4")
+    assert (s.loc("sink_tokens").line, s.loc("sink_tokens").col) == (5, 15)
+    assert str(s.transforms) == "sink_tokens(4)" and s.transforms.names == ("sink_tokens",)
+
+
+@pytest.mark.parametrize("body, line, col, words", [
+    ("  sink_tokens 0", 4, 15, ["sink_tokens 0 attends no key exactly"]),
+    ("  sink_tokens -1", 4, 15, ["sink_tokens must be from 1 to 128, got -1"]),
+    ("  sink_tokens 129", 4, 15, ["sink_tokens must be from 1 to 128, got 129"]),
+    ("  sink_tokens 1.5", 4, 15, ["sink_tokens must be an integer, got '1.5'"]),
+    ("  sink_tokens 1" + "0" * 45, 4, 15, ["at most 40 are read"]),
+    ("  sink_tokens nnone", 4, 15, ["unknown sink_tokens value 'nnone'"]),
+    ("  sink_tokens learned", 4, 15, ["takes a count of leading keys, not 'learned'"]),
+    ("  sink_tokens 2\n  sink_tokens 3", 5, 3, ["sink_tokens is set twice"]),
+    ("  V : mxfp4 sink_tokens", 4, 13, ["sink_tokens is a statement of the attention block", "not an option of V"]),
+    ("  schedule {\n    sink_tokens 4\n  }", 5, 5, ["'sink_tokens' belongs directly in the attention block"]),
+    ("  backward {\n    sink_tokens 4\n  }", 5, 5, ["'sink_tokens' belongs directly in the attention block"]),
+    ("  sink_tokns 4", 4, 3, ["unknown statement 'sink_tokns'", ]),
+])
+def test_sink_tokens_errors_at_their_word(body, line, col, words):
+    d = only_error(body)
+    assert (d.loc.file, d.loc.line, d.loc.col) == ("t.attn", line, col), d.render()
+    for w in words:
+        assert w in d.message, d.render()
+
+
+def test_sink_tokens_hints():
+    assert "did you mean 'sink_tokens'?" in (only_error("  sink_tokns 4").hint or "")
+    assert "sink_tokens none" in only_error("  sink_tokens 0").hint
+    assert "'sink_tokens 4'" in only_error("  sinks 4").hint  # a count after `sinks` points here
+
+
+def test_sink_tokens_with_varlen_or_a_kv_cache_is_refused():
+    d = only_error("  sink_tokens 4\n  layout varlen")
+    assert (d.loc.line, d.loc.col) == (4, 15) and "layout varlen is not built" in d.message
+    (note,) = d.notes
+    assert note.loc.line == 5 and "layout" in note.message
+    ds = errors("  sink_tokens 4\n  kv_cache {\n    format bf16\n  }")
+    assert any(d.loc.line == 4 and "'sink_tokens 4' with a kv_cache block" in d.message for d in ds), ds
+
+
+def test_sink_tokens_with_a_backward_block_is_a_spec():
+    """Every backward takes it (the op's backward on keys N.. with the merged O and LSE, the exact
+    keys beside it: fp4gen.torch_ops._SinkTokensAttention): no refusal, on every target."""
+    for target in ("reference", "sm90a", "sm100a"):
+        s = one("  mask causal\n  sink_tokens 4\n  backward {\n    reuse lse\n  }", head_dim=128, target=target)
+        assert s.transforms.sink_tokens == 4 and s.backward is not None
+        plan_kernel(s)  # the planner takes it as the same spec without the line
+
+
+def test_sink_tokens_round_trip_and_plan_record():
+    s = one("  K : fp8e4m3 smooth\n  sink_tokens 4")
+    d = spec_to_dict(s)
+    assert d["transforms"] == {"smooth_k": True, "channel_scale_v": False, "hadamard": False,
+                               "hadamard_seed": None, "sink_tokens": 4}
+    back = spec_from_dict(json.loads(json.dumps(d)))
+    assert back == s and back.transforms.sink_tokens == 4
+    pd = json.loads(json.dumps(plan_to_dict(plan_kernel(s))))
+    assert spec_from_plan_dict(pd).transforms == s.transforms
+    t = pd["transforms"]
+    assert t["transforms"] == ["smooth_k", "sink_tokens"]
+    sink = [p for p in t["passes"] if p["transform"] == "sink_tokens"]
+    # bf16 rows of D=64 are 128 bytes: K and V copied without their first n keys, Q read for the
+    # exact scores, O and LSE read and written by the merge
+    assert [(p["per"], p["bytes_read"], p["bytes_written"]) for p in sink] == [
+        ("key", 256, 256), ("query", 128, 0), ("query", 132, 132)]
+    b, h, n = t["example"]
+    assert t["example_bytes"] == sum(p["bytes_read"] + p["bytes_written"] for p in t["passes"]) * b * h * n
+
+
+def test_older_transforms_json_reads_without_sink_tokens():
+    """A transforms record written before the field existed (every committed PLAN_JSON with
+    transforms) reads as sink_tokens 0, and such a spec writes no sink_tokens key."""
+    s = one("  K : fp8e4m3 smooth")
+    d = spec_to_dict(s)
+    assert "sink_tokens" not in d["transforms"]
+    assert spec_from_dict(d).transforms == Transforms(smooth_k=True)
