@@ -7,9 +7,8 @@ OPTIONS), the timed call is the whole forward a user gets: the option's torch st
 (``fp4gen.runtime.transforms.before``, what a generated module of a spec with that option runs
 around its kernel), the module's kernel-only forward (``forward_untransformed``) on the
 transformed inputs, and the steps that map O and LSE back. ``none`` is the kernel alone (also
-with ``return_lse=True``, so every row makes the same outputs). ``sink_tokens`` is not a spec
-option yet (``numerics.outliers``): its row runs ``outliers.apply`` and ``Post.apply`` around the
-same kernel, with keys 1.. made contiguous (what a kernel without strided K/V needs).
+with ``return_lse=True``, so every row makes the same outputs). ``sink_tokens`` (``sink_tokens 1``)
+runs the kernel on keys 1.. and merges the exact first key by ``Post.apply``, as a module does.
 
 Shapes: B = --tokens // S (32k tokens: B = 2 at S = 16k), S = --seqlen, H = --heads (16),
 D = 128, bf16 q/k/v on one GPU. Timing: CUDA events around each call, --warmup calls then the
@@ -55,7 +54,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout: the repo's fp4
 
 MODULES = ("sm90_fp8_exp_d128_sm90a", "sm90_fp8_directp_d128_sm90a",
            "sm90_fp8_exp_causal_d128_sm90a", "sm90_fp8_directp_causal_d128_sm90a")
-# option -> the spec's Transforms fields (None: not a spec option, see the module docstring)
+# option -> the spec's Transforms fields
 OPTIONS = {
     "none": {},
     "smooth_k": {"smooth_k": True},
@@ -63,7 +62,7 @@ OPTIONS = {
     "hadamard": {"hadamard": True, "hadamard_seed": 0},
     "smooth_k+hadamard": {"smooth_k": True, "hadamard": True, "hadamard_seed": 0},
     "all_three": {"smooth_k": True, "channel_scale_v": True, "hadamard": True, "hadamard_seed": 0},
-    "sink_tokens": None,
+    "sink_tokens": {"sink_tokens": 1},
 }
 
 
@@ -142,24 +141,18 @@ def kernel_of(mod, spec, cpu_smoke: bool):
 def step_of(option: str, spec, kernel):
     """f(q, k, v) -> o: the option's steps around ``kernel``, as a user's forward runs them."""
     from fp4gen.ir.spec import Transforms
-    from fp4gen.numerics import outliers
     from fp4gen.runtime import transforms
 
     fields = OPTIONS[option]
     if option == "none":
         return lambda q, k, v: kernel(q, k, v)[0]
-    if fields is None:  # sink_tokens: numerics only (no spec field), merged by Post.apply
-        def sink(q, k, v):
-            q2, k2, v2, post = outliers.apply(q, k, v, ("sink_tokens",), spec.scale, softcap=spec.softcap,
-                                              window=spec.window_size)
-            o, lse = kernel(q2.to(q.dtype), k2.to(q.dtype).contiguous(), v2.to(q.dtype).contiguous())
-            return post.apply(o, lse)[0].to(q.dtype)
-        return sink
     tspec = replace(spec, transforms=Transforms(**fields))
 
-    def run(q, k, v):
+    def run(q, k, v):  # runtime.transforms.TransformedModule.forward's steps
         q2, k2, v2, post = transforms.before(tspec, q, k, v, spec.scale)
         o, lse = kernel(q2, k2, v2)
+        if post.sinks is not None:  # sink_tokens: O and LSE merged with the exact keys'
+            return post.apply(o, lse)[0].to(q.dtype)
         o, _ = post.o(o).to(q.dtype), post.lse(lse)
         return o
     return run
