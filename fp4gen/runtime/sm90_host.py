@@ -349,23 +349,23 @@ class ForwardHost:
 
     def v_operand_varlen(self, v8, cu_k):
         """Packed (total_k, Hkv, D) e4m3 -> V^T (Hkv, D, Tkp), keys contiguous: sequence b's
-        keys start at column cu_k[b] + gap * b (``config.varlen_v_gap``), permuted inside each
-        32-key block counted from that start (``FP8_P_KEY_PERM``, as ``v_operand`` per
-        sequence), the gap zero. The gap of 32 columns per sequence leaves room for the
-        sequence's last partial block, so no two sequences share a 32-key block and the
-        kernel finds the start without another offsets tensor; Tkp = total_k + 32 B rounded
-        up to 32 (TMA's 16-byte strides). No host read of the offsets."""
+        keys start at column ``config.varlen_v_start(cu_k[b], b)`` (cu_k[b] rounded up to 16
+        bytes, TMA's alignment for a box of this byte-wide tensor, plus 48 b), permuted inside
+        each 32-key block counted from that start (``FP8_P_KEY_PERM``, as ``v_operand`` per
+        sequence), the rest zero. The spacing leaves room for each sequence's last partial
+        block, so no two sequences share a 32-key block and the kernel finds the start without
+        another offsets tensor; Tkp is the start after the last sequence rounded up to 32
+        (TMA's 16-byte strides). No host read of the offsets."""
         import torch
 
         from fp4gen.numerics import quant
 
-        gap = self.config.varlen_v_gap
         total, H, D = v8.shape
         cu = cu_k.to(torch.int64)
         nseq = cu.numel() - 1
-        tkp = (total + gap * nseq + 31) // 32 * 32
+        tkp = (self.config.varlen_v_start(total, nseq) + 31) // 32 * 32
         dev = v8.device
-        start = cu + gap * torch.arange(nseq + 1, device=dev)  # each sequence's first column
+        start = self.config.varlen_v_start(cu, torch.arange(nseq + 1, device=dev))  # each sequence's first column
         b, j = quant.varlen_token_positions(start, tkp)  # each column's sequence and place in it
         perm = torch.tensor(self.quantizer.FP8_P_KEY_PERM, device=dev)
         src = cu[b] + j // 32 * 32 + perm[j % 32]

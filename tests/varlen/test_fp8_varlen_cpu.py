@@ -122,16 +122,21 @@ def _alone(host, q, k, v):
 
 def test_kernel_indexing_recovers_each_sequence_alone(host):
     """Read the operands the way the kernel does (Q scale at token q0 + 128 m, K scale at
-    k0 + 128 n, V^T of sequence b from column k0 + 32 b with the 32-key permutation) and
+    k0 + 128 n, V^T of sequence b from column varlen_v_start(k0, b) with the 32-key permutation) and
     compare with each sequence quantized alone by the dense host path (``_alone``), whose
     dequantized operands are the reference's."""
-    from fp4gen.device.sm90.config import VARLEN_V_GAP
+    from fp4gen.device.sm90.config import ForwardConfig
+
+    start = ForwardConfig.varlen_v_start
 
     lq, lk = [1, 127, 0, 128, 129, 300], [129, 1, 5, 0, 128, 131]
     cu_q, cu_k = _cu(lq), _cu(lk)
     q, k, v = _packed(lq, 2, 128, seed=7, mult=8.0), _packed(lk, 1, 128, seed=8), _packed(lk, 1, 128, seed=9)
     q8, k8, vt8, sq, sk, sv = host.quantize_inputs_varlen(q, k, v, cu_q, cu_k)
-    assert vt8.shape[2] % 32 == 0 and vt8.shape[2] >= k.shape[0] + VARLEN_V_GAP * len(lq)
+    assert vt8.shape[2] % 32 == 0 and vt8.shape[2] >= start(k.shape[0], len(lq))
+    # every sequence starts on a 16-byte boundary (TMA: a misaligned box start is an illegal
+    # instruction on the H100/H200)
+    assert all(start(cu_k[b].item(), b) % 16 == 0 for b in range(len(lk)))
     perm = torch.tensor(host.quantizer.FP8_P_KEY_PERM)
     for b, ((qa, qe), (ka, ke)) in enumerate(zip(_spans(cu_q), _spans(cu_k))):
         if qa == qe or ka == ke:
@@ -144,27 +149,28 @@ def test_kernel_indexing_recovers_each_sequence_alone(host):
         for n in range((ke - ka + 127) // 128):  # the kernel's tile_mult read
             assert torch.equal(sk[ka + 128 * n], dsk[0, :, n]), f"#{b} k block {n}"
         assert torch.equal(sv[b], dsv[0]), f"#{b} v scale"
-        c0, width = ka + VARLEN_V_GAP * b, dvt8.shape[3]  # dense V^T: padded to 32, permuted
+        c0, width = start(ka, b), dvt8.shape[3]  # dense V^T: padded to 32, permuted
         assert torch.equal(vt8[:, :, c0:c0 + width].view(torch.uint8), dvt8[0].view(torch.uint8)), f"#{b} V^T"
-        assert not vt8[:, :, c0 + width:ka + (ke - ka) + VARLEN_V_GAP * (b + 1)].view(torch.uint8).any(), \
+        assert not vt8[:, :, c0 + width:start(ke, b + 1)].view(torch.uint8).any(), \
             f"#{b}: the gap after the sequence must be zero"
     # inverse check of the permutation on one 32-block: column 32 i + p holds key 32 i + perm[p]
     b = 4  # 128 keys from k0 = 135
     ka = cu_k[b].item()
     raw = quant.quantize_fp8(v[None, ka:ka + 128], "tensor").codes[0]  # (128, 1, D)
-    c0 = ka + VARLEN_V_GAP * b
+    c0 = start(ka, b)
     assert torch.equal(vt8[0, :, c0 + 32 + 5].view(torch.uint8), raw[32 + perm[5], 0])
 
 
 def test_planted_fault_a_sequence_start_off_by_the_gap_is_caught(host):
-    """V^T read from column k0 (no gap): sequence 1 is then someone else's bytes."""
+    """V^T read from column k0 (no gap, no rounding): sequence 1 is then someone else's bytes."""
     lk = [129, 64]
     cu_k = _cu(lk)
     k = v = _packed(lk, 1, 128, seed=10)
     q = _packed(lk, 1, 128, seed=11)
     _, _, vt8, *_ = host.quantize_inputs_varlen(q, k, v, cu_k, cu_k)
     d = _alone(host, q[None, 129:], k[None, 129:], v[None, 129:])
-    assert torch.equal(vt8[:, :, 129 + 32:129 + 32 + 64].view(torch.uint8), d[2][0].view(torch.uint8))
+    c1 = 144 + 48  # 129 rounded up to 16, plus the gap
+    assert torch.equal(vt8[:, :, c1:c1 + 64].view(torch.uint8), d[2][0].view(torch.uint8))
     assert not torch.equal(vt8[:, :, 129:129 + 64].view(torch.uint8), d[2][0].view(torch.uint8))
 
 

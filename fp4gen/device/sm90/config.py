@@ -9,9 +9,14 @@ from typing import Optional
 
 P_MODES = ("bf16", "fp8_exp", "fp8_directp")
 WARPGROUP_THREADS = 128
-# FP8 varlen: sequence b's keys start at column cu_seqlens_k[b] + VARLEN_V_GAP * b of the packed
-# V^T (ForwardHost.v_operand_varlen): room for its last partial 32-key permutation block
-VARLEN_V_GAP = 32
+# FP8 varlen: sequence b's keys start at column ForwardConfig.varlen_v_start(cu_seqlens_k[b], b)
+# of the packed V^T (ForwardHost.v_operand_varlen): on a 16-byte boundary (a TMA box of the
+# byte-wide V^T that starts elsewhere is an illegal instruction: measured on an H100,
+# 2026-12-07, every sequence start that is not a multiple of 16 keys faulted) and VARLEN_V_GAP
+# columns per sequence further on, room for the last partial 32-key permutation block after
+# the rounding: start[b+1] - start[b] >= len_b - 15 + 48 >= len_b + 31 (a 32-block rounded up).
+VARLEN_V_ALIGN = 16
+VARLEN_V_GAP = 48
 
 
 def check_window_softcap(who: str, causal: bool, window, softcap: float, side_limit: int | None = None):
@@ -60,14 +65,16 @@ class ForwardConfig:
     # sinks learned: a per-head sink logit (H,) fp32 joins each row's denominator and the LSE
     sinks: bool = False
     # layout varlen: packed (total, H, D) Q/K/V/O with cu_seqlens_q/k (B + 1,) int32, LSE (H, total_q);
-    # FP8: per-sequence scales, per-token (total, Hx) Q/K, (B, Hkv) V, V^T with VARLEN_V_GAP
+    # FP8: per-sequence scales, per-token (total, Hx) Q/K, (B, Hkv) V, V^T from varlen_v_start
     varlen: bool = False
 
-    @property
-    def varlen_v_gap(self) -> int:
-        """Columns left free after each sequence of the packed FP8 V^T (the host reads it here:
-        the runtime layer does not import the kernel library)."""
-        return VARLEN_V_GAP
+    @staticmethod
+    def varlen_v_start(k0, b):
+        """First V^T column of sequence ``b`` whose keys start at token ``k0`` (FP8 varlen):
+        k0 rounded up to VARLEN_V_ALIGN, plus VARLEN_V_GAP * b. Plain integer arithmetic, so
+        that the kernel (Int32), the host (torch int64 tensors) and tests (ints) share it; the
+        host reads it here because the runtime layer does not import the kernel library."""
+        return (k0 + (VARLEN_V_ALIGN - 1)) // VARLEN_V_ALIGN * VARLEN_V_ALIGN + VARLEN_V_GAP * b
 
     def __post_init__(self):
         if self.p_mode not in P_MODES:

@@ -12,7 +12,7 @@ outside ``@cute.jit`` code), so each config traces to the code its own rendered 
   sequence's bounds from cu_seqlens_q/k. With FP8 the scales are per sequence
   (docs/runtime.md, "FP8 varlen"): Q/K blocks restart at each sequence start and each token
   carries its block's scale ((total, H), read at a tile's first token), V one per (sequence,
-  kv head), and sequence b's V^T columns start at cu_seqlens_k[b] + VARLEN_V_GAP * b.
+  kv head), and sequence b's V^T columns start at ``config.varlen_v_start(cu_seqlens_k[b], b)``.
 - ``p_mode``: P as bf16 (``"bf16"``), e4m3(2^8 exp2(x - m)) (``"fp8_exp"``) or by FP8
   Direct-P codes (``"fp8_directp"``, fp4gen.device.directp).
 - ``l_from_mma``: Direct-P's normaliser l = sum of decoded P codes as P @ ones on the
@@ -55,7 +55,7 @@ from .. import mask as dmask
 from .. import ptx
 from .. import softmax as dsoftmax
 from ..pipelines import tma_pipelines
-from .config import VARLEN_V_GAP, ForwardConfig
+from .config import ForwardConfig
 
 BAR_SCHED = 1  # named barriers: 0 is __syncthreads; BAR_SCHED + i gates consumer warpgroup i's MMA issue
 
@@ -147,7 +147,7 @@ class ForwardKernel:
             mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
             if const_expr(cfg.in_fp8):
                 # packed V^T (Hkv, D, Tkp) as (d, key, head), keys contiguous (K-major); sequence
-                # b from column cu_seqlens_k[b] + VARLEN_V_GAP * b (ForwardHost.v_operand_varlen)
+                # b from column cfg.varlen_v_start(cu_seqlens_k[b], b) (ForwardHost.v_operand_varlen)
                 mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))
             else:
                 mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
@@ -278,7 +278,7 @@ class ForwardKernel:
             seqlen_q = mCuSeqlensQ[batch + 1] - q0
             seqlen_k = mCuSeqlensK[batch + 1] - k0
             if const_expr(cfg.in_fp8):
-                v0 = k0 + VARLEN_V_GAP * batch
+                v0 = cfg.varlen_v_start(k0, batch)
             causal_offset = seqlen_k - seqlen_q  # bottom-right alignment per sequence
             n_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
             m_block = bidx
