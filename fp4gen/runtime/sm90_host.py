@@ -415,13 +415,6 @@ class ForwardHost:
         if not cfg.varlen:
             raise AttentionInputError(f"{cfg.kernel_name} takes dense (B, S, H, D) batches: call forward(q, k, v) "
                                       "(a varlen kernel needs 'layout varlen' in its spec)")
-        if cfg.in_fp8 and q.is_cuda and os.environ.get("FP4GEN_UNSAFE_FP8_VARLEN", "") in ("", "0"):
-            # Every H200 test of this kernel hit "illegal instruction" (2026-12-02,
-            # bench/results/gpu-tests-session5-h200.log), which poisons the CUDA context: refuse.
-            raise AttentionInputError(
-                f"{cfg.kernel_name}: the sm90a FP8 varlen kernel is known to fail on the GPU (illegal "
-                "instruction; NOTES.md); use backend='reference', a BF16 varlen spec, or set "
-                "FP4GEN_UNSAFE_FP8_VARLEN=1 to run it anyway (debugging)")
         cu_q, cu_k, rows_q, ok = self.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    softmax_scale)
         sinks = self.check_sinks(sinks, q, q.shape[1])

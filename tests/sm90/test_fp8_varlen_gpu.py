@@ -31,12 +31,6 @@ from test_window_softcap_gpu import _check  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _run_the_refused_kernel(monkeypatch):
-    """The host refuses FP8 varlen on CUDA (it hit illegal instructions on the H200); these tests
-    exist to run it, so that a fix shows here."""
-    monkeypatch.setenv("FP4GEN_UNSAFE_FP8_VARLEN", "1")
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sm90_fp8_varlen_d128.attn"
 DENSE = {"fp8_exp": ROOT / "examples" / "sm90_fp8_exp_d128.attn",
