@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from fp4gen.ir.spec import (DirectPPolicy, Format, Guard, KernelSpec, Layout, Mask,
+from fp4gen.ir.spec import (Backward, DirectPPolicy, Format, Guard, KernelSpec, Layout, Mask,
                             OperandFormat, PKind, PProduction, ScaleGranularity, Sinks, Target,
                             default_operand_format)
 
@@ -359,6 +359,28 @@ def table(seqlen=1024, heads=4, batch=1, seed=0, head_dim=128, causal=False) -> 
     return [report(s, seqlen, heads, batch, seed) for s in recipes(head_dim, causal)]
 
 
+# the backward table's gradient formats: dO fp8e5m2 one scale per token, dP and dS fp8e4m3 one
+# scale per row (of each key tile), dQ/dK/dV bf16 (docs/numerics.md, "Backward accuracy")
+FP8_GRADS = {"dO": OperandFormat(Format.FP8E5M2, ScaleGranularity.TOKEN, None, Format.FP32),
+             "dP": OperandFormat(Format.FP8E4M3, ScaleGranularity.TOKEN, None, Format.FP32),
+             "dS": OperandFormat(Format.FP8E4M3, ScaleGranularity.TOKEN, None, Format.FP32)}
+BACKWARD_RECIPES = (("NV/MX fast (Direct-P)", FP8_GRADS), ("NV/FP8 (FP8 P/V, exp)", FP8_GRADS),
+                    ("FP8 exp sm90", FP8_GRADS), ("BF16", FP8_GRADS), ("BF16", {}))
+
+
+def backward_table(seqlen=1024, heads=2, batch=1, seed=0, head_dim=128) -> list[dict]:
+    """Causal gradients of the forward recipes in BACKWARD_RECIPES with FP8 (or bf16) gradient
+    operands against float64 analytic gradients of the unquantized inputs (``report``)."""
+    by_name = {s.name: s for s in recipes(head_dim, causal=True)}
+    rows = []
+    for name, formats in BACKWARD_RECIPES:
+        spec = replace(by_name[name], backward=Backward(formats=formats))
+        r = report(spec, seqlen, heads, batch, seed)
+        r["gradients"] = "fp8 (dO e5m2, dP/dS e4m3)" if formats else "bf16"
+        rows.append(r)
+    return rows
+
+
 # ------------------------------------------- the outlier-case table (issue 21) -----
 
 OUTLIER_CASES = ("randn", "outlier_v_rows", "massive_k", "sink", "outlier_v_channels", "llm_mix")
@@ -433,6 +455,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4gen.numerics.accuracy",
                                  description="operator accuracy of the recipe table vs float64")
     ap.add_argument("--table", action="store_true", help="print the recipe table (markdown)")
+    ap.add_argument("--backward-table", action="store_true",
+                    help="print the causal backward table (markdown; default --heads for it: 2)")
     ap.add_argument("--outliers", action="store_true",
                     help="print the outlier-case table (synthetic cases x recipes, without transforms, "
                          "with K smoothing, and with smoothing and the first key exact; docs/numerics.md "
@@ -442,12 +466,14 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", action="append", metavar="NAME",
                     help="with --outliers / --isolate: only this recipe (repeatable; the --table rows' names)")
     ap.add_argument("--seqlen", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=None, help="default 4 (2 with --backward-table)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     a = ap.parse_args(argv)
+    backward_heads = 2 if a.heads is None else a.heads
+    a.heads = 4 if a.heads is None else a.heads
     if a.isolate:
         from .activations import SYNTHETIC
 
@@ -472,6 +498,17 @@ def main(argv=None) -> int:
               "of the untransformed inputs; (x randn): against the recipe's randn rel-L2 with the same "
               "transforms")
         print_outlier_table(rows)
+        return 0
+    if a.backward_table:
+        heads = backward_heads
+        rows = backward_table(a.seqlen, heads, a.batch, a.seed, a.head_dim)
+        print(f"inputs: q,k,v,dO ~ N(0,1) float32, B={a.batch} S={a.seqlen} H={heads} D={a.head_dim} "
+              f"seed={a.seed} causal; reference: float64 analytic gradients of the unquantized inputs")
+        print("| forward recipe | gradients | dQ cos / rel-L2 | dK cos / rel-L2 | dV cos / rel-L2 |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['kernel']} | {r['gradients']} | " + " | ".join(
+                f"{r[g + '_cosine']:.3f} / {r[g + '_rel_l2']:.3f}" for g in ("dq", "dk", "dv")) + " |")
         return 0
     if not a.table:
         ap.print_help()

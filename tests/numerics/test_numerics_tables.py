@@ -107,3 +107,38 @@ def test_planted_fault_one_changed_digit_is_caught():
     cells = list(doc[key])
     cells[0] = cells[0].replace(cells[0][5], "9" if cells[0][5] != "9" else "8", 1)
     assert mismatches(doc, {key: cells}) != []
+
+
+BACKWARD_CMD = "python -m fp4gen.numerics.accuracy --backward-table --seqlen 1024"
+
+
+def backward_cells(rows) -> list[list[str]]:
+    return [[r["kernel"], r["gradients"]] + [f"{r[g + '_cosine']:.3f} / {r[g + '_rel_l2']:.3f}"
+                                            for g in ("dq", "dk", "dv")] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def backward_rows():
+    return backward_cells(accuracy.backward_table(seqlen=1024, heads=2))
+
+
+def test_backward_table_reproduces_from_its_command(backward_rows):
+    """Section 10's backward table is the command's output at S = 1024, H = 2 (~10 s)."""
+    text = section(10)
+    assert BACKWARD_CMD in text
+    assert table_after(text, BACKWARD_CMD)[1:] == backward_rows  # without the header row
+
+
+def test_backward_table_comparison_can_fail(backward_rows):
+    """Planted fault: the doc's table with one digit changed no longer matches the output."""
+    text = section(10)
+    cell = backward_rows[0][2]  # NV/MX fast, dQ
+    planted = text.replace(cell, cell[:-1] + ("1" if cell[-1] != "1" else "2"), 1)
+    assert planted != text
+    assert table_after(planted, BACKWARD_CMD)[1:] != backward_rows
+
+
+def test_backward_table_cli_prints_every_recipe(capsys):
+    assert accuracy.main(["--backward-table", "--seqlen", "64", "--heads", "1", "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n| ") == 1 + len(accuracy.BACKWARD_RECIPES)
