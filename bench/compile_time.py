@@ -37,6 +37,7 @@ import importlib.util, json, os, resource, sys, time
 tree, module, part = sys.argv[1:4]
 spec = importlib.util.spec_from_file_location("fp4gen_compile_timed", module)
 m = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = m  # registered, as an import does (a module with outlier transforms needs it)
 spec.loader.exec_module(m)
 call = m.compile_only_backward if part == "backward" else getattr(m, "_bwd_forward_compile_only", m.compile_only)
 def cpu():

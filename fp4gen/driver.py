@@ -152,9 +152,9 @@ def emit_artifacts(module_path: Path, target: str, kinds: Sequence[str], timeout
             old.unlink(missing_ok=True)
     env = dict(os.environ, CUTE_DSL_KEEP=",".join(kinds), CUTE_DSL_DUMP_DIR=str(dump.resolve()),
                CUTE_DSL_ARCH=arch)
-    code = ("import importlib.util, sys\n"
-            "spec = importlib.util.spec_from_file_location('fp4gen_emit_module', sys.argv[1])\n"
-            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+    code = ("import sys\n"
+            "from fp4gen.runtime.loader import exec_file\n"
+            "mod = exec_file('fp4gen_emit_module', sys.argv[1])\n"
             "if not hasattr(mod, 'compile_only'): sys.exit('the module has no compile_only()')\n"
             "print('\\n'.join(mod.compile_only(sys.argv[2])))\n")
     try:

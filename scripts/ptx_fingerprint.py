@@ -33,9 +33,8 @@ def _unique(opt, dump_dir, function_name, arch, ext, attr):  # a staticmethod in
     return _orig(opt, dump_dir, f"k{next(_n):03d}", arch, ext, attr)
 if _orig is not None:
     C.CompileOptions._set_artifact_dump_paths = staticmethod(_unique)
-spec = importlib.util.spec_from_file_location("fp4gen_fingerprinted", sys.argv[1])
-m = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(m)
+from fp4gen.runtime.loader import exec_file
+m = exec_file("fp4gen_fingerprinted", sys.argv[1])
 arch = "sm_100a" if m.TARGET == "sm100a" else "sm_90a"
 m.compile_only(arch)
 if m.TARGET == "sm100a" and hasattr(m, "compile_only_backward"):

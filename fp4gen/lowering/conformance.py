@@ -58,9 +58,8 @@ class Artifacts:
 
 _RUNNER = textwrap.dedent("""
     import importlib.util, json, sys, time
-    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    from fp4gen.runtime.loader import exec_file
+    m = exec_file("fp4gen_generated_under_test", sys.argv[1])
     t = time.time()
     if sys.argv[3] == "backward":  # the bf16 variant only: one kernel, one kept MLIR
         names = m.compile_only_backward("sm_100a", variants=("bf16",))

@@ -36,9 +36,8 @@ WINDOW = 80  # lines above a warning's line searched for its triage comment
 
 _RUNNER = textwrap.dedent("""
     import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    from fp4gen.runtime.loader import exec_file
+    m = exec_file("fp4gen_generated_under_test", sys.argv[1])
     if sys.argv[2] == "backward":
         host = m._BWD_HOST
         Kernel, cutlass, cute = host.build()
@@ -65,9 +64,8 @@ _MODULE_RUNNER = textwrap.dedent("""
             logs.append(buf.getvalue())
             sys.stderr.write(buf.getvalue())  # a failing compile's diagnostics stay visible
     cute.compile = _logged
-    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    from fp4gen.runtime.loader import exec_file
+    m = exec_file("fp4gen_generated_under_test", sys.argv[1])
     names = m.compile_only(sys.argv[2])
     print(json.dumps({"names": names, "logs": logs}))
 """)

@@ -175,9 +175,8 @@ def _sha(text: str) -> str:
 
 _SM90_RUNNER = textwrap.dedent("""
     import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    from fp4gen.runtime.loader import exec_file
+    m = exec_file("fp4gen_generated_under_test", sys.argv[1])
     c = m._compile("sm_90a", tvm_ffi=False)
     open(sys.argv[2], "w").write(c.artifacts.PTX)
 """)

@@ -268,9 +268,8 @@ _KEEP_RUNNER = textwrap.dedent("""
     def _numbered(opt, dump_dir, function_name, arch, ext, attr):  # a staticmethod in CuTe DSL 4.8
         return _orig(opt, dump_dir, f"k{next(_n):03d}", arch, ext, attr)
     C.CompileOptions._set_artifact_dump_paths = staticmethod(_numbered)
-    spec = importlib.util.spec_from_file_location("fp4gen_generated_under_test", sys.argv[1])
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
+    from fp4gen.runtime.loader import exec_file
+    m = exec_file("fp4gen_generated_under_test", sys.argv[1])
     print(json.dumps(m.compile_only(sys.argv[2])))
 """)
 _ENTRY = re.compile(r"^\.visible \.entry (\S+?)\(", re.M)

@@ -142,6 +142,15 @@ def _import_file(path: Path, source: str) -> ModuleType:
     return _exec_module(f"{LOADED_PREFIX}.{stem}_{digest}", str(path), source)
 
 
+def exec_file(module_name: str, path) -> ModuleType:
+    """Run the module file ``path`` as ``module_name``, registered in ``sys.modules`` as an import
+    registers it: what the compile-and-inspect runners (verify, compile --emit, perf, the
+    fingerprint and compile-time scripts) use, since a generated module with outlier transforms
+    installs them on itself by name (``runtime.transforms.install``)."""
+    path = str(path)
+    return _exec_module(module_name, path, Path(path).read_text(encoding="utf-8"))
+
+
 def _exec_module(module_name: str, filename: str, source: str) -> ModuleType:
     """Run ``source`` as module ``module_name`` whose file is ``filename``.
 

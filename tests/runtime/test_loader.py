@@ -253,3 +253,24 @@ def test_the_runtime_loads_no_spec(tmp_path):
     p.write_text("attention k {\n  target reference\n  head_dim 64\n}\n")
     with pytest.raises(LoadError, match=r"is a spec: compile and load it with fp4gen.load\("):
         runtime_load(p)
+
+
+def test_exec_file_registers_the_module_while_it_runs(tmp_path):
+    """A generated module with outlier transforms installs them on itself by name
+    (runtime.transforms.install looks it up in sys.modules), so the compile-and-inspect runners
+    (verify, compile --emit, perf, ptx_fingerprint) load modules through exec_file, which
+    registers them as an import does. `fp4gen verify examples/*.attn` died with exit 3 on the
+    outlier example before (2026-12-07)."""
+    import importlib.util
+    import sys
+
+    from fp4gen.runtime.loader import exec_file
+
+    path = tmp_path / "needs_its_name.py"
+    path.write_text("import sys\nassert __name__ in sys.modules, 'not registered'\nOK = True\n")
+    mod = exec_file("fp4gen_test_exec_file_module", path)
+    assert mod.OK and sys.modules["fp4gen_test_exec_file_module"] is mod
+    # planted fault: the plain spec_from_file_location + exec_module the runners had
+    spec = importlib.util.spec_from_file_location("fp4gen_test_exec_file_plain", path)
+    with pytest.raises(AssertionError, match="not registered"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -31,7 +31,6 @@ its grid, driven by the module's own host code; see the section "the backward" b
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import math
 import os
 import re
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+
+from fp4gen.runtime.loader import exec_file
 
 from . import machine as M
 from . import ptx as P
@@ -136,9 +137,7 @@ def _load_module(source: str):
         path = Path(d) / "module.py"
         path.write_text(source)
         key = hashlib.sha256(source.encode()).hexdigest()[:12]
-        spec = importlib.util.spec_from_file_location(f"fp4gen_emulated_{key}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = exec_file(f"fp4gen_emulated_{key}", path)
     return mod
 
 
