@@ -14,7 +14,6 @@ by their log-sum-exps (numerics.outliers.SinkTokens), forward and backward, on t
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from fp4gen.lowering import reference as ref_lowering
 from fp4gen.lowering import sm90 as sm90_lowering
 from fp4gen.numerics import exact, outliers, reference
 from fp4gen.runtime import transforms
+from fp4gen.runtime.loader import exec_file
 from fp4gen.torch_ops import AttentionInputError, attention, attention_varlen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,13 +208,11 @@ def _unload():
 
 
 def load(source: str, tmp_path: Path, stem: str):
+    """Import rendered module text as a module (runtime.loader.exec_file: registered in sys.modules)."""
     path = tmp_path / f"{stem}.py"
     path.write_text(source)
     name = f"st_module_{stem}_{len(_LOADED)}"
-    mspec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(mspec)
-    sys.modules[name] = mod
-    mspec.loader.exec_module(mod)
+    mod = exec_file(name, path)
     _LOADED.append(name)
     return mod
 

@@ -7,7 +7,6 @@ rendered from specs with transforms, and the sm90a template's module with a stan
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from fp4gen.lowering import sm100 as sm100_lowering
 from fp4gen.numerics import outliers, reference
 from fp4gen.runtime import transforms
 from fp4gen.runtime.checks import AttentionInputError
+from fp4gen.runtime.loader import exec_file
 from fp4gen.torch_ops import attention, attention_varlen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,14 +46,11 @@ def spec_text(option: str, recipe: str = FP8, extra: str = "", name: str = "tr")
 
 
 def load(source: str, tmp_path: Path, stem: str):
-    """Import rendered module text as a module (registered in sys.modules, as fp4gen's loader does)."""
+    """Import rendered module text as a module (runtime.loader.exec_file: registered in sys.modules)."""
     path = tmp_path / f"{stem}.py"
     path.write_text(source)
     name = f"h10_transforms_{stem}_{len(_LOADED)}"
-    mspec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(mspec)
-    sys.modules[name] = mod
-    mspec.loader.exec_module(mod)
+    mod = exec_file(name, path)
     _LOADED.append(name)
     return mod
 
