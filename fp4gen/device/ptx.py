@@ -263,3 +263,11 @@ def st_v4_pred(addr, a, b, c, d, pred, *, loc=None, ip=None):
     _asm(None, "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}",
          "l,r,r,r,r,r", [Int64(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d), Int32(pred)],
          side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def perf_marker(event: int, *, loc=None, ip=None) -> None:
+    """``pmevent event;`` (PTX ISA: Miscellaneous Instructions, pmevent): a marker for the
+    static performance model (``fp4gen.device.markers``). Ordered: it stays where it is."""
+    llvm.inline_asm(None, [], f"pmevent {int(event)};", "", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

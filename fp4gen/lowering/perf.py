@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from fp4gen.device import markers as _markers
+
 from . import sass as _sass
 
 # ============================================================================ GPUs
@@ -519,7 +521,7 @@ def _role_warps(info: KernelInfo, role: "_sass.Role", n_same: int, has_mma: bool
 #   predicate def-use, within the loop body, in address order) reaches an FSETP against the
 #   float immediate REBASE_E; or the region holds the kernel library's marker ``pmevent N``
 #   (SASS ``PMTRIG 1 << N``, COLD_EVENTS: a marker a kernel may emit at the head of a cold
-#   branch; none does yet).
+#   branch; the sm100a forward emits it where the rebase rescales O).
 #
 # Each cold region is charged ``rebase_rate`` times per tile: 0 in the steady state (moderate
 # logits never rebase: the assumption the model states), 1 in the worst case (every tile
@@ -528,7 +530,7 @@ def _role_warps(info: KernelInfo, role: "_sass.Role", n_same: int, has_mma: bool
 # weighed by its own frequency already: the diagonal and sequence-end tiles run the masked path
 # (``predict``: masked tiles per CTA), the others the unmasked one.
 
-COLD_EVENTS = {7: "rebase"}  # pmevent N -> kind of cold region
+COLD_EVENTS = {_markers.REBASE: "rebase"}  # pmevent N -> kind of cold region
 REBASE_RATE_STEADY = 0.0  # rebases per tile with moderate logits: none (docs/sm100.md)
 
 _REG_TOKEN = re.compile(r"(?<![\w.])!?(U?R\d+|U?P\d)\b")
@@ -598,12 +600,9 @@ def _slice_reaches(seq: list, pred: str, test) -> bool:
 def _marker_kind(instrs: list) -> Optional[str]:
     for i in instrs:
         if i.base == "PMTRIG":
-            try:
-                mask = int(i.operands.split(",")[0].strip(), 0)
-            except ValueError:
-                continue
+            events = _markers.pmtrig_events(i.operands)
             for bit, kind in COLD_EVENTS.items():
-                if mask >> bit & 1:
+                if bit in events:
                     return kind
     return None
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from fp4gen.device import markers as _markers
+
 from . import ptxas as _ptxas
 
 NVDISASM_ENV = "FP4GEN_NVDISASM"
@@ -504,14 +506,18 @@ def tile_loops(f: Function, role: Role, loops: Optional[list] = None) -> list:
     """The role's KV-tile loops: the innermost non-spin loops whose header the role dominates
     and that hold a tensor-core MMA (roles that issue MMAs), else a wait. Several when the kernel
     has sibling loops (a masked and an unmasked copy); a loop around them (a persistent
-    work-tile loop) is not one."""
+    work-tile loop) is not one, nor a loop the kernel marks as running a fixed number of times
+    per CTA (``pmevent markers.PER_CTA_LOOP``: the epilogue over query stages)."""
     loops = loops if loops is not None else natural_loops(f)
     spin = spin_blocks(f, loops)
     cands = []
     for lp in loops:
         if lp.header not in role.blocks or is_spin_loop(f, lp):
             continue
-        t, w = _key_count(lp.instrs(f, spin))
+        body = lp.instrs(f, spin)
+        if any(i.base == "PMTRIG" and _markers.PER_CTA_LOOP in _markers.pmtrig_events(i.operands) for i in body):
+            continue
+        t, w = _key_count(body)
         if t or w:
             cands.append((lp, t, w))
     if any(t for _, t, _ in cands):

@@ -26,8 +26,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
+from fp4gen.device import markers
 from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
 from fp4gen.device.pipelines import coop, stage_pipelines, stage_view
+from fp4gen.device.ptx import perf_marker
 from fp4gen.device.sm100 import copies
 from fp4gen.device.sm100 import direct_p as dp
 from fp4gen.device.sm100 import opaque as opq
@@ -395,6 +397,7 @@ class AttentionFwdSm100:
             v_scale = mVS[bh_kv]
             # the stages one after the other, one traced body (as the softmax's)
             for j in cutlass.range(cfg.q_stages, unroll=1):
+                perf_marker(markers.PER_CTA_LOOP)  # for the perf model: not a KV-tile loop
                 self.epilogue(j, tidx % 128, m_block, bh, seqlen_q, stage_tmem(tOtO[0], j, cfg.stage_stride("O")),
                               mO, mLSE, v_scale, stage_view(o_pipes, j).make_consumer(),
                               stage_view(t_pipes, j).make_consumer(), st.row_sum.data_ptr(), st.row_max.data_ptr())
@@ -824,6 +827,7 @@ class AttentionFwdSm100:
                         # reasons), by the whole warp when any row rebased; in 16-column chunks, each
                         # store waited for before the next load (32-column chunks spilled 176 B)
                         if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
+                            perf_marker(markers.REBASE)  # a cold region for the perf model
                             self.scale_o(o_view, o_alpha, True)
                     cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")

@@ -1378,6 +1378,13 @@ class Machine:
 
     _c_membar = _c_fence
 
+    def _c_pmevent(self, ins):
+        """pmevent (PTX ISA: Miscellaneous Instructions): a performance-monitor marker
+        (fp4gen.device.markers) with no effect on the program's state."""
+        def h(w, m, full):
+            pass
+        return h
+
     # --- named barriers (PTX ISA 9.7.13.1 bar, barrier) ----------------------------------
 
     def _c_bar(self, ins):
