@@ -123,14 +123,14 @@ def fast_codes(x: torch.Tensor, a: float = FAST_A, b: float = FAST_B) -> torch.T
 # subtractions and FMA. The value is the same; the roundings are not: today x rounds after
 # each add (an ulp of |u| each), the one-FFMA form rounds c_B (an ulp of A*|m + e_B|) and
 # the FMA's result once. Measured in docs/numerics.md ("One FFMA per score").
-CLASSIFIER_FORMS = ("two_op", "one_ffma")
-_CLASSIFIER_FORM = ["two_op"]  # what direct_p_mxfp4(form=None) uses; set by classifier_form
+CLASSIFIER_FORMS = ("sat_ffma", "two_op", "one_ffma")
+_CLASSIFIER_FORM = ["sat_ffma"]  # what direct_p_mxfp4(form=None) uses; set by classifier_form
 
 
 @contextlib.contextmanager
 def classifier_form(form: str):
     """Within the block, ``direct_p_mxfp4`` (and so the reference forward) codes fast Direct-P
-    with ``form`` ("two_op" | "one_ffma"): how the what-if is measured end to end."""
+    with ``form`` (one of CLASSIFIER_FORMS): how the forms are compared end to end."""
     if form not in CLASSIFIER_FORMS:
         raise ValueError(f"unknown classifier form {form!r}: use one of {CLASSIFIER_FORMS}")
     old = _CLASSIFIER_FORM[0]
@@ -146,7 +146,7 @@ def fma_f32(x: torch.Tensor, y, z) -> torch.Tensor:
     is exact in float64; the float64 sum is taken to round-to-odd (TwoSum's exact error moves
     an inexact even result one ulp toward the true sum), and rounding that to float32 is then
     correct (Boldo & Melquiond 2008: odd rounding at p >= q + 2 bits, here 53 >= 26). A plain
-    float64 sum would round twice and miss ties (tests/numerics/test_directp_one_ffma.py)."""
+    float64 sum would round twice and miss ties (tests/numerics/test_directp_classifier_forms.py)."""
     xd, yd, zd = (torch.as_tensor(v, dtype=torch.float32).to(torch.float64) for v in (x, y, z))
     p = xd * yd
     s = p + zd
@@ -178,6 +178,46 @@ def one_ffma_codes(tb: torch.Tensor, m: torch.Tensor, eb: torch.Tensor, a: float
     y = torch.nan_to_num(torch.clamp(y, 0.0, 7.0), nan=0.0)
     return torch.round(y).to(torch.uint8)
 
+# The sm100a kernels' fast classifier ("sat_ffma", the default form): the affine value divided
+# by 7, so that the FFMA's .sat (clamp to [0, 1], NaN -> 0) is the clamp to codes [0, 7]:
+#   y = sat(fl32(A7 * t + c_B)),  c_B = fl32(fma(-A7, fl32(m + e_B), K7)),
+#   A7 = fl32(A / 7),  K7 = fl32((B + A log2 6) / 7),  code = rne(7 y) (7 y exact).
+# One scalar FFMA.SAT per score and one packed FFMA per two (7 y + 1.5 * 2^23 leaves the code in
+# the low bits). The kernel folds the softmax scale into the multiplier, A7s = fl32(scale * A7),
+# and applies it to the raw score s: fl32(A7s * s) and fl32(A7 * fl32(scale * s)) differ by an
+# ulp or two, so with scale != 1 a code can differ from this model only where 7 y lies within
+# a few ulps of a .5 boundary (docs/numerics.md, "The saturating classifier").
+
+
+def sat_constants(a: float = FAST_A, b: float = FAST_B) -> tuple:
+    """(A7, K7) as float32 values (Python floats): the classifier's multiplier and offset / 7.
+    The kernel takes its constants from here, so both sides use the same numbers."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731
+    a32, b32 = f32(a), f32(b)
+    return f32(a32 / 7.0), f32((b32 + a32 * LOG2_6) / 7.0)
+
+
+def sat_offset(m: torch.Tensor, eb: torch.Tensor, a: float = FAST_A, b: float = FAST_B) -> torch.Tensor:
+    """c_B = fl32(fma(-A7, fl32(m + e_B), K7)) per row and block (m: (...), eb: (..., nblocks))."""
+    a7, k7 = sat_constants(a, b)
+    me = (m.to(torch.float32)[..., None] + eb).to(torch.float32)
+    return fma_f32(torch.full_like(me, -a7), me, torch.full_like(me, k7))
+
+
+def sat_codes(tb: torch.Tensor, m: torch.Tensor, eb: torch.Tensor, a: float = FAST_A, b: float = FAST_B,
+              scale: float = 1.0) -> torch.Tensor:
+    """The saturating classifier's codes: rne(7 sat(fl32(A7s * s + c_B))), A7s = fl32(scale * A7).
+    tb: (..., nblocks, block) scores, in log2 units when ``scale`` is 1 (the reference), raw
+    QK^T with the kernel's ``scale`` (= softmax scale * log2 e, float32) otherwise; m: (...)
+    row reference; eb: (..., nblocks) block exponents. -inf -> 0; NaN -> 0 (.sat)."""
+    a7, _ = sat_constants(a, b)
+    a7s = (torch.tensor(scale, dtype=torch.float32) * torch.tensor(a7, dtype=torch.float32)).item()
+    c = sat_offset(m, eb, a, b)
+    y = fma_f32(torch.full_like(tb, a7s), tb, c[..., None])
+    y = torch.nan_to_num(torch.clamp(y, 0.0, 1.0), nan=0.0)
+    return torch.round(y.double() * 7.0).to(torch.uint8)  # 7 y is exact in float64
+
+
 def accurate_codes(x: torch.Tensor) -> torch.Tensor:
     """Accurate policy: code = e2m1_rne(exp2(x)) saturating at 6 (the hardware EX2 on the value path)."""
     return encode(torch.exp2(x), E2M1)
@@ -191,9 +231,10 @@ def direct_p_mxfp4(t: torch.Tensor, m: torch.Tensor, policy: str = "fast",
     (an E8M0 exponent; a fully masked block gets -127); x = u - e_B + log2(6) < log2(12);
     code = classifier(x); PV consumes E2M1(code) * 2**e_B (which approximates 6 * 2**u,
     the block maximum saturating to 6 * 2**e_B), and l sums exactly those values.
-    ``form`` (fast policy only): the classifier's arithmetic, "two_op" (the default, above)
-    or "one_ffma" (``one_ffma_codes``: a what-if no kernel implements); None takes the
-    form set by ``classifier_form`` (default "two_op").
+    ``form`` (fast policy only): the classifier's arithmetic: "sat_ffma" (the default and the
+    sm100a kernels': ``sat_codes``), "two_op" (``fast_codes`` of x above: the kernels before
+    2026-12-07) or "one_ffma" (``one_ffma_codes``, a what-if no kernel implements); None
+    takes the form set by ``classifier_form``.
     Returns (pv, l_inc, codes, e_B).
     """
     u = t - m[..., None]
@@ -212,9 +253,9 @@ def direct_p_mxfp4(t: torch.Tensor, m: torch.Tensor, policy: str = "fast",
     if form not in CLASSIFIER_FORMS:
         raise ValueError(f"unknown classifier form {form!r}: use one of {CLASSIFIER_FORMS}")
     x = ub - eb[..., None] + LOG2_6
-    if policy == "fast" and form == "one_ffma":
+    if policy == "fast" and form in ("one_ffma", "sat_ffma"):
         tb = t if not pad else torch.nn.functional.pad(t, (0, pad), value=float("-inf"))
-        codes = one_ffma_codes(tb.reshape(ub.shape), m, eb, a, b)
+        codes = (one_ffma_codes if form == "one_ffma" else sat_codes)(tb.reshape(ub.shape), m, eb, a, b)
     elif policy == "fast":
         codes = fast_codes(x, a, b)
     elif policy == "accurate":

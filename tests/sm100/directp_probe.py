@@ -4,16 +4,17 @@
 (FADD/FMUL/FMNMX, PRMT, IMAD) that also runs on Hopper. This module wraps them in a
 tiny kernel that mirrors the per-row softmax loop of ``fp4gen/device/sm100/forward.py``
 (one thread owns one row; 32-key blocks; per block: fmax of the scores, block
-exponent of ``bmax - m``, then ``fast_block``'s four nibble words and block sum, beside
-each key's ``fast_code`` result; then ``l += twice * 0.5 * pow2_e8m0(e_B)``), so that a Hopper GPU
-can check them bit for bit against ``fp4gen.numerics.directp``.
+exponent of ``bmax - m``, the offset ``sat_offset``, then ``sat_block``'s four nibble words
+and block sum, beside each key's code from the scalar chain ``fma_sat`` then ``fma_rn``; then
+``l += twice * 0.5 * pow2_e8m0(e_B)``), so that a Hopper GPU can check them bit for bit
+against ``fp4gen.numerics.directp.sat_codes`` (the scores are in log2 units: scale 1).
 
 The accurate policy is not probed: ``cvt.rn.satfinite.e2m1x2.f32`` is sm_100-only.
 
 Kernel arguments (pointers, so nothing depends on DLPack/tvm-ffi; ``rows`` at run time):
   t      (rows, N_KEYS) fp32, scores in log2 units (masked = -inf), row-major
   m      (rows,) fp32 row reference
-  raw    (rows, N_KEYS) int32: bits(r) - bits(1.5*2^23) for each key's ``fast_code``
+  raw    (rows, N_KEYS) int32: bits(r) - bits(1.5*2^23) for each key's scalar-chain
          result r (== the code when r holds it the way the helpers assume)
   words  (rows, N_KEYS // 8) int32: the packed nibble words exactly as the kernel puts
          them in ``p_words`` (key 8w+c in nibble c of word w)
@@ -35,7 +36,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 
 from fp4gen.device.sm100 import direct_p as dp  # noqa: E402
-from fp4gen.numerics.directp import FAST_A, FAST_B  # noqa: E402
+from fp4gen.numerics.directp import FAST_A, FAST_B, sat_constants  # noqa: E402
 
 N_KEYS = 128  # one TILE_N of the sm100 template: 4 blocks of 32 keys
 N_BLOCKS = N_KEYS // 32
@@ -58,6 +59,7 @@ def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: c
         for c in cutlass.range_constexpr(N_KEYS):
             s[c] = mT[row, c]
         m_ref = mM[row]
+        a7, k7 = sat_constants(a, b)
         l_run = Float32(0.0)
         for blk in cutlass.range_constexpr(N_BLOCKS):
             bmax = -Float32.inf
@@ -65,16 +67,19 @@ def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: c
                 bmax = cute.arch.fmax(bmax, s[blk * 32 + c])
             e_b = dp.block_exponent(bmax - m_ref)
             e_bf = Float32(e_b)
-            # the per-key helper's raw results, and the words and block sum of the block
-            # helper the kernel runs (its scalar form: f32x2 is sm_100a only)
+            c_b = dp.sat_offset(m_ref, e_bf, a7, k7)
+            # each key's code by the scalar chain (y = sat(A7 t + c_B), then 7 y + 1.5 * 2^23),
+            # and the words and block sum of the block helper the kernel runs (its scalar
+            # form: f32x2 is sm_100a only); scale 1: the scores are already in log2 units
             for c in cutlass.range_constexpr(32):
-                r = dp.fast_code(s[blk * 32 + c], m_ref, e_bf, a, b)
+                y = dp.fma_sat(s[blk * 32 + c], Float32(a7), c_b)
+                r = dp.fma_rn(y, Float32(7.0), Float32(dp.MAGIC))
                 mRaw[row, blk * 32 + c] = dp.f32_as_i32(r) - Int32(MAGIC_BITS)
             sb = cute.make_rmem_tensor((32,), Float32)
             for c in cutlass.range_constexpr(32):
                 sb[c] = s[blk * 32 + c]
             wv = cute.make_rmem_tensor((4,), Int32)
-            twice = dp.fast_block(sb, m_ref, e_bf, wv, 0, a, b, False)
+            twice = dp.sat_block(sb, Float32(a7), c_b, wv, 0, False)
             for w in cutlass.range_constexpr(4):
                 mWords[row, blk * 4 + w] = wv[w]
             l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)

@@ -8,14 +8,12 @@ and is not covered here).
 What is compared, and how exactly:
 
 - E8M0 bytes e_B + 127: bit-exact, every block (masked blocks: 0, i.e. e_B = -127).
-- Codes: the compiler contracts ``A*x + B`` into one ``fma.rn.f32`` (checked in the PTX
-  below), while the oracle rounds ``A*x`` and ``+ B`` separately. The two differ only where
-  A*x + B is within an ulp of a .5 rounding boundary. So the kernel must equal, bit for bit
-  and everywhere, the *single-rounding model* (the oracle's x, then fl32(A*x + B) computed
-  exactly in float64, then RNE): and it may differ from the oracle only at positions where
-  the two models differ; those are counted and reported as a warning. (If a future compiler stops
-  contracting, the kernel must instead equal the oracle everywhere: either model is accepted
-  only when it matches *every* position.)
+- Codes: bit-exact, every key, against the saturating classifier
+  (``numerics.directp.sat_codes``: y = sat(fl32(A7 t + c_B)), code = rne(7 y)). The kernel
+  rounds where the model does: both FMAs are explicit ``fma.rn`` (no contraction choice
+  left to the compiler), and 7 y is exact in the second FMA. rne(7 y) has no ties (y would
+  have to be (2k+1)/14, not a binary fraction), so the "boundary" inputs place y within a few
+  ulps either side of each (k + 1/2)/7.
 - The packed nibble words equal the codes packed key 8w+c -> nibble c of word w, and the
   per-block integer ``twice`` equals 2 * sum of the E2M1 magnitudes of the kernel's codes.
 - l: every block term twice/2 * 2^e_B is exact in fp32 (twice <= 384, a 9-bit integer;
@@ -36,7 +34,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -47,7 +44,8 @@ for _p in (_HERE, _ROOT):  # plain checkout on the device machine: nothing pip-i
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from fp4gen.numerics.directp import FAST_A, FAST_B, LOG2_6, direct_p_mxfp4  # noqa: E402
+from fp4gen.numerics.directp import direct_p_mxfp4, sat_constants, sat_offset  # noqa: E402
+from fp4gen.numerics.directp import fma_f32  # noqa: E402
 from fp4gen.numerics.formats import E2M1, decode  # noqa: E402
 
 N_KEYS = 128  # == directp_probe.N_KEYS (not imported here: that import needs cutlass)
@@ -58,13 +56,9 @@ FLT_MAX = torch.finfo(torch.float32).max
 def _gamma(n):
     """Higham's gamma_n: any order of n fp32 additions of nonnegative terms is within gamma_n S."""
     return n * U / (1 - n * U)
-B32 = torch.tensor(FAST_B, dtype=torch.float32).item()  # B as the kernel's f32 immediate
+A7, K7 = sat_constants()  # the kernel's f32 constants
 
 
-
-
-class TieReport(UserWarning):
-    """Carries the per-case tie counts of the GPU test into pytest's warnings summary."""
 
 
 # ------------------------------------------------------------------ inputs
@@ -138,33 +132,30 @@ def _f32_from_bits(bits):
 
 
 def _tie_configs():
-    # (m, e_B): references and block exponents that exercise different rounding of t - m - e_B
+    # (m, e_B): references and block exponents that give c_B different roundings
     return [(0.0, 0), (0.0, -3), (0.75, 5), (-20.3, 40), (3.1, -60), (0.0, 2), (-1.5, -1),
             (0.0, 1), (0.0, -1), (0.0, 7), (0.0, -10), (0.0, 20), (0.1, 0), (-0.5, -2)]
 
 
-def case_ties(window=512):
-    """Scores whose x puts A*x + B exactly on (or within an ulp of) a .5 code boundary,
-    under either rounding model, plus their 1-ulp neighbours. Each block starts with an
-    anchor key at u = e_B + 0.5 that pins e_B; the rest of the block are tie candidates."""
+def _y(t, m, e):
+    """The classifier's y = sat(fl32(A7 t + c_B)) for scores t of one (m, e_B)."""
+    c = sat_offset(torch.tensor([m], dtype=torch.float32), torch.tensor([[float(e)]]))[0, 0]
+    return fma_f32(torch.full_like(t, A7), t, torch.full_like(t, c.item())).clamp(0.0, 1.0)
+
+
+def case_ties(window=64):
+    """Scores whose y = sat(A7 t + c_B) lies within ``window`` ulps of t either side of a code
+    boundary (k + 1/2)/7, k = 0..6. Each block starts with an anchor key at u = e_B + 0.5 that
+    pins e_B; the rest of the block are the boundary candidates."""
     rows_t, rows_m = [], []
     for m, e in _tie_configs():
-        mf = torch.tensor(m, dtype=torch.float32)
         cands = []
+        c = sat_offset(torch.tensor([m], dtype=torch.float32), torch.tensor([[float(e)]]))[0, 0].item()
         for k in range(7):
-            x0 = (k + 0.5 - B32) / FAST_A
-            tc = torch.tensor(x0 - LOG2_6 + e + m, dtype=torch.float32)
+            tc = torch.tensor(((k + 0.5) / 7 - c) / A7, dtype=torch.float32)
             bits = torch.arange(-window, window, dtype=torch.int64) + int(tc.view(torch.int32).item())
-            t = _f32_from_bits(bits)
-            x = ((t - mf) - float(e)) + LOG2_6
-            y2 = x * FAST_A + FAST_B
-            y1 = (x.double() * FAST_A + B32).float()
-            c2, c1 = torch.round(y2.clamp(0, 7)), torch.round(y1.clamp(0, 7))
-            hit = (y2 == k + 0.5) | (y1 == k + 0.5) | (c1 != c2)
-            near = hit | torch.roll(hit, 1) | torch.roll(hit, -1)
-            cands.append(t[near])
+            cands.append(_f32_from_bits(bits))
         cands = torch.cat(cands)
-        assert len(cands), f"no tie candidates for m={m}, e_B={e}: pick another configuration"
         anchor = torch.tensor(e + 0.5 + m, dtype=torch.float32)
         blocks = []
         for i in range(0, len(cands), 31):
@@ -189,19 +180,14 @@ CASES = {"random": case_random, "large_small": case_large_small, "e8m0_edges": c
 
 
 def models(t, m):
-    """Oracle (two roundings) and the single-rounding (FMA) model of the same definition.
-    Returns dict: codes_ref, codes_fma (rows, N) uint8, eb (rows, nb) int, x, y_ref, y_fma,
-    l_ref (the oracle's l)."""
-    _, l_ref, codes_ref, eb = direct_p_mxfp4(t, m, policy="fast")
-    u = t - m[..., None]
+    """The oracle (numerics.directp, the saturating classifier). Returns dict: codes_ref (rows, N)
+    uint8, eb (rows, nb) int, y (the classifier's y, for explanations), l_ref (the oracle's l)."""
+    _, l_ref, codes_ref, eb = direct_p_mxfp4(t, m, policy="fast", form="sat_ffma")
     rows = t.shape[0]
-    ub = u.reshape(rows, -1, 32)
-    x = (ub - eb[..., None] + LOG2_6).reshape(rows, -1)
-    y_ref = x * FAST_A + FAST_B
-    y_fma = (x.double() * FAST_A + B32).float()  # exact in float64, one rounding to f32
-    codes_fma = torch.round(y_fma.clamp(0.0, 7.0)).to(torch.uint8)
-    return {"codes_ref": codes_ref, "codes_fma": codes_fma, "eb": eb.to(torch.int64), "x": x,
-            "y_ref": y_ref, "y_fma": y_fma, "l_ref": l_ref}
+    c = sat_offset(m, eb)
+    tb = t.reshape(rows, -1, 32)
+    y = fma_f32(torch.full_like(tb, A7), tb, c[..., None]).clamp(0.0, 1.0).reshape(rows, -1)
+    return {"codes_ref": codes_ref, "eb": eb.to(torch.int64), "y": y, "l_ref": l_ref}
 
 
 def exact_l(codes, eb):
@@ -224,9 +210,8 @@ def _explain_key(name, r, c, t, m, mod, out, what):
         f"  t = {_h(t[r, c])}, m = {_h(m[r])}, u = t - m = {_h((t[r, c] - m[r]).item())}",
         f"  oracle e_B = {int(mod['eb'][r, b])}, kernel E8M0 byte = {int(out['e8m0'][r, b])} "
         f"(oracle byte {int(mod['eb'][r, b]) + 127})",
-        f"  x = {_h(mod['x'][r, c])}, A*x+B two roundings = {_h(mod['y_ref'][r, c])}, "
-        f"one rounding (FMA) = {_h(mod['y_fma'][r, c])}",
-        f"  code: oracle {int(mod['codes_ref'][r, c])}, FMA model {int(mod['codes_fma'][r, c])}, "
+        f"  y = sat(A7 t + c_B) = {_h(mod['y'][r, c])}, 7 y = {_h(mod['y'][r, c].double() * 7)}",
+        f"  code: oracle {int(mod['codes_ref'][r, c])}, "
         f"kernel raw {int(out['raw'][r, c])}, kernel packed {int(out['codes'][r, c])}",
         f"  kernel word {b * 4 + (c % 32) // 8} = {int(out['words'][r, b * 4 + (c % 32) // 8]) & 0xFFFFFFFF:#010x}",
         f"  block t values: {[float(v) for v in t[r, b * 32:(b + 1) * 32]]}",
@@ -256,9 +241,8 @@ def _first(mask):
 
 def test_probe_compiles_for_sm90a_without_gpu(tmp_path):
     """Compile in a fresh process (the DSL reads CUTE_DSL_* at import) and check the PTX:
-    sm_90a, fast_block's one PRMT per four keys and no BFI, no MUFU ex2, no sm_100
-    conversion, and the A*x + B contraction into one FMA per key that the GPU test's model
-    assumes (fast_block's scalar chain is fast_code's expression: LLVM merges the two)."""
+    sm_90a, sat_block's one PRMT per four keys and no BFI, no MUFU ex2, no sm_100
+    conversion, and the classifier as the explicit saturating FMA."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {_HERE!r})
@@ -275,9 +259,9 @@ def test_probe_compiles_for_sm90a_without_gpu(tmp_path):
     assert ".target sm_90a" in text
     assert text.count("prmt.b32") == N_KEYS // 4 and text.count("bfi.b32") == 0
     assert "ex2" not in text and "e2m1x2" not in text
-    # 0f3FC00000 = 1.5 (A), 0f3F99999A = fl32(1.2) (B): A*x + B became one fma.rn per key
-    fma = text.count("0f3FC00000, 0f3F99999A")
-    assert fma == N_KEYS, f"expected {N_KEYS} contracted FMAs for A*x+B, found {fma}: tie behaviour changed"
+    # the per-key chain and sat_block may share their (pure) FMAs: at least one per key
+    sat = text.count("fma.rn.sat.f32")
+    assert sat >= N_KEYS, sat
 
 
 def test_fallback_probe_compiles_for_sm90a():
@@ -287,19 +271,19 @@ def test_fallback_probe_compiles_for_sm90a():
     directp_probe.compile_probe_tensors()
 
 
-def test_tie_inputs_are_real_ties():
-    """The constructed tie inputs hit exact .5 boundaries, pin the intended e_B, and include
-    positions where one and two roundings of A*x + B give different codes."""
+def test_boundary_inputs_straddle_every_code_boundary():
+    """The boundary inputs put y on both sides of each (k + 1/2)/7 for every (m, e_B), pin the
+    intended e_B, and so produce both neighbouring codes around each boundary."""
     t, m = case_ties()
     mod = models(t, m)
-    # the two-rounding model recomputed here is the oracle (same x, same arithmetic)
-    assert torch.equal(torch.round(mod["y_ref"].clamp(0, 7)).to(torch.uint8), mod["codes_ref"])
     live = torch.isfinite(t)
-    exact_ref = (live & (mod["y_ref"] == torch.floor(mod["y_ref"]) + 0.5) & (mod["y_ref"] < 7)).sum().item()
-    exact_fma = (live & (mod["y_fma"] == torch.floor(mod["y_fma"]) + 0.5) & (mod["y_fma"] < 7)).sum().item()
-    differ = (mod["codes_ref"] != mod["codes_fma"]).sum().item()
-    assert exact_ref >= 20 and exact_fma >= 20, (exact_ref, exact_fma)
-    assert differ >= 20, differ
+    live[:, ::32] = False  # the anchors
+    y7 = mod["y"].double() * 7
+    for k in range(7):
+        near = live & ((y7 - (k + 0.5)).abs() < 1e-3)
+        below = near & (mod["codes_ref"] == k)
+        above = near & (mod["codes_ref"] == k + 1)
+        assert below.sum() >= 14 and above.sum() >= 14, (k, int(below.sum()), int(above.sum()))
     want = torch.cat([torch.full((1,), e) for _, e in _tie_configs()])
     blocks_e = mod["eb"][torch.isfinite(t.reshape(t.shape[0], -1, 32)).any(-1)]
     assert set(blocks_e.tolist()) == set(want.tolist())
@@ -339,18 +323,18 @@ def test_direct_p_helpers_match_oracle(name):
         (r, b), n = _first(bad)
         pytest.fail(f"{n} E8M0 bytes differ\n" + _explain_block(name, r, b, t, m, mod, out, "e_B + 127"))
 
-    # 2. the raw fast_code results hold a code 0..7, and the packing is the kernel's
+    # 2. the raw per-key results hold a code 0..7, and the packing is the kernel's
     raw = out["raw"]
     bad = (raw < 0) | (raw > 7)
     if bad.any():
         (r, c), n = _first(bad)
-        pytest.fail(f"{n} fast_code results are not 1.5*2^23 + code\n"
+        pytest.fail(f"{n} per-key results are not 1.5*2^23 + code\n"
                     + _explain_key(name, r, c, t, m, mod, out, "raw code out of range"))
     bad = out["codes"].to(torch.int32) != raw
     if bad.any():
         (r, c), n = _first(bad)
         pytest.fail(f"{n} packed nibbles differ from the per-key codes\n"
-                    + _explain_key(name, r, c, t, m, mod, out, "fast_block packing"))
+                    + _explain_key(name, r, c, t, m, mod, out, "sat_block packing"))
     codes = raw.to(torch.uint8)
     assert torch.equal(out["words"], directp_probe.pack_words(codes))  # implied by the above
 
@@ -360,28 +344,13 @@ def test_direct_p_helpers_match_oracle(name):
     if bad.any():
         (r, b), n = _first(bad)
         pytest.fail(f"{n} block sums differ (expected {int(twice_ref[r, b])})\n"
-                    + _explain_block(name, r, b, t, m, mod, out, "fast_block sum"))
+                    + _explain_block(name, r, b, t, m, mod, out, "sat_block sum"))
 
-    # 4. codes: bit-exact against one rounding model, everywhere
-    diff_fma = codes != mod["codes_fma"]
+    # 4. codes: bit-exact against the oracle, everywhere
     diff_ref = codes != mod["codes_ref"]
-    sensitive = mod["codes_fma"] != mod["codes_ref"]
-    if diff_fma.any() and diff_ref.any():
-        which, dmask = ("FMA model", diff_fma) if diff_fma.sum() <= diff_ref.sum() else ("oracle", diff_ref)
-        (r, c), n = _first(dmask)
-        pytest.fail(f"codes match neither model everywhere ({int(diff_fma.sum())} differ from the FMA "
-                    f"model, {int(diff_ref.sum())} from the oracle)\n"
-                    + _explain_key(name, r, c, t, m, mod, out, f"code vs {which}"))
-    n_tie = int(diff_ref.sum())
-    assert bool((diff_ref <= sensitive).all())  # implied: the kernel equals one of the two models
-    if not sensitive.any():
-        model = "both models (no tie-sensitive input here)"
-    else:
-        model = "FMA (one rounding) model" if not diff_fma.any() else "oracle (two roundings) model"
-    # a warning, so that the count shows in the summary of a plain `pytest -q` run
-    warnings.warn(f"[{name}] kernel codes == {model} at all {codes.numel()} keys; {n_tie} differ "
-                  f"from the oracle, all at A*x+B rounding ties ({int(sensitive.sum())} tie-sensitive "
-                  f"positions in the input); launch path: {directp_probe.LAST_PATH}", TieReport, stacklevel=1)
+    if diff_ref.any():
+        (r, c), n = _first(diff_ref)
+        pytest.fail(f"{n} codes differ from the oracle\n" + _explain_key(name, r, c, t, m, mod, out, "code vs oracle"))
 
     # 5. l against the exact sum of the kernel's own P values, and against the oracle's l
     l = out["l"].double()
@@ -414,7 +383,7 @@ def test_direct_p_helpers_match_oracle(name):
 @pytest.mark.xfail(strict=False, reason=(
     "known deviation, reported: docs/numerics.md section 6 item 6 gives a block with a NaN score "
     "a NaN scale (E8M0 0xFF); the helpers take the block max with fmax, which drops NaN, and "
-    "clamp A*x+B with max.f32, which maps NaN to code 0, so a NaN score is silently zeroed"))
+    "clamp with fma.sat, which maps NaN to code 0, so a NaN score is silently zeroed"))
 def test_nan_score_poisons_its_block():
     import directp_probe
 

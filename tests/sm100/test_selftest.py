@@ -161,7 +161,7 @@ def test_expected_matches_float64(name):
 
 
 def test_pack_a_words_is_the_forwards_p_packing():
-    # key 8w + c in nibble c of word w (direct_p.fast_block)
+    # key 8w + c in nibble c of word w (direct_p.sat_block)
     codes = sk._codes(torch.Generator().manual_seed(3), (2, sk.K))
     w = sk.pack_a_words(codes)
     for r in range(2):

@@ -2,8 +2,8 @@
 
 Device helpers called from inside ``@cute.jit`` code of the generated sm100a
 forward (they trace into the caller; nothing here launches anything). The fast
-policy uses only FP32 add/FMA/max and integer min/IMAD/PRMT -- no MUFU ``ex2`` --
-and the conformance check counts ``ex2`` in the PTX to prove it.
+policy uses only FP32 FMA/max and integer IMAD/PRMT -- no MUFU ``ex2`` -- and the
+conformance check counts ``ex2`` in the PTX to prove it.
 
 They mirror ``fp4gen.numerics.directp.direct_p_mxfp4`` (docs/numerics.md) for one
 query row (one softmax thread owns one row). ``t`` is a score in log2 units
@@ -12,11 +12,12 @@ guard), ``u = t - m``; per block B of 32 keys:
 
 * ``e_B = clamp(floor(max_B u), -127, 127)``, -127 for a fully masked block; the
   E8M0 byte is ``e_B + 127``;
-* ``x = (u - e_B) + log2(6)`` (two FP32 roundings, as the reference);
-* fast policy: ``code = rne(clamp(A*x + B, 0, 7))`` -- rne by adding 1.5*2^23,
-  which leaves the integer in the low mantissa bits (FADD rate, no F2I). The
-  compiler may contract ``A*x + B`` into one FMA (the reference rounds twice;
-  they differ only exactly at rounding ties);
+* fast policy (the saturating classifier, ``numerics.directp.sat_codes``):
+  ``y = sat(A7s * s + c_B)`` on the raw score s, the softmax scale folded into
+  ``A7s = fl32(scale * A / 7)`` and the row reference, e_B, log2 6 and B into
+  ``c_B = fma(-A/7, m + e_B, (B + A log2 6) / 7)``; ``.sat`` is the clamp to codes [0, 7];
+  ``code = rne(7 y)`` by one FMA with 1.5*2^23, which leaves the integer in the low
+  mantissa bits (FMA rate, no F2I);
 * accurate policy: ``code = e2m1_rne(ex2(x))``: EX2 on the MUFU, the rounding by
   the hardware ``cvt.rn.satfinite.e2m1x2.f32`` (two codes per instruction);
 * PV consumes ``E2M1(code) * 2^e_B`` and ``l`` sums exactly those values: twice
@@ -89,14 +90,6 @@ def rebase_shift(t_max: Float32, m: Float32):
     return d, Float32(cutlass.select_(d > Float32(126.0), Float32(0.0), fac))
 
 
-@cute.jit
-def fast_code(t: Float32, m: Float32, e_b: Float32, a: cutlass.Constexpr, b: cutlass.Constexpr) -> Float32:
-    """Fast policy: rne(clamp(a*x + b, 0, 7)) + 1.5*2^23 (the code is in the low bits)."""
-    x = ((t - m) - e_b) + Float32(LOG2_6)
-    y = min(cute.arch.fmax(x * Float32(a) + Float32(b), Float32(0.0)), Float32(7.0))
-    return y + Float32(MAGIC)
-
-
 # The nibble word of eight codes as one multiply-add per key: with r_k's bits = MAGIC's bits
 # (0x4B400000) + code_k, sum_k bits_k * 16^k == sum_k code_k << 4k - 0x4B400000 * 0x11111111
 # (mod 2^32), so a chain started at this bias leaves exactly the packed codes.
@@ -114,58 +107,50 @@ def byte_sum(x: Int32) -> Int32:
     return (z * Int32(0x10001)) >> Int32(16)
 
 
-@cute.jit
-def _sub2(x, y, packed: cutlass.Constexpr):
-    if cutlass.const_expr(packed):
-        return cute.arch.sub_packed_f32x2(x, y)
-    return x[0] - y[0], x[1] - y[1]
+@dsl_user_op
+def fma_sat(a, b, c, *, loc=None, ip=None) -> Float32:
+    """sat(fl32(a*b + c)): ``fma.rn.sat.f32`` (PTX ISA: Floating-Point Instructions, fma; .sat
+    clamps the result to [0, 1] and turns NaN into +0). No f32x2 form has .sat."""
+    return Float32(_asm(T.f32(), "fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                        [Float32(a), Float32(b), Float32(c)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
+    """fl32(a*b + c) rounded once, whatever the compiler's contraction choices."""
+    return Float32(_asm(T.f32(), "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                        [Float32(a), Float32(b), Float32(c)], loc=loc, ip=ip))
 
 
 @cute.jit
-def _add2(x, y, packed: cutlass.Constexpr):
-    if cutlass.const_expr(packed):
-        return cute.arch.add_packed_f32x2(x, y)
-    return x[0] + y[0], x[1] + y[1]
+def sat_offset(m: Float32, e_b: Float32, a7: cutlass.Constexpr, k7: cutlass.Constexpr) -> Float32:
+    """c_B = fl32(fma(-A7, fl32(m + e_B), K7)) (numerics.directp.sat_offset)."""
+    return fma_rn(m + e_b, Float32(-a7), Float32(k7))
 
 
 @cute.jit
-def _fma2(x, y, z, packed: cutlass.Constexpr):
-    if cutlass.const_expr(packed):
-        return cute.arch.fma_packed_f32x2(x, y, z)
-    return x[0] * y[0] + z[0], x[1] * y[1] + z[1]  # contracted to FFMA by ptxas, as fast_code
-
-
-@cute.jit
-def fast_block(s: cute.Tensor, m: Float32, e_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
-               a: cutlass.Constexpr, b: cutlass.Constexpr, packed: cutlass.Constexpr = True) -> Int32:
-    """Fast policy for one 32-key block: the codes of ``s[0..32)`` (log2-unit scores) as four
-    nibble words ``words[w0 .. w0+4)``; returns twice the block's sum of E2M1 magnitudes.
-
-    Bit for bit ``fast_code``'s code for each key (the sm_90a probe checks both), with fewer
-    instructions: the clamp's upper half on the integer bits; the FP32 chain two keys at a time (``sub/add/fma.rn.f32x2``, PTX ISA:
-    Floating-Point Instructions; each lane rounds as the scalar FADD/FFMA, no flush to zero;
-    ``packed=False`` uses the scalar ops, for the sm_90a probe: f32x2 is sm_100a only); the
-    word as a multiply-add chain (``_WORD_BIAS``); the magnitudes by one PRMT per four codes
-    (the word's low 16 bits are four selectors; codes <= 7 leave each nibble's sign-mode bit
-    clear), summed bytewise (<= 8 * 12 per byte) and folded once per block (``byte_sum``)."""
-    l6 = (Float32(LOG2_6), Float32(LOG2_6))
+def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
+              packed: cutlass.Constexpr = True) -> Int32:
+    """The saturating classifier (numerics.directp.sat_codes) for one 32-key block of raw scores
+    ``s``: the codes as four nibble words ``words[w0 .. w0+4)``; returns twice the block's sum of
+    E2M1 magnitudes. Per key one ``fma.rn.sat.f32`` (y = sat(A7s * s + c_B): the clamp to codes
+    [0, 7] and NaN -> 0 come with it), per two keys one ``fma.rn.f32x2`` (7 y + 1.5 * 2^23: the
+    code, rne(7 y), in the low bits; ``packed=False`` uses two scalar FMAs, for the sm_90a
+    probe), per key one IMAD into the word (``_WORD_BIAS``), per four keys one PRMT for the
+    magnitudes (``twice_values_pair``), folded once per block (``byte_sum``)."""
+    seven = (Float32(7.0), Float32(7.0))
+    magic = (Float32(MAGIC), Float32(MAGIC))
     twice_bytes = Int32(0)
     for w in cutlass.range_constexpr(4):
         word = Int32(_WORD_BIAS)
         for h in cutlass.range_constexpr(4):
             k = w * 8 + 2 * h
-            u = _sub2((s[k], s[k + 1]), (m, m), packed)
-            x = _add2(_sub2(u, (e_b, e_b), packed), l6, packed)
-            y = _fma2(x, (Float32(a), Float32(a)), (Float32(b), Float32(b)), packed)
-            # max(y, 0) in FP32 (a NaN y gives 0, as fast_code); min(., 7) on the bits after
-            # the rounding add: for y >= 0 the bits grow with y, so min(bits, bits(MAGIC + 7))
-            # is the same code, on the integer pipe beside the busier FMA pipe
-            y0 = cute.arch.fmax(y[0], Float32(0.0))
-            y1 = cute.arch.fmax(y[1], Float32(0.0))
-            r = _add2((y0, y1), (Float32(MAGIC), Float32(MAGIC)), packed)
-            c0 = min(f32_as_i32(r[0]), Int32(_MAGIC_BITS + 7))
-            c1 = min(f32_as_i32(r[1]), Int32(_MAGIC_BITS + 7))
-            word = word + c0 * Int32(16 ** (2 * h)) + c1 * Int32(16 ** (2 * h + 1))
+            y = (fma_sat(s[k], a_s, c_b), fma_sat(s[k + 1], a_s, c_b))
+            if cutlass.const_expr(packed):
+                r = cute.arch.fma_packed_f32x2(y, seven, magic)
+            else:
+                r = (fma_rn(y[0], seven[0], magic[0]), fma_rn(y[1], seven[1], magic[1]))
+            word = word + f32_as_i32(r[0]) * Int32(16 ** (2 * h)) + f32_as_i32(r[1]) * Int32(16 ** (2 * h + 1))
         words[w0 + w] = word
         twice_bytes = twice_bytes + twice_values_pair(word) + twice_values_pair(word >> Int32(16))
     return byte_sum(twice_bytes)

@@ -35,6 +35,7 @@ from fp4gen.device.sm100 import direct_p as dp
 from fp4gen.device.sm100 import opaque as opq
 from fp4gen.device.sm100 import two_level as tl
 from fp4gen.device.sm100.config import ForwardKernelConfig
+from fp4gen.numerics import directp as dpn
 
 F4 = cutlass.Float4E2M1FN
 E4M3 = cutlass.Float8E4M3FN
@@ -606,6 +607,12 @@ class AttentionFwdSm100:
                 guard_on = flag[0]
                 m_run = Float32(cutlass.select_(guard_on != Int32(0), m_hat, Float32(0.0)))
         l_run = Float32(0.0)
+        # fast Direct-P: the saturating classifier (numerics.directp.sat_codes) on raw scores,
+        # the softmax scale folded into its multiplier A7s = fl32(scale * A7)
+        fold_scale = cfg.direct_p and cfg.p_policy == "fast"
+        if const_expr(fold_scale):
+            sat_a7, sat_k7 = dpn.sat_constants(cfg.direct_p_a, cfg.direct_p_b)
+            a7_s = scale_log2 * Float32(sat_a7)
         if const_expr(cfg.two_level):
             r_prev = Float32(1.0)  # row factor of the previous KV tile (O_j is in its units)
         words_per_part = part_cols
@@ -640,7 +647,9 @@ class AttentionFwdSm100:
                 # scores -> log2 units t = s * scale * log2(e); masked keys -> -inf, only on the
                 # tiles that cross the sequence end or (causal) this row's diagonal
                 s_max = -Float32.inf
-                if const_expr(cfg.direct_p):
+                if const_expr(fold_scale):
+                    pass  # the saturating classifier takes raw scores: the scale is in its multiplier
+                elif const_expr(cfg.direct_p):
                     # two scores per mul.rn.f32x2 (PTX ISA: Floating-Point Instructions, mul; each
                     # lane rounds as the scalar FMUL does, no flush to zero)
                     for c in cutlass.range_constexpr(0, cfg.tile_n, 2):
@@ -686,6 +695,8 @@ class AttentionFwdSm100:
                         bmax = -Float32.inf
                         for c in cutlass.range_constexpr(32):
                             bmax = cute.arch.fmax(bmax, tS_rc[b][c])
+                        if const_expr(fold_scale):
+                            bmax = bmax * scale_log2  # fl32(max s * scale) = max fl32(s * scale): scale > 0
                         bmaxes.append(bmax)
                     if const_expr(cfg.guard):
                         # headroom rebase (numerics.directp.rebase): a tile more than REBASE_E
@@ -766,8 +777,8 @@ class AttentionFwdSm100:
                             e_bf = Float32(e_b)
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
-                                twice = dp.fast_block(tS_rc[b], m_ref, e_bf, p_words, b * 4, cfg.direct_p_a, cfg.direct_p_b,
-                                                      True)
+                                c_b = dp.sat_offset(m_ref, e_bf, sat_a7, sat_k7)
+                                twice = dp.sat_block(tS_rc[b], a7_s, c_b, p_words, b * 4)
                             else:
                                 # two codes per hardware conversion; the PRMT lookup yields both magnitudes
                                 # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block

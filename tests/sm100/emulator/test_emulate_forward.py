@@ -154,20 +154,27 @@ def _lines(ptx):
     return ptx.split("\n")
 
 
-_CODE_CLAMP = 0x4B400007  # MAGIC's bits + 7: the min.s32 that ends each fast code (direct_p.fast_block)
+def _code_registers(ls) -> set:
+    """The 32-bit registers holding one fast code each: the halves of an ``fma.rn.f32x2``
+    result (7 y + 1.5 * 2^23, direct_p.sat_block) unpacked by ``mov.b64 {lo, hi}``."""
+    pairs, codes = set(), set()
+    for s in ls:
+        m = re.match(r"\s*fma\.rn\.f32x2\s+(%rd\d+),", s)
+        if m:
+            pairs.add(m.group(1))
+        m = re.match(r"\s*mov\.b64\s+\{(%r\d+),\s*(%r\d+)\},\s*(%rd\d+);", s)
+        if m and m.group(3) in pairs:
+            codes |= {m.group(1), m.group(2)}
+    return codes
 
 
 def swap_p_nibbles(ptx):
     """(a) P's E2M1 codes packed high nibble first. Direct-P fast packs eight codes per word
-    as ``bias + sum_k r_k << 4k`` (b503461; r_k is the code's min.s32 against MAGIC + 7, key 0
-    added unshifted): key k's shift becomes 4(k ^ 1), i.e. 4 <-> 0, 8 <-> 12, 16 <-> 20,
+    as ``bias + sum_k r_k << 4k`` (r_k a code register, ``_code_registers``; key 0 added
+    unshifted): key k's shift becomes 4(k ^ 1), i.e. 4 <-> 0, 8 <-> 12, 16 <-> 20,
     24 <-> 28 -- key 1 is added unshifted and key 0 with a multiply by 16."""
     ls = _lines(ptx)
-    codes = set()
-    for s in ls:
-        m = re.match(rf"\s*min\.s32\s+(%r\d+),\s*%r\d+,\s*{_CODE_CLAMP};", s)
-        if m:
-            codes.add(m.group(1))
+    codes = _code_registers(ls)
     n4 = nadd = 0
     for i, s in enumerate(ls):
         m = re.match(r"(\s*)shl\.b32\s+(%r\d+),\s*(%r\d+),\s*(\d+);", s)
@@ -247,8 +254,15 @@ def cp_after_mma(ptx):
     return "\n".join(ls)
 
 
+def drop_code_clamp(ptx):
+    """(f) the classifier without its clamp: ``fma.rn.sat.f32`` as ``fma.rn.f32``, so scores far
+    below the block maximum give negative codes that borrow from their neighbours' nibbles."""
+    assert "fma.rn.sat.f32" in ptx
+    return ptx.replace("fma.rn.sat.f32", "fma.rn.f32")
+
+
 FAULTS = {"a_nibble_order": swap_p_nibbles, "b_sf_id": wrong_pv_sf_id, "c_p_part": pv_reads_p_part2,
-          "d_sfp_coords": swap_sfp_coords, "e_cp_after_mma": cp_after_mma}
+          "d_sfp_coords": swap_sfp_coords, "e_cp_after_mma": cp_after_mma, "f_code_clamp": drop_code_clamp}
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

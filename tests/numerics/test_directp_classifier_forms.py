@@ -1,9 +1,10 @@
-"""The one-FFMA fast classifier (numerics.directp, form="one_ffma"): a what-if for issue 18's
-"one FFMA per score" lever, which no kernel implements. Its single-rounding FMA is emulated
-exactly (fma_f32); the default form stays today's, bit for bit; the one-FFMA codes differ from
-today's only at rounding boundaries.
+"""The fast classifier's arithmetic forms (numerics.directp): "sat_ffma", the sm100a kernels'
+since 2026-12-07 and the default (checked against exact rational arithmetic), "two_op" (the
+kernels' before), "one_ffma" (a what-if). FMAs are emulated exactly (fma_f32); the forms'
+codes differ only at rounding boundaries.
 
-    python tests/numerics/test_directp_one_ffma.py     # the table in docs/numerics.md section 13
+    python tests/numerics/test_directp_classifier_forms.py [--form=sat_ffma|one_ffma] [--json]
+        # the tables in docs/numerics.md section 13
 """
 from __future__ import annotations
 
@@ -60,15 +61,15 @@ def _tiles(scale, seed=0, rows=64, n=256):
     return t, m
 
 
-def test_default_form_is_todays_and_the_context_restores_it():
+def test_default_form_is_the_kernels_and_the_context_restores_it():
     t, m = _tiles(16.0)
     base = dp.direct_p_mxfp4(t, m)
-    assert dp._CLASSIFIER_FORM[0] == "two_op"
-    for a, b in zip(base, dp.direct_p_mxfp4(t, m, form="two_op")):
+    assert dp._CLASSIFIER_FORM[0] == "sat_ffma"
+    for a, b in zip(base, dp.direct_p_mxfp4(t, m, form="sat_ffma")):
         assert torch.equal(a, b)
     with dp.classifier_form("one_ffma"):
         inside = dp.direct_p_mxfp4(t, m)
-    assert dp._CLASSIFIER_FORM[0] == "two_op"
+    assert dp._CLASSIFIER_FORM[0] == "sat_ffma"
     assert torch.equal(inside[2], dp.direct_p_mxfp4(t, m, form="one_ffma")[2])
     for a, b in zip(base, dp.direct_p_mxfp4(t, m)):
         assert torch.equal(a, b)
@@ -82,7 +83,7 @@ def test_default_form_is_todays_and_the_context_restores_it():
 @pytest.mark.parametrize("scale", [1.0, 8.0, 16.0])
 def test_one_ffma_codes_differ_only_at_rounding_boundaries(scale):
     t, m = _tiles(scale)
-    _, _, c2, eb = dp.direct_p_mxfp4(t, m)
+    _, _, c2, eb = dp.direct_p_mxfp4(t, m, form="two_op")
     _, _, c1, eb1 = dp.direct_p_mxfp4(t, m, form="one_ffma")
     assert torch.equal(eb, eb1)  # the block exponents do not depend on the form
     d = (c1.int() - c2.int()).abs()
@@ -110,10 +111,87 @@ def test_one_ffma_is_not_a_no_op_at_rounding_boundaries():
     u[:, 0] = e + 0.5  # the block maximum: e_B = e
     u[:, 1:] = (e[:, None] - dp.LOG2_6 + (3.5 - dp.FAST_B) / dp.FAST_A) + torch.randn(rows, 31, generator=g) * 1e-5
     t = (u + m[:, None]).float()
-    c2 = dp.direct_p_mxfp4(t, m)[2]
+    c2 = dp.direct_p_mxfp4(t, m, form="two_op")[2]
     c1 = dp.direct_p_mxfp4(t, m, form="one_ffma")[2]
     assert (c1 != c2).sum() > 100
     assert (c1.int() - c2.int()).abs().max() == 1
+
+
+# ------------------------------------------------------------- the saturating classifier
+
+
+def _sat_code_exact(t: float, m: float, e: int, scale: float = 1.0) -> int:
+    """The saturating classifier for one score in exact rational arithmetic: every float32
+    rounding taken from the exact value (``_f32_round``), independent of ``fma_f32``."""
+    a7, k7 = dp.sat_constants()
+    a7s = _f32_round(Fraction(np.float32(scale).item()) * Fraction(a7))
+    me = _f32_round(Fraction(np.float32(m).item()) + e)
+    c = _f32_round(-Fraction(a7) * Fraction(me) + Fraction(k7))
+    if math.isinf(t):
+        return 0
+    y = _f32_round(Fraction(a7s) * Fraction(t) + Fraction(c))
+    y = min(max(y, 0.0), 1.0)
+    q = Fraction(y) * 7
+    k = math.floor(q)
+    assert q - k != Fraction(1, 2)  # 7 y is never a tie: y would be (2k+1)/14
+    return k + (1 if q - k > Fraction(1, 2) else 0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.12752])
+def test_sat_codes_match_exact_arithmetic(scale):
+    g = torch.Generator().manual_seed(7)
+    rows = 6
+    t = (torch.randn(rows, 64, generator=g) * 6).float()
+    t[0, :5] = float("-inf")
+    m = (torch.randn(rows, generator=g) * 3).float()
+    eb = torch.randint(-4, 6, (rows, 2), generator=g).float()
+    got = dp.sat_codes(t.reshape(rows, 2, 32), m, eb, scale=scale).reshape(rows, -1)
+    for r in range(rows):
+        for c in range(64):
+            want = _sat_code_exact(float(t[r, c]), float(m[r]), int(eb[r, c // 32]), scale)
+            assert int(got[r, c]) == want, (r, c, float(t[r, c]))
+
+
+def test_sat_codes_clamp_and_nan():
+    t = torch.tensor([[[-math.inf, math.nan, 1e30, -1e30] + [0.0] * 28]])
+    got = dp.sat_codes(t, torch.zeros(1), torch.zeros(1, 1))
+    assert got[0, 0, :4].tolist() == [0, 0, 7, 0]
+
+
+@pytest.mark.parametrize("scale", [1.0, 8.0, 16.0])
+def test_sat_ffma_codes_differ_from_two_op_only_at_rounding_boundaries(scale):
+    t, m = _tiles(scale)
+    _, _, c2, eb = dp.direct_p_mxfp4(t, m, form="two_op")
+    _, _, cs, ebs = dp.direct_p_mxfp4(t, m, form="sat_ffma")
+    assert torch.equal(eb, ebs)
+    d = (cs.int() - c2.int()).abs()
+    assert d.max() <= 1
+    u = t - m[:, None]
+    x = u.reshape(64, -1, 32) - eb[..., None] + dp.LOG2_6
+    y = (x * dp.FAST_A + dp.FAST_B).reshape(64, -1)
+    ulps = 8 * torch.finfo(torch.float32).eps * (u.abs() * dp.FAST_A + 8)
+    near = ((y - torch.floor(y) - 0.5).abs() <= ulps) | (y < 1e-3)
+    assert not (d.bool() & ~near).any()
+
+
+def test_planted_fault_a_wrong_sat_offset_is_caught():
+    """The exact-arithmetic check above must fail for a classifier whose c_B is off by an ulp."""
+    orig = dp.sat_offset
+    try:
+        dp.sat_offset = lambda m, eb, a=dp.FAST_A, b=dp.FAST_B: torch.nextafter(orig(m, eb, a, b), torch.tensor(9.0))
+        with pytest.raises(AssertionError):
+            test_sat_codes_match_exact_arithmetic(1.0)
+            # an ulp of c_B moves no code on 384 random scores: then plant a boundary input
+            a7, k7 = dp.sat_constants()
+            c = orig(torch.zeros(1), torch.zeros(1, 1))[0, 0].item()
+            t0 = torch.tensor((3.5 / 7 - c) / a7, dtype=torch.float32)
+            ts = t0.view(torch.int32) + torch.arange(-64, 64, dtype=torch.int32)
+            tb = ts.view(torch.float32).reshape(1, 4, 32)
+            got = dp.sat_codes(tb, torch.zeros(1), torch.zeros(1, 4)).reshape(-1)
+            for i, tv in enumerate(tb.reshape(-1).tolist()):
+                assert int(got[i]) == _sat_code_exact(tv, 0.0, 0)
+    finally:
+        dp.sat_offset = orig
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -129,9 +207,10 @@ def _cases():
                "outlier_channels": X._outlier_channels, "one_huge_logit": X._one_huge_logit}
 
 
-def measure() -> list:
-    """Per input: P codes (one-FFMA vs today's, from the (t, m) the reference codes), and O /
-    LSE of the reference forward in both forms against exact attention (fa4_fp4_d128 spec)."""
+def measure(new: str = "sat_ffma") -> list:
+    """Per input: P codes (form ``new`` vs the two-op form of the kernels before 2026-12-07, from
+    the (t, m) the reference codes), and O / LSE of the reference forward in both forms against
+    exact attention (fa4_fp4_d128 spec)."""
     from fp4gen.numerics import reference as R
     from fp4gen.numerics.accuracy import compare, exact_attention
 
@@ -149,23 +228,28 @@ def measure() -> list:
 
         dp.direct_p_mxfp4 = spy
         try:
-            o2, l2 = R.forward(q, k, v, spec)
+            with dp.classifier_form("two_op"):
+                o2, l2 = R.forward(q, k, v, spec)
         finally:
             dp.direct_p_mxfp4 = orig
-        with dp.classifier_form("one_ffma"):
+        with dp.classifier_form(new):
             o1, l1 = R.forward(q, k, v, spec)
         n = diff = in_range = 0
         dy = 0.0
         for t, m in seen:
-            _, _, c2, eb = dp.direct_p_mxfp4(t, m, "fast")
-            c1 = dp.direct_p_mxfp4(t, m, "fast", form="one_ffma")[2]
+            _, _, c2, eb = dp.direct_p_mxfp4(t, m, "fast", form="two_op")
+            c1 = dp.direct_p_mxfp4(t, m, "fast", form=new)[2]
             live = torch.isfinite(t)
             n += int(live.sum())
             diff += int(((c1 != c2) & live).sum())
             if t.shape[-1] % 32 == 0:  # the affine values themselves (before the rounding to a code)
                 tb = t.reshape(*t.shape[:-1], -1, 32)
                 y2 = ((tb - m[..., None, None]) - eb[..., None] + dp.LOG2_6) * dp.FAST_A + dp.FAST_B
-                y1 = dp.fma_f32(torch.full_like(tb, dp.FAST_A), tb, dp.one_ffma_offset(m, eb)[..., None])
+                if new == "one_ffma":
+                    y1 = dp.fma_f32(torch.full_like(tb, dp.FAST_A), tb, dp.one_ffma_offset(m, eb)[..., None])
+                else:  # sat_ffma: 7 y before the clamp, on the two-op scale
+                    a7, _ = dp.sat_constants()
+                    y1 = dp.fma_f32(torch.full_like(tb, a7), tb, dp.sat_offset(m, eb)[..., None]).double() * 7
                 sel = torch.isfinite(tb) & (y2 > -0.5) & (y2 < 7.5)  # where the code is not clamped
                 in_range += int(sel.sum())
                 if sel.any():
@@ -175,7 +259,8 @@ def measure() -> list:
         row = {"input": name, "scores": n, "codes_changed": diff, "codes_changed_frac": diff / max(n, 1),
                "scores_unclamped": in_range, "max_abs_affine_diff": dy,
                "o_rel_l2_between_forms": compare(o1.float(), o2.float())["rel_l2"]}
-        for form, o, lse in (("two_op", o2, l2), ("one_ffma", o1, l1)):
+        row["form"] = new
+        for form, o, lse in (("two_op", o2, l2), ("new", o1, l1)):
             c = compare(o.float(), oe)
             row[form] = {"o_rel_l2": c["rel_l2"], "o_cosine": c["cosine"],
                          "lse_max_abs_err": (lse.double() - le).abs().max().item(),
@@ -188,11 +273,12 @@ def measure() -> list:
 if __name__ == "__main__":
     import json
 
-    res = measure()
+    new = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--form=")), "sat_ffma")
+    res = measure(new)
     print(f"{'input':18s} {'scores':>9s} {'unclamped':>9s} {'max|dy|':>8s} {'codes chg':>9s} {'O form-diff':>11s} "
-          f"{'O rel-L2 two-op / one-FFMA':>28s} {'LSE max err two-op / one-FFMA':>30s}")
+          f"{'O rel-L2 two-op / ' + new:>28s} {'LSE max err two-op / ' + new:>30s}")
     for r in res:
-        a, b = r["two_op"], r["one_ffma"]
+        a, b = r["two_op"], r["new"]
         print(f"{r['input']:18s} {r['scores']:9d} {r['scores_unclamped']:9d} {r['max_abs_affine_diff']:8.1e} "
               f"{r['codes_changed']:9d} {r['o_rel_l2_between_forms']:11.2e} "
               f"{a['o_rel_l2']:13.5f} / {b['o_rel_l2']:.5f} {a['lse_max_abs_err']:15.5f} / {b['lse_max_abs_err']:.5f}")
