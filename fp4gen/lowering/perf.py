@@ -31,8 +31,8 @@ What it does, per kernel:
    earlier H200 run, ``CTA_FIXED_CYCLES``) and the HBM bound (Q, K, V, O once); predicted
    TFLOP/s = FLOPs / time.
 
-``predict(kernel_artifacts, gpu, shape) -> dict`` (with ``worst_case``; ``what_if="one_ffma"``
-prices a lever not built yet, labelled so). ``main(argv)``: ``fp4gen perf SPEC...``.
+``predict(kernel_artifacts, gpu, shape) -> dict`` (with ``worst_case``). ``main(argv)``:
+``fp4gen perf SPEC...``.
 
 What it is not: a cycle simulator. It has no latency model, no bank conflicts, no L2, and one
 clock per GPU. Its estimates are labelled in ``GPUS``; two rules are calibrated on earlier H200
@@ -335,7 +335,6 @@ class KernelInfo:
     qk_format: Optional[str] = None  # sm100a: from the PTX's tcgen05.mma kinds
     pv_format: Optional[str] = None
     source: str = ""
-    fast_direct_p: bool = False  # sm100a fast Direct-P softmax (what the "one_ffma" what-if edits)
 
 
 # the kernel config a generated module renders (sm100a FWD_CONFIG = ForwardKernelConfig(...),
@@ -409,8 +408,7 @@ def fp4gen_info(path: str) -> KernelInfo:
                       warps_by_registers=warps, groups=2, persistent=False,
                       # sm90a: the first key tile is peeled with the mask applied, and the last tile
                       # (sequence end / diagonal) runs the masked step (generated/sm90_*: n_mask_start)
-                      masked_extra=1 if arch == "sm_90a" else 0, source=path,
-                      fast_direct_p=c.get("P_MODE") == "directp_fp4" and c.get("P_POLICY") == "fast")
+                      masked_extra=1 if arch == "sm_90a" else 0, source=path)
 
 
 def fa4_info(arch: str, causal: bool) -> KernelInfo:
@@ -749,17 +747,13 @@ def _role_counts(r: dict, key: str, rate: float) -> dict:
 
 
 def step_cycles(art: KernelArtifacts, gpu: Gpu, counts_key: str = "main", analysis: Optional[dict] = None,
-                serial: Optional[bool] = None, rebase_rate: float = REBASE_RATE_STEADY,
-                what_if: Optional[str] = None) -> dict:
+                serial: Optional[bool] = None, rebase_rate: float = REBASE_RATE_STEADY) -> dict:
     """Cycles of one CTA step (one KV tile against all the CTA's query rows) and what bounds it.
-    ``rebase_rate``: cold regions charged per tile (0 steady state, 1 worst case);
-    ``what_if``: counts edited by a lever no kernel has yet (``WHAT_IFS``)."""
+    ``rebase_rate``: cold regions charged per tile (0 steady state, 1 worst case)."""
     info = art.info
     an = analysis or analyse(art)
     roles = [dict(r, main=_role_counts(r, "main", rebase_rate), masked=_role_counts(r, "masked", rebase_rate))
              for r in an["roles"]]
-    if what_if:
-        roles = _apply_what_if(roles, what_if, info)
     # tensor time of the step
     rows, n, d = info.tile_m, info.tile_n, info.head_dim
     if info.arch == "sm_90a":
@@ -816,43 +810,6 @@ def attn_flops(B, S, H, D, causal) -> float:
     return 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
 
 
-# What-ifs: a lever priced by editing the counted instructions, for a kernel not built yet.
-# "one_ffma" (numerics.directp form="one_ffma", accuracy in docs/numerics.md section 13): the
-# fast classifier's A*t + c_B per score replaces the f32x2 chain's subtractions (t - m where the
-# SASS has it, - e_B, + log2 6): 3 FADD2 per key pair fewer, never below the one FADD2 per pair
-# that rounds to the code (+ 1.5 * 2^23), and 2 ops more per row and 32-key block for c_B
-# (FADD m + e_B, FFMA). Applied to the roles that run the fast Direct-P chain (the FADD2s are
-# there: at least 2 per key pair).
-WHAT_IFS = {"one_ffma": "one FFMA per score (fold m, e_B, log2 6 and B into the classifier's add)"}
-
-
-def _apply_what_if(roles: list, what_if: str, info: KernelInfo) -> list:
-    if what_if not in WHAT_IFS:
-        raise ValueError(f"unknown what-if {what_if!r}: use one of {sorted(WHAT_IFS)}")
-    if not info.fast_direct_p:
-        return roles
-    pairs, blocks = info.tile_n // 2, info.tile_n // 32
-    out = []
-    for r in roles:
-        r = dict(r)
-        for key in ("main", "masked"):
-            c = r[key]
-            fadd2 = c["opcodes"].get("FADD2", 0)
-            if fadd2 < 2 * pairs:
-                continue
-            cut = min(3 * pairs, fadd2 - pairs)
-            c = dict(c, opcodes=dict(c["opcodes"]), pipes=dict(c["pipes"]))
-            c["opcodes"]["FADD2"] = fadd2 - cut
-            c["opcodes"]["FADD"] = c["opcodes"].get("FADD", 0) + blocks
-            c["opcodes"]["FFMA"] = c["opcodes"].get("FFMA", 0) + blocks
-            c["pipes"]["fma"] = c["pipes"]["fma"] - cut + 2 * blocks
-            c["instructions"] = c["instructions"] - cut + 2 * blocks
-            c["ffma2"] = c.get("ffma2", 0) - cut
-            r[key] = c
-        out.append(r)
-    return out
-
-
 def _cta_schedule(info: KernelInfo, S: int, causal: bool) -> list:
     """Per query tile of a (b, h): (KV tiles, of which masked): causal, the diagonal tiles run
     the masked path; every CTA's last tile (the sequence end) too."""
@@ -866,13 +823,13 @@ def _cta_schedule(info: KernelInfo, S: int, causal: bool) -> list:
     return out
 
 
-def _predict_one(art: KernelArtifacts, g: Gpu, shape: dict, an: dict, serial, rate: float, what_if) -> dict:
+def _predict_one(art: KernelArtifacts, g: Gpu, shape: dict, an: dict, serial, rate: float) -> dict:
     info = art.info
     B, H, S = int(shape["B"]), int(shape["H"]), int(shape["S"])
     D = int(shape.get("D", info.head_dim))
     causal = bool(shape.get("causal", info.causal))
-    main = step_cycles(art, g, "main", an, serial, rate, what_if)
-    masked = step_cycles(art, g, "masked", an, serial, rate, what_if)
+    main = step_cycles(art, g, "main", an, serial, rate)
+    masked = step_cycles(art, g, "masked", an, serial, rate)
     m, n = info.tile_m, info.tile_n
     n_q = math.ceil(S / m)
     sched = _cta_schedule(info, S, causal)
@@ -907,20 +864,17 @@ def _predict_one(art: KernelArtifacts, g: Gpu, shape: dict, an: dict, serial, ra
 
 
 def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = None,
-            rebase_rate: float = REBASE_RATE_STEADY, what_if: Optional[str] = None,
-            analysis: Optional[dict] = None) -> dict:
+            rebase_rate: float = REBASE_RATE_STEADY, analysis: Optional[dict] = None) -> dict:
     """Predicted forward time and TFLOP/s of ``art`` on ``gpu`` for ``shape`` = {B, H, S, D, causal}.
 
     The steady state charges the cold regions (``cold_regions``) ``rebase_rate`` times per tile
-    (default 0: moderate logits never rebase); ``worst_case`` charges them on every tile.
-    ``what_if`` (``WHAT_IFS``) prices a lever by edited counts: a prediction for a kernel that
-    does not exist, labelled so in the result."""
+    (default 0: moderate logits never rebase); ``worst_case`` charges them on every tile."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     if not 0.0 <= rebase_rate <= 1.0:
         raise ValueError(f"rebase_rate is rebases per KV tile, in [0, 1]: got {rebase_rate}")
     an = analysis or analyse(art)
-    out = _predict_one(art, g, shape, an, serial, rebase_rate, what_if)
-    worst = _predict_one(art, g, shape, an, serial, 1.0, what_if)
+    out = _predict_one(art, g, shape, an, serial, rebase_rate)
+    worst = _predict_one(art, g, shape, an, serial, 1.0)
     cold_roles = [r for r in an["roles"] if r["cold_blocks"]]
     out["rebase_rate"] = rebase_rate
     out["cold"] = {"blocks": sum(len(r["cold_blocks"]) for r in an["roles"]),
@@ -929,8 +883,6 @@ def predict(art: KernelArtifacts, gpu, shape: dict, serial: Optional[bool] = Non
                    "assumption": "steady state: moderate logits never rebase (0 per tile); worst case: every tile"}
     out["worst_case"] = {"rebase_rate": 1.0, **{k: worst[k] for k in ("predicted_tflops", "predicted_ms", "bottleneck",
                                                                        "cycles_per_tile", "cycles_per_masked_tile")}}
-    if what_if:
-        out["what_if"] = f"{what_if}: {WHAT_IFS[what_if]} (predicted for a kernel not built)"
     return out
 
 
@@ -992,8 +944,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rebase-rate", type=float, default=REBASE_RATE_STEADY, metavar="R",
                     help="headroom rebases per KV tile charged in the main prediction (default 0: moderate "
                          "logits never rebase; the worst case, 1, is always reported beside it)")
-    ap.add_argument("--no-what-if", action="store_true",
-                    help="leave out the what-if rows (fast Direct-P: one FFMA per score, not built)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if not 0.0 <= a.rebase_rate <= 1.0:
@@ -1006,15 +956,14 @@ def main(argv=None) -> int:
         return 1
     if a.json:
         def brief(r):
-            return {k: v for k, v in r.items() if k not in ("step", "what_ifs")} | {"roles": r["step"]["roles"]}
+            return {k: v for k, v in r.items() if k != "step"} | {"roles": r["step"]["roles"]}
 
-        print(json.dumps([brief(r) | {f"what_if_{w}": brief(x) for w, x in r.get("what_ifs", {}).items()}
-                          for r in rows], indent=1))
+        print(json.dumps([brief(r) for r in rows], indent=1))
     else:
         print(f"{'kernel':36s} {'gpu':6s} {'S':>6s} {'causal':6s} {'TFLOP/s':>8s} {'xFA4':>6s} "
               f"{'cyc/tile':>8s} {'worst xFA4':>10s}  bottleneck   (predicted; worst case: a rebase on every tile)")
         for r in rows:
-            for label, x in [(r["kernel"], r)] + [(f"  what-if {w} (not built)", x) for w, x in r.get("what_ifs", {}).items()]:
+            for label, x in [(r["kernel"], r)]:
                 print(f"{label:36s} {x['gpu']:6s} {x['shape']['S']:6d} {str(x['shape']['causal']):6s} "
                       f"{x['predicted_tflops']:8.1f} {x['ratio_vs_fa4_bf16']:6.2f} {x['cycles_per_tile']:8.0f} "
                       f"{x['worst_case']['ratio_vs_fa4_bf16']:10.2f}  {x['bottleneck']}")
@@ -1041,11 +990,7 @@ def _rows(a) -> list:
                 serial = True if a.serial else None
                 p = predict(art, gpu, shape, serial, a.rebase_rate, analysis=an)
                 f = predict(fa4_cache[key][0], gpu, shape, serial, analysis=fa4_cache[key][1])
-                row = with_fa4_ratio(p, f)
-                row["what_ifs"] = {} if a.no_what_if or not art.info.fast_direct_p else {
-                    w: with_fa4_ratio(predict(art, gpu, shape, serial, a.rebase_rate, what_if=w, analysis=an), f)
-                    for w in WHAT_IFS}
-                rows.append(row)
+                rows.append(with_fa4_ratio(p, f))
     return rows
 
 

@@ -179,31 +179,3 @@ def test_defs_and_uses():
     assert d[1][0] == {"R2", "R3"} and {"R4", "R5", "R6"} <= d[1][1]
     assert d[2][0] == set() and "R40" in d[2][1]
     assert d[3] == ({"R12"}, {"R11", "P3", "P2"})
-
-
-def test_one_ffma_what_if_edits_only_fast_direct_p_counts():
-    pairs, blocks = 64, 4
-    counts = {"pipes": {p: 0 for p in sass.PIPES}, "opcodes": {"FADD2": 4 * pairs, "FFMA2": pairs},
-              "instructions": 1000, "ffma2": 5 * pairs, "mufu_ex2": 0, "hgmma_flops": 0}
-    counts["pipes"]["fma"] = 5 * pairs
-    roles = [{"main": counts, "masked": counts}]
-    info = perf.KernelInfo(name="toy", arch="sm_100a", causal=False, tile_m=256, tile_n=128, head_dim=128,
-                           warps_by_registers={})
-    assert perf._apply_what_if(roles, "one_ffma", info) == roles  # not a fast Direct-P kernel
-    info.fast_direct_p = True
-    out = perf._apply_what_if(roles, "one_ffma", info)[0]["main"]
-    assert out["opcodes"]["FADD2"] == pairs  # the rounding add stays
-    assert out["instructions"] == 1000 - 3 * pairs + 2 * blocks
-    assert counts["opcodes"]["FADD2"] == 4 * pairs  # the input is not edited in place
-    with pytest.raises(ValueError, match="what-if"):
-        perf._apply_what_if(roles, "two_cta", info)
-
-
-def test_cli_rebase_rate_must_be_a_rate(capsys):
-    with pytest.raises(SystemExit) as e:
-        perf.main(["generated/fa4_fp4_d128_sm100a.py", "--rebase-rate", "1.5"])
-    assert e.value.code == 2 and "rebases per KV tile" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        perf.main(["--help"])
-    out = capsys.readouterr().out
-    assert "--rebase-rate" in out and "--no-what-if" in out
