@@ -91,6 +91,25 @@ def u32_as_f32(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def keep_below(n, *, loc=None, ip=None) -> Uint32:
+    """The low ``n`` bits set, for any n: 0 for n <= 0, all 32 for n >= 32 (``shr.u32`` of all
+    ones by 32 - n, clamped at 0; PTX ISA: Logic and Shift Instructions, ``shr``: shift
+    amounts above 32 act as 32). A key mask whose bit tests ptxas turns into R2P."""
+    k = cutlass.max(Int32(32) - Int32(n), Int32(0))
+    return Uint32(_asm(T.i32(), "shr.u32 $0, $1, $2;", "=r,r,r", [Uint32(0xFFFFFFFF), Uint32(k)], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def keep_or_neg_inf(x, mask, bit: int, *, loc=None, ip=None) -> Float32:
+    """``x`` where bit ``bit`` of ``mask`` is set, else -inf (``and``, ``setp``, ``selp.f32``:
+    ptxas makes one R2P per seven keys of a mask and one FSEL per key)."""
+    return Float32(_asm(T.f32(), "{\n.reg .pred p;\n.reg .b32 t;\n"
+                        f"and.b32 t, $2, {1 << bit};\nsetp.ne.b32 p, t, 0;\n"
+                        "selp.f32 $0, $1, 0fFF800000, p;\n}", "=f,f,r", [Float32(x), Uint32(mask)],
+                        loc=loc, ip=ip))
+
+
+@dsl_user_op
 def absmax2(x, y, *, loc=None, ip=None) -> Float32:
     """max(|x|, |y|) (ptxas folds the abs into the FMNMX). PTX ISA: Floating-Point Instructions,
     ``abs``, ``max``."""

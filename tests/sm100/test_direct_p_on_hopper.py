@@ -241,7 +241,7 @@ def _first(mask):
 
 def test_probe_compiles_for_sm90a_without_gpu(tmp_path):
     """Compile in a fresh process (the DSL reads CUTE_DSL_* at import) and check the PTX:
-    sm_90a, sat_block's one PRMT per four keys and no BFI, no MUFU ex2, no sm_100
+    sm_90a, sat_block's PRMTs (three per word, one lookup per four keys) and no BFI, no MUFU ex2, no sm_100
     conversion, and the classifier as the explicit saturating FMA."""
     code = textwrap.dedent(f"""
         import sys
@@ -257,7 +257,8 @@ def test_probe_compiles_for_sm90a_without_gpu(tmp_path):
     assert len(ptx) == 1, os.listdir(tmp_path)
     text = (tmp_path / ptx[0]).read_text()
     assert ".target sm_90a" in text
-    assert text.count("prmt.b32") == N_KEYS // 4 and text.count("bfi.b32") == 0
+    # per block: four words of three byte-gathering PRMTs each, and eight table lookups
+    assert text.count("prmt.b32") == (N_KEYS // 32) * (4 * 3 + 8) and text.count("bfi.b32") == 0
     assert "ex2" not in text and "e2m1x2" not in text
     # the per-key chain and sat_block may share their (pure) FMAs: at least one per key
     sat = text.count("fma.rn.sat.f32")

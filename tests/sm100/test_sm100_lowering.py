@@ -285,7 +285,7 @@ def test_prmt_table_matches_e2m1_magnitudes():
     from fp4gen.device.sm100 import direct_p as dp
     from fp4gen.numerics.formats import E2M1, decode
 
-    table = [(dp._TWICE_E2M1_LO >> (8 * i)) & 0xFF for i in range(4)]
-    table += [(dp._TWICE_E2M1_HI >> (8 * i)) & 0xFF for i in range(4)]
+    table = [(dp.TWICE_LO >> (8 * i)) & 0xFF for i in range(4)]
+    table += [(dp.TWICE_HI >> (8 * i)) & 0xFF for i in range(4)]
     want = (2 * decode(torch.arange(8, dtype=torch.uint8), E2M1)).tolist()
     assert table == want

@@ -37,13 +37,14 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device import ptx
 from fp4gen.device.ptx import _asm
 
 LOG2_6 = math.log2(6.0)  # rounded to f32 where used, as numerics.directp.LOG2_6
 MAGIC = 12582912.0  # 1.5 * 2^23
 # 2 * |E2M1| of codes 0..7 as bytes of two words (PRMT table): 0,1,2,3 | 4,6,8,12
-_TWICE_E2M1_LO = 0x03020100
-_TWICE_E2M1_HI = 0x0C080604
+TWICE_LO = 0x03020100
+TWICE_HI = 0x0C080604
 
 
 @dsl_user_op
@@ -90,13 +91,6 @@ def rebase_shift(t_max: Float32, m: Float32):
     return d, Float32(cutlass.select_(d > Float32(126.0), Float32(0.0), fac))
 
 
-# The nibble word of eight codes as one multiply-add per key: with r_k's bits = MAGIC's bits
-# (0x4B400000) + code_k, sum_k bits_k * 16^k == sum_k code_k << 4k - 0x4B400000 * 0x11111111
-# (mod 2^32), so a chain started at this bias leaves exactly the packed codes.
-_MAGIC_BITS = 0x4B400000
-_WORD_BIAS = (-(_MAGIC_BITS * 0x11111111)) % 2**32 - 2**32  # 0xC0C00000 as a signed int32
-
-
 @cute.jit
 def byte_sum(x: Int32) -> Int32:
     """The sum of the four bytes of ``x``, each <= 96: adjacent pairs (<= 192, no carry) in
@@ -128,31 +122,49 @@ def sat_offset(m: Float32, e_b: Float32, a7: cutlass.Constexpr, k7: cutlass.Cons
     return fma_rn(m + e_b, Float32(-a7), Float32(k7))
 
 
+# Two codes into one byte by FP32 arithmetic: the odd key's code rounded at granularity 16
+# (7 y * 16 + 1.5 * 2^27: 16 rne(7 y) in an ulp-16 binade), moved exactly to the ulp-1 binade
+# (+ 1.5 * 2^23 - 1.5 * 2^27), then the even key's 7 y added and rounded there: the low byte of
+# the result's bits is code_odd << 4 | code_even (1.5 * 2^23 has a zero low byte).
+MAGIC16 = 1.5 * 2.0 ** 27
+MAGIC_SHIFT = MAGIC - MAGIC16  # exact in FP32
+
+
 @cute.jit
 def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
               packed: cutlass.Constexpr = True) -> Int32:
     """The saturating classifier (numerics.directp.sat_codes) for one 32-key block of raw scores
-    ``s``: the codes as four nibble words ``words[w0 .. w0+4)``; returns twice the block's sum of
-    E2M1 magnitudes. Per key one ``fma.rn.sat.f32`` (y = sat(A7s * s + c_B): the clamp to codes
-    [0, 7] and NaN -> 0 come with it), per two keys one ``fma.rn.f32x2`` (7 y + 1.5 * 2^23: the
-    code, rne(7 y), in the low bits; ``packed=False`` uses two scalar FMAs, for the sm_90a
-    probe), per key one IMAD into the word (``_WORD_BIAS``), per four keys one PRMT for the
-    magnitudes (``twice_values_pair``), folded once per block (``byte_sum``)."""
+    ``s``: the codes as four nibble words ``words[w0 .. w0+4)`` (key 8w + c in nibble c of word
+    w); returns twice the block's sum of E2M1 magnitudes. Per key one ``fma.rn.sat.f32``
+    (y = sat(A7s * s + c_B): the clamp to codes [0, 7] and NaN -> 0 come with it); per four keys
+    three f32x2 instructions that leave two code bytes (``MAGIC16``: rne(7 y) has no ties, so
+    each rounding is the code's); per word three PRMTs gathering its four bytes; per four keys
+    one PRMT for the magnitudes (``twice_values_pair``), folded once per block (``byte_sum``).
+    ``packed=False``: the same roundings by scalar FMAs and adds (the
+    sm_90a probe: f32x2 is sm_100a only)."""
     seven = (Float32(7.0), Float32(7.0))
-    magic = (Float32(MAGIC), Float32(MAGIC))
+    hi_mul = (Float32(112.0), Float32(112.0))
+    magic16 = (Float32(MAGIC16), Float32(MAGIC16))
+    shift = (Float32(MAGIC_SHIFT), Float32(MAGIC_SHIFT))
+    lo_t, hi_t = Int32(TWICE_LO), Int32(TWICE_HI)
     twice_bytes = Int32(0)
     for w in cutlass.range_constexpr(4):
-        word = Int32(_WORD_BIAS)
-        for h in cutlass.range_constexpr(4):
-            k = w * 8 + 2 * h
-            y = (fma_sat(s[k], a_s, c_b), fma_sat(s[k + 1], a_s, c_b))
+        pairs = []
+        for q in cutlass.range_constexpr(2):
+            k = w * 8 + 4 * q
+            y = [fma_sat(s[k + i], a_s, c_b) for i in range(4)]
             if cutlass.const_expr(packed):
-                r = cute.arch.fma_packed_f32x2(y, seven, magic)
+                hi = cute.arch.fma_packed_f32x2((y[1], y[3]), hi_mul, magic16)
+                hi = cute.arch.add_packed_f32x2(hi, shift)
+                r = cute.arch.fma_packed_f32x2((y[0], y[2]), seven, hi)
             else:
-                r = (fma_rn(y[0], seven[0], magic[0]), fma_rn(y[1], seven[1], magic[1]))
-            word = word + f32_as_i32(r[0]) * Int32(16 ** (2 * h)) + f32_as_i32(r[1]) * Int32(16 ** (2 * h + 1))
+                h0 = fma_rn(y[1], hi_mul[0], magic16[0]) + shift[0]
+                h1 = fma_rn(y[3], hi_mul[1], magic16[1]) + shift[1]
+                r = (fma_rn(y[0], seven[0], h0), fma_rn(y[2], seven[1], h1))
+            pairs += [f32_as_i32(r[0]), f32_as_i32(r[1])]  # keys (k, k+1), (k+2, k+3)
+        word = Int32(ptx.prmt(ptx.prmt(pairs[0], pairs[1], 0x40), ptx.prmt(pairs[2], pairs[3], 0x40), 0x5410))
         words[w0 + w] = word
-        twice_bytes = twice_bytes + twice_values_pair(word) + twice_values_pair(word >> Int32(16))
+        twice_bytes = twice_bytes + twice_values_pair(word, lo_t, hi_t) + twice_values_pair(word >> Int32(16), lo_t, hi_t)
     return byte_sum(twice_bytes)
 
 
@@ -172,12 +184,13 @@ def accurate_pair(t0, t1, m, e_b, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def twice_values_pair(byte, *, loc=None, ip=None) -> Int32:
+def twice_values_pair(byte, lo, hi, *, loc=None, ip=None) -> Int32:
     """Byte i = 2*|E2M1(nibble i)| for the codes (0..7) in the low nibbles of ``byte`` (one
-    PRMT: its selector is the low 16 bits, four codes; a code byte gives two)."""
-    return Int32(_asm(T.i32(), "{\n.reg .b32 lo, hi;\n"
-                      f"mov.b32 lo, {_TWICE_E2M1_LO:#x};\nmov.b32 hi, {_TWICE_E2M1_HI:#x};\n"
-                      "prmt.b32 $0, lo, hi, $1;\n}", "=r,r", [Int32(byte)], loc=loc, ip=ip))
+    PRMT: its selector is the low 16 bits, four codes; a code byte gives two). ``lo``, ``hi``:
+    the table's two words (``TWICE_LO``, ``TWICE_HI``); ptxas makes ``hi`` the PRMT's immediate
+    and moves ``lo`` into a register before each lookup."""
+    return Int32(_asm(T.i32(), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [Int32(lo), Int32(hi), Int32(byte)],
+                      loc=loc, ip=ip))
 
 
 @cute.jit
@@ -185,5 +198,5 @@ def e2m1_nibble(b: Int32, shift: cutlass.Constexpr) -> Float32:
     """Signed E2M1 value of the nibble of ``b`` at bit ``shift`` (sign bit 3, magnitude
     code bits 0-2), through the same PRMT table (the guard's software dot products)."""
     nib = (b >> Int32(shift)) & Int32(0xF)
-    v = Float32(twice_values_pair(nib & Int32(7)) & Int32(0xFF)) * Float32(0.5)
+    v = Float32(twice_values_pair(nib & Int32(7), TWICE_LO, TWICE_HI) & Int32(0xFF)) * Float32(0.5)
     return Float32(cutlass.select_(nib >= Int32(8), -v, v))

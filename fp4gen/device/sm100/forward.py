@@ -21,7 +21,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as bsl
-from cutlass import Float32, Int32, const_expr
+from cutlass.tensor_utils import LayoutEnum
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
@@ -29,6 +30,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from fp4gen.device import markers
 from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
 from fp4gen.device.pipelines import coop, stage_pipelines, stage_view
+from fp4gen.device import ptx
 from fp4gen.device.ptx import perf_marker
 from fp4gen.device.sm100 import copies
 from fp4gen.device.sm100 import direct_p as dp
@@ -156,6 +158,14 @@ class AttentionFwdSm100:
         if const_expr(cfg.pv_block_scaled):
             tma_sfv, gSFV = cute.nvgpu.make_tiled_tma_atom_B(g2s, mSFV, slice0(sSFV_l), self.pv_tiler, pv_mma, cluster_vmnk.shape, internal_type=cutlass.Int16)
 
+        # O leaves through SMEM by a TMA store (one (tile_m, D) tile per query stage, one buffer
+        # the stages take in turn): rows past the sequence end are clipped by the tensor map
+        self.o_dtype = mO.element_type
+        sO_l = sm100_utils.make_smem_layout_epi(self.o_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, D), 1)
+        assert str(sO_l.inner) == "S<3,4,3>", f"O's SMEM swizzle is {sO_l.inner}, the epilogue's stores assume S<3,4,3>"
+        tma_o, gO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                cute.slice_(sO_l, (None, None, 0)), (cfg.tile_m, D))
+
         self.q_bytes = cute.size_in_bytes(F4, slice0(sQ_l)) + cute.size_in_bytes(E4M3, slice0(sSFQ_l))
         self.k_bytes = cute.size_in_bytes(F4, slice0(sK_l)) + cute.size_in_bytes(E4M3, slice0(sSFK_l))
         self.v_bytes = cute.size_in_bytes(self.pv_dtype, slice0(sV_l))
@@ -165,8 +175,8 @@ class AttentionFwdSm100:
         grid = (cute.ceil_div(seqlen_q, cfg.tile_m * cfg.q_stages), num_bh, 1)
         self.kernel(
             qk_mma, pv_mma,
-            tma_q, gQ, tma_k, gK, tma_v, gV, tma_sfq, gSFQ, tma_sfk, gSFK, tma_sfv, gSFV,
-            mO, mLSE, mVS, mQb, mKb, mSFQb, mSFKb, sQ_l, sK_l, sV_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l, tP_l,
+            tma_q, gQ, tma_k, gK, tma_v, gV, tma_sfq, gSFQ, tma_sfk, gSFK, tma_sfv, gSFV, tma_o, gO,
+            mLSE, mVS, mQb, mKb, mSFQb, mSFKb, sQ_l, sK_l, sV_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l, tP_l, sO_l,
             seqlen_q, seqlen_k, kv_group, scale_log2,
         ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
                  # .minnctapersm 1: without it ptxas cannot know the entry register count and
@@ -179,11 +189,11 @@ class AttentionFwdSm100:
         tma_q: cute.CopyAtom, gQ_mkl: cute.Tensor, tma_k: cute.CopyAtom, gK_nkl: cute.Tensor,
         tma_v: cute.CopyAtom, gV_nkl: cute.Tensor, tma_sfq: cute.CopyAtom, gSFQ_mkl: cute.Tensor,
         tma_sfk: cute.CopyAtom, gSFK_nkl: cute.Tensor, tma_sfv: cute.CopyAtom, gSFV_nkl: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor, mVS: cute.Tensor,
+        tma_o: cute.CopyAtom, gO_mkl: cute.Tensor, mLSE: cute.Tensor, mVS: cute.Tensor,
         mQb: cute.Tensor, mKb: cute.Tensor, mSFQb: cute.Tensor, mSFKb: cute.Tensor,
         sQ_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
         sSFQ_l: cute.Layout, sSFK_l: cute.Layout, sSFV_l: cute.Layout, sSFP_l: cute.Layout,
-        tP_l: cute.ComposedLayout,
+        tP_l: cute.ComposedLayout, sO_l: cute.ComposedLayout,
         seqlen_q: Int32, seqlen_k: Int32, kv_group: Int32, scale_log2: Float32,
     ):
         cfg = self.config
@@ -191,7 +201,7 @@ class AttentionFwdSm100:
         tidx, _, _ = cute.arch.thread_idx()
 
         if warp == self.load_warp:
-            for atom in (tma_q, tma_k, tma_v, tma_sfq, tma_sfk):
+            for atom in (tma_q, tma_k, tma_v, tma_sfq, tma_sfk, tma_o):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(cfg.pv_block_scaled):
                 cpasync.prefetch_descriptor(tma_sfv)
@@ -222,6 +232,7 @@ class AttentionFwdSm100:
         sP = None
         if const_expr(cfg.p_smem):
             sP = smem.allocate_tensor(self.pv_dtype, tP_l.outer, 1024, tP_l.inner)  # p_source smem
+        sO = smem.allocate_tensor(self.o_dtype, sO_l.outer, 1024, sO_l.inner)
         sSFQ = smem.allocate_tensor(E4M3, sSFQ_l, 128)
         sSFK = smem.allocate_tensor(E4M3, sSFK_l, 128)
         sSFV = None
@@ -396,11 +407,14 @@ class AttentionFwdSm100:
             _, tOtO, _, _, _, _, _ = self.tmem_views(tmem_base, qk_mma, pv_mma, s_fake, o_fake, tP_l, sSFQ_l, sSFK_l, sSFV_l, sSFP_l)
             tmem.relinquish_alloc_permit()
             v_scale = mVS[bh_kv]
+            gO = cute.local_tile(gO_mkl, (cfg.tile_m, cfg.head_dim), (None, None, None))
+            tOs, tOg = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                             cute.group_modes(gO, 0, 2))
             # the stages one after the other, one traced body (as the softmax's)
             for j in cutlass.range(cfg.q_stages, unroll=1):
                 perf_marker(markers.PER_CTA_LOOP)  # for the perf model: not a KV-tile loop
                 self.epilogue(j, tidx % 128, m_block, bh, seqlen_q, stage_tmem(tOtO[0], j, cfg.stage_stride("O")),
-                              mO, mLSE, v_scale, stage_view(o_pipes, j).make_consumer(),
+                              sO, sO_l, tma_o, tOs, tOg, mLSE, v_scale, stage_view(o_pipes, j).make_consumer(),
                               stage_view(t_pipes, j).make_consumer(), st.row_sum.data_ptr(), st.row_max.data_ptr())
             cute.arch.barrier(barrier_id=2, number_of_threads=128)
             tmem.free(tmem_base)
@@ -660,16 +674,17 @@ class AttentionFwdSm100:
                         tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
                 if const_expr(masked):
                     # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
-                    # One compare against the column's constant per key, written in place: the old
-                    # form (key = i * tile_n + c, two compares, two selects) kept the masked and the
-                    # unmasked scores live at once in ptxas's if-converted code and spilled them.
+                    # Per 32 keys one bit mask of the kept ones, then per key a bit test and an
+                    # FSEL (FMA pipe), written in place and unconditionally: behind a run-time
+                    # `if n_valid < tile_n` (the rows diverge on it anyway) ptxas merged the two
+                    # paths with a register move per key (172 IMAD.MOV a tile).
                     n_valid = seqlen_k - i * cfg.tile_n
                     if const_expr(cfg.causal):
                         n_valid = cutlass.min(n_valid, diag + 1 - i * cfg.tile_n)
-                    if n_valid < cfg.tile_n:
-                        for c in cutlass.range_constexpr(cfg.tile_n):
-                            tS_rc[c // 32][c % 32] = Float32(cutlass.select_(
-                                Int32(c) < n_valid, tS_rc[c // 32][c % 32], -Float32.inf))
+                    for b in cutlass.range_constexpr(cfg.tile_n // 32):
+                        keep = ptx.keep_below(n_valid - 32 * b)
+                        for c in cutlass.range_constexpr(32):
+                            tS_rc[b][c] = ptx.keep_or_neg_inf(tS_rc[b][c], keep, c)
                 if const_expr(cfg.running_max):
                     for c in cutlass.range_constexpr(cfg.tile_n):
                         s_max = cute.arch.fmax(s_max, tS_rc[c // 32][c % 32])
@@ -787,7 +802,7 @@ class AttentionFwdSm100:
                                     word = Int32(0)
                                     for h in cutlass.range_constexpr(4):
                                         q = dp.accurate_pair(tS_rc[b][w * 8 + 2 * h], tS_rc[b][w * 8 + 2 * h + 1], m_ref, e_bf)
-                                        twice2 = twice2 + dp.twice_values_pair(q)
+                                        twice2 = twice2 + dp.twice_values_pair(q, dp.TWICE_LO, dp.TWICE_HI)
                                         word = word | (q << Int32(8 * h))
                                     p_words[b * 4 + w] = word
                                 twice = (twice2 & Int32(0xFF)) + ((twice2 >> Int32(8)) & Int32(0xFF))
@@ -857,8 +872,9 @@ class AttentionFwdSm100:
 
     @cute.jit
     def epilogue(self, j: Int32, t: Int32, m_block: Int32, bh: Int32, seqlen_q: Int32,
-                 tOtO, mO, mLSE, v_scale: Float32, o_cons, st_cons, row_sum_ptr, row_max_ptr):
-        """O_j / l -> bf16 rows in global memory, LSE in natural log."""
+                 tOtO, sO, sO_l, tma_o, tOs, tOg, mLSE, v_scale: Float32, o_cons, st_cons, row_sum_ptr, row_max_ptr):
+        """O_j / l -> bf16 rows: TMEM -> registers -> SMEM (O's swizzled tile) -> one TMA store
+        (rows past the sequence end clipped by the tensor map); LSE in natural log by STG."""
         cfg = self.config
         hst = st_cons.wait_and_advance()
         rs = cute.make_tensor(row_sum_ptr + j * cfg.tile_m, cute.make_layout(cfg.tile_m))
@@ -873,25 +889,49 @@ class AttentionFwdSm100:
         ho = o_cons.wait_and_advance()
         # P's fixed factor (FP8: PV consumed 256 p; two-level: r) and V's tensor scale fold into 1/l
         inv = Float32(cutlass.select_(l > Float32(0.0), o_fac / l, Float32(0.0)))
-        o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
+        cols = 16  # per tcgen05.ld: with 32, the 80-register correction warps spilled 8 bytes
+        o_ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(cols)), Float32)
         tOtO_c = cute.make_tensor(tOtO.iterator, cute.logical_divide(
-            cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, 32)))
+            cute.composition(tOtO.layout, cute.make_layout((cfg.tile_m, cfg.head_dim))), (None, cols)))
         thr_old = tcgen05.make_tmem_copy(o_ld, tOtO_c[None, (None, 0)]).get_slice(t)
         row = (m_block * cfg.q_stages + j) * cfg.tile_m + t
+        o_base = sO.iterator.toint()  # 1024-aligned: the layout's swizzle is by absolute address bits
         # every lane loads (tcgen05.ld is .sync.aligned: a ragged last tile must not split the
-        # warp) and waits for the registers; only rows inside the sequence are stored
-        for cchunk in cutlass.range_constexpr(cfg.head_dim // 32):
+        # warp); row t's values of a chunk go to SMEM as 16-byte pieces (8 bf16, contiguous
+        # under the swizzle)
+        for cchunk in cutlass.range_constexpr(cfg.head_dim // cols):
             src = thr_old.partition_S(tOtO_c[None, (None, cchunk)])
             reg = cute.make_rmem_tensor(thr_old.partition_D(tOtO_c[None, (None, cchunk)]).shape, Float32)
             cute.copy(thr_old, src, reg)
             cute.arch.fence_view_async_tmem_load()
-            if row < seqlen_q:
-                for e in cutlass.range_constexpr(32):
-                    mO[row, cchunk * 32 + e, bh] = (reg[e] * inv).to(mO.element_type)
+            for g in cutlass.range_constexpr(cols // 8):
+                ob = cute.make_rmem_tensor((8,), sO.element_type)
+                for e in cutlass.range_constexpr(8):
+                    ob[e] = (reg[g * 8 + e] * inv).to(sO.element_type)
+                ow = cute.recast_tensor(ob, Int32)
+                # the byte offset in the tile, then its 128-byte swizzle (S<3,4,3> over bytes: the
+                # 16-byte chunk index XOR the 128-byte row index mod 8, checked in __call__)
+                off = sO_l.outer((t, cchunk * cols + g * 8, 0)) * (sO.element_type.width // 8)
+                off = off ^ ((off >> Int32(3)) & Int32(0x70))
+                dst = cute.make_tensor(cute.make_ptr(Int32, o_base + off, cute.AddressSpace.smem, assumed_align=16),
+                                       cute.make_layout(4))
+                for w in cutlass.range_constexpr(4):
+                    dst[w] = ow[w]
         if row < seqlen_q:
             lse2 = m + cute.math.log2(l, fastmath=True) - Float32(cfg.lse_shift)
             mLSE[row, bh] = Float32(cutlass.select_(l > Float32(0.0), lse2 * Float32(math.log(2.0)), -Float32.inf))
+        # the tile to the TMA store's async proxy, then one thread issues the store and waits
+        # until it has read SMEM, which the next stage overwrites. O_j's TMEM columns are
+        # released after the fence (conformance's p_smem check reads a window of SMEM stores
+        # closed by an mbarrier operation as P's publication, which must be proxy-fenced).
+        cute.arch.fence_proxy("async.shared", space="cta")
         ho.release()
+        cute.arch.barrier(barrier_id=2, number_of_threads=128)
+        if t == 0:
+            cute.copy(tma_o, tOs[None, 0], tOg[None, m_block * cfg.q_stages + j, 0, bh])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=2, number_of_threads=128)
 
 
 @dsl_user_op

@@ -208,6 +208,7 @@ class Warp:
         self.events: list = []
         self.count = 0  # warp instructions executed
         self.st_queue: list = []  # lazy tcgen05.st awaiting wait::st
+        self.bulk_groups: list = [[]]  # lazy TMA stores by bulk group; the last one is open
         self.setmaxnreg: list = []
         self.park_after: Optional[_Block] = None
         self.local: Optional[np.ndarray] = None  # (32, local bytes): each thread's .local memory
@@ -512,8 +513,12 @@ class Machine:
         fn = getattr(self, "_c_" + head.replace("::", "_"), None)
         if head == "tcgen05":
             fn = self._c_tcgen05
+        elif head in ("cp",) and op.startswith("cp.async.bulk.tensor") and ins.parts[5] == "global":
+            fn = self._c_tma_store
         elif head in ("cp",) and op.startswith("cp.async.bulk.tensor"):
             fn = self._c_tma
+        elif op.startswith(("cp.async.bulk.commit_group", "cp.async.bulk.wait_group")):
+            fn = self._c_bulk_group
         if fn is None:
             return ("op", self._unsupported(ins))
         try:
@@ -1618,6 +1623,61 @@ class Machine:
                     bar.complete_tx(nbytes)
                     return {"writes": tuple(spans), "tx": int(nbytes)}
                 self._issue(w, "tma", run, T.AsyncOp(line, 0, "tma", bar=bar.addr))
+        return h
+
+    def _c_tma_store(self, ins):
+        """cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group [tmap, {coords}], [src]
+        {, cache hint} (PTX ISA 9.7.9.25.5.2): the box is read from shared memory and written
+        to the tensor (out-of-bounds elements dropped) at some time before this warp's
+        ``cp.async.bulk.wait_group.read`` covering its group; eager: at issue."""
+        parts = ins.parts
+        if "tile" not in parts or "bulk_group" not in parts:
+            raise NotImplementedError("only .tile .bulk_group tensor stores")
+        ops = ins.operands
+        src = ops[0]
+        t_rd = self._addr(P.Addr(src.base, src.offset), "generic")
+        c_rds = [self._reader(c, np.int32) for c in src.coords.items]
+        s_rd = self._addr(ops[1], "shared")
+        line = ins.line
+
+        def h(w, m, full):
+            t, sa = t_rd(w), s_rd(w)
+            cs = [c(w) for c in c_rds]
+            for i in np.nonzero(m)[0]:
+                taddr = int(t[i])
+                poff = taddr - PARAM_GENERIC if taddr >= PARAM_GENERIC else taddr
+                tmap = self.tensor_maps.get(self._param_at(poff))
+                if tmap is None:
+                    raise EmulationError(f"warp {w.idx}, line {line}: no tensor map for the TMA store")
+                coords = tuple(int(c[i]) for c in cs)
+                smem_at = int(sa[i]) & 0xFFFFFFFF
+
+                def run(tmap=tmap, coords=coords, smem_at=smem_at):
+                    from . import tma
+                    tma.tma_store(self.smem, self.gmem.write, tmap, coords, smem_at)
+                if self.schedule == "eager":
+                    run()
+                else:
+                    w.bulk_groups[-1].append(run)
+        return h
+
+    def _c_bulk_group(self, ins):
+        """cp.async.bulk.commit_group: the warp's TMA stores issued since the last commit form a
+        group; cp.async.bulk.wait_group{.read} N: all but the N most recent groups complete (the
+        lazy schedule runs their stores here, the latest point the ISA allows)."""
+        if ins.opcode.startswith("cp.async.bulk.commit_group"):
+            def h(w, m, full):
+                w.bulk_groups.append([])
+            return h
+        n = int(ins.operands[0].value)
+
+        def h(w, m, full):
+            done = w.bulk_groups[:-1]
+            keep = max(len(done) - n, 0)
+            for g in done[:keep]:
+                for run in g:
+                    run()
+            w.bulk_groups = done[keep:] + [w.bulk_groups[-1]]
         return h
 
     def _param_at(self, off):

@@ -305,9 +305,10 @@ def kernel_arg_names(source: str, pv_block_scaled: bool) -> list:
 
 
 # which host operand each kernel argument views
-_TMA = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_sfq": "sfq", "tma_sfk": "sfk", "tma_sfv": "sfv"}
+_TMA = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_sfq": "sfq", "tma_sfk": "sfk", "tma_sfv": "sfv",
+        "tma_o": "o"}
 _COORD = {"gQ_mkl": "q", "gK_nkl": "k", "gV_nkl": "v", "gSFQ_mkl": "sfq", "gSFK_nkl": "sfk",
-          "gSFV_nkl": "sfv"}
+          "gSFV_nkl": "sfv", "gO_mkl": "o"}
 _MEMREF = {"mO": "o", "mLSE": "lse", "mVS": "vs", "mSFQb": "sfq", "mSFKb": "sfk"}
 
 

@@ -162,10 +162,49 @@ def tma_load(smem: SharedMemory, gmem_read: Callable[[int, int], bytes], tmap: T
     return out.size, smem_spans(addrs)
 
 
+def tma_store(smem: SharedMemory, gmem_write: Callable[[int, bytes], None], tmap: TensorMap, coords,
+              smem_addr: int) -> tuple[int, tuple]:
+    """One tile-mode ``cp.async.bulk.tensor`` shared -> global (PTX ISA 9.7.9.25.5.2, the
+    ``.global.shared::cta.bulk_group`` form): ``tma_load``'s box read back from SMEM (the same
+    swizzle) and written to the tensor, box elements outside the tensor dropped (5.5.3.3: a store
+    never writes out of bounds). Byte-sized elements only. Returns (bytes read from SMEM, the
+    SMEM spans read)."""
+    tmap.check()
+    coords = tuple(int(c) for c in coords)
+    if len(coords) != tmap.rank:
+        raise TensorOpError(f"tensor map {tmap.name}: {len(coords)} coordinates for rank {tmap.rank}")
+    if smem_addr % 128:
+        raise TensorOpError(f"cp.async.bulk.tensor from SMEM {smem_addr:#x}: must be 128-byte aligned")
+    if tmap.elem_bits < 8:
+        raise NotImplementedError(f"tensor map {tmap.name}: a TMA store of {tmap.elem_bits}-bit elements")
+    box = tmap.box_dims
+    n0, ebytes = box[0], tmap.elem_bits // 8
+    addrs = swizzle_address(smem_addr + np.arange(tmap.box_bytes, dtype=np.int64), tmap.swizzle)
+    if int(addrs.max()) >= len(smem.data):
+        raise TensorOpError(f"cp.async.bulk.tensor: box of {tmap.box_bytes} bytes at {smem_addr:#x} overruns SMEM")
+    data = smem.view()[addrs]
+    for idx in np.ndindex(*reversed(box[1:])):
+        outer = tuple(reversed(idx))
+        g = [c + b for c, b in zip(coords[1:], outer)]
+        if any(not 0 <= x < d for x, d in zip(g, tmap.global_dims[1:])):
+            continue
+        lo = max(0, coords[0])
+        hi = min(tmap.global_dims[0], coords[0] + n0)
+        if lo >= hi:
+            continue
+        lin = 0
+        for b, n in zip(reversed(outer), reversed(box[1:])):
+            lin = lin * n + b
+        first = (lin * n0 + (lo - coords[0])) * ebytes
+        row_off = tmap.global_address + sum(x * st for x, st in zip(g, tmap.global_strides))
+        gmem_write(row_off + lo * ebytes, data[first:first + (hi - lo) * ebytes].tobytes())
+    return tmap.box_bytes, smem_spans(addrs)
+
+
 # ============================================================================ maps from the MLIR
 
-_ATOM = re.compile(r"%(\w+), %(\w+) = cute_nvgpu\.atom\.make_non_exec_tiled_tma_load\((%\w+), (%\w+), (%\w+)\)"
-                   r".*?: \((.*)\) -> \(!cute_nvgpu\.atom\.non_exec_tiled_tma_load<(.*?)>, !cute\.coord_tensor")
+_ATOM = re.compile(r"%(\w+), %(\w+) = cute_nvgpu\.atom\.make_non_exec_tiled_tma_(?:load|store)\((%\w+), (%\w+), (%\w+)\)"
+                   r".*?: \((.*)\) -> \(!cute_nvgpu\.atom\.non_exec_tiled_tma_(?:load|store)<(.*?)>, !cute\.coord_tensor")
 
 
 def _parse_tuple(s: str):
@@ -239,7 +278,8 @@ class TmaAtom:
 
 
 def tma_atoms(mlir: str) -> list[TmaAtom]:
-    """Every ``make_non_exec_tiled_tma_load`` of the host function, with its kernel argument."""
+    """Every ``make_non_exec_tiled_tma_load`` / ``_store`` of the host function, with its kernel
+    argument."""
     aliases = dict(re.findall(r"^(!\w+) = (.*)$", mlir, re.M))
     host = re.search(r"^\s*func\.func @cutlass___call__", mlir, re.M)
     if not host:
@@ -411,4 +451,4 @@ def tensor_maps(mlir: str, globals_by_arg: dict, ptx: str | None = None) -> dict
     return out
 
 
-__all__ = ["TensorMap", "TmaAtom", "tma_load", "tma_atoms", "tensor_map_of", "tensor_maps"]
+__all__ = ["TensorMap", "TmaAtom", "tma_load", "tma_store", "tma_atoms", "tensor_map_of", "tensor_maps"]

@@ -154,47 +154,25 @@ def _lines(ptx):
     return ptx.split("\n")
 
 
-def _code_registers(ls) -> set:
-    """The 32-bit registers holding one fast code each: the halves of an ``fma.rn.f32x2``
-    result (7 y + 1.5 * 2^23, direct_p.sat_block) unpacked by ``mov.b64 {lo, hi}``."""
-    pairs, codes = set(), set()
-    for s in ls:
-        m = re.match(r"\s*fma\.rn\.f32x2\s+(%rd\d+),", s)
-        if m:
-            pairs.add(m.group(1))
-        m = re.match(r"\s*mov\.b64\s+\{(%r\d+),\s*(%r\d+)\},\s*(%rd\d+);", s)
-        if m and m.group(3) in pairs:
-            codes |= {m.group(1), m.group(2)}
-    return codes
-
-
 def swap_p_nibbles(ptx):
-    """(a) P's E2M1 codes packed high nibble first. Direct-P fast packs eight codes per word
-    as ``bias + sum_k r_k << 4k`` (r_k a code register, ``_code_registers``; key 0 added
-    unshifted): key k's shift becomes 4(k ^ 1), i.e. 4 <-> 0, 8 <-> 12, 16 <-> 20,
-    24 <-> 28 -- key 1 is added unshifted and key 0 with a multiply by 16."""
+    """(a) P's E2M1 codes packed high nibble first. Direct-P fast makes each code byte as
+    ``fma(y_even, 7, fma(y_odd, 112, 1.5*2^27) + shift)`` (direct_p.sat_block: the odd key in
+    the high nibble); the fault swaps the two multiplicands, so the even key goes high."""
     ls = _lines(ptx)
-    codes = _code_registers(ls)
-    n4 = nadd = 0
+    fma = re.compile(r"(\s*)fma\.rn\.f32x2\s+(%rd\d+),\s*(%rd\d+),\s*(%rd\d+),\s*(%rd\d+);")
+    add = re.compile(r"\s*add\.rn\.f32x2\s+(%rd\d+),\s*(%rd\d+),\s*%rd\d+;")
+    fmas = {m.group(2): (i, m) for i, s in enumerate(ls) if (m := fma.match(s))}
+    n = 0
     for i, s in enumerate(ls):
-        m = re.match(r"(\s*)shl\.b32\s+(%r\d+),\s*(%r\d+),\s*(\d+);", s)
-        if not (m and m.group(3) in codes and int(m.group(4)) % 4 == 0 and 4 <= int(m.group(4)) <= 28):
+        m = add.match(s)
+        if not (m and m.group(2) in fmas):
             continue
-        ind, dst, src, sh = m.group(1), m.group(2), m.group(3), int(m.group(4))
-        if sh != 4:
-            ls[i] = f"{ind}shl.b32 \t{dst}, {src}, {sh ^ 4};"
-            continue
-        ls[i] = f"{ind}mov.b32 \t{dst}, {src};"
-        n4 += 1
-        for j in range(i + 1, len(ls)):  # the add of key 0 (unshifted) and key 1 (shifted by 4)
-            a = re.match(r"(\s*)add\.s32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+);", ls[j])
-            if a and dst in (a.group(3), a.group(4)):
-                k0 = a.group(4) if a.group(3) == dst else a.group(3)
-                assert k0 in codes, ls[j]
-                ls[j] = f"{a.group(1)}mad.lo.s32 \t{a.group(2)}, {k0}, 16, {dst};"
-                nadd += 1
-                break
-    assert n4 and n4 == nadd, (n4, nadd)
+        hi_i, hi = fmas[m.group(2)]
+        lo_i, lo = next((j, f) for j, f in fmas.values() if f.group(5) == m.group(1))
+        ls[hi_i] = f"{hi.group(1)}fma.rn.f32x2 \t{hi.group(2)}, {lo.group(3)}, {hi.group(4)}, {hi.group(5)};"
+        ls[lo_i] = f"{lo.group(1)}fma.rn.f32x2 \t{lo.group(2)}, {hi.group(3)}, {lo.group(4)}, {lo.group(5)};"
+        n += 1
+    assert n, "no code-byte FMA pair found"
     return "\n".join(ls)
 
 
@@ -261,8 +239,21 @@ def drop_code_clamp(ptx):
     return ptx.replace("fma.rn.sat.f32", "fma.rn.f32")
 
 
+def unswizzled_o_stores(ptx):
+    """(g) the epilogue's 16-byte O pieces at unswizzled SMEM places: the swizzle's term
+    ``(off >> 3) & 0x70`` (the 128-byte row index mod 8, as LLVM folds it: ``and ..., 112``)
+    made 0, so the TMA store reads a permuted tile."""
+    ls = _lines(ptx)
+    hits = [i for i, s in enumerate(ls) if re.match(r"\s*and\.b32\s+%r\d+,\s*%r\d+,\s*112;", s)]
+    assert hits, "no swizzle term found in the epilogue"
+    for i in hits:
+        ls[i] = ls[i].replace(", 112;", ", 0;")
+    return "\n".join(ls)
+
+
 FAULTS = {"a_nibble_order": swap_p_nibbles, "b_sf_id": wrong_pv_sf_id, "c_p_part": pv_reads_p_part2,
-          "d_sfp_coords": swap_sfp_coords, "e_cp_after_mma": cp_after_mma, "f_code_clamp": drop_code_clamp}
+          "d_sfp_coords": swap_sfp_coords, "e_cp_after_mma": cp_after_mma, "f_code_clamp": drop_code_clamp,
+          "g_o_swizzle": unswizzled_o_stores}
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
@@ -298,6 +289,23 @@ def drop_first_p_arrive(ptx):
     stores = [i for i, s in enumerate(ls) if "tcgen05.st.sync.aligned" in s]
     drop = {next(i for i in range(st, len(ls)) if "mbarrier.arrive" in ls[i]) for st in stores}
     return "\n".join(s for i, s in enumerate(ls) if i not in drop)
+
+
+def drop_bulk_wait(ptx):
+    """(h) the epilogue never waits for its TMA store (``cp.async.bulk.wait_group.read`` deleted):
+    the next stage overwrites O's SMEM tile before the store has read it."""
+    assert "cp.async.bulk.wait_group.read" in ptx
+    return "\n".join(s for s in ptx.split("\n") if "cp.async.bulk.wait_group.read" not in s)
+
+
+def test_a_missing_bulk_wait_shows_under_the_lazy_schedule():
+    """Eager, each TMA store completes at issue; lazy, at its group's wait, the latest point
+    the ISA allows: without the wait it never runs and O stays unwritten."""
+    good = _emulate("fa4_fp4_d128", 448)
+    eager = _emulate("fa4_fp4_d128", 448, ptx_mutation=drop_bulk_wait)
+    lazy = _emulate("fa4_fp4_d128", 448, ptx_mutation=drop_bulk_wait, schedule="lazy")
+    assert eager.max_abs_err <= _tolerance(good)
+    assert lazy.max_abs_err > 10 * _tolerance(good), lazy.max_abs_err
 
 
 def test_a_lost_arrive_is_reported_as_a_deadlock():

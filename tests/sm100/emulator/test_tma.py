@@ -44,6 +44,63 @@ class Gmem:
         raise AssertionError(f"read of {n} bytes at {addr:#x} outside every tensor")
 
 
+# ------------------------------------------------------------------ tma_store ----
+
+@pytest.mark.parametrize("span", [0, 128])
+def test_tile_store_is_the_inverse_of_the_load_and_clips_out_of_bounds(span):
+    """A box loaded to SMEM and stored back lands where it came from; rows and columns outside
+    the tensor are not written (ISA 5.5.3.3)."""
+    rng = np.random.default_rng(2)
+    rows, planes = 40, 2
+    g = Gmem()
+    data = rng.integers(1, 256, (planes, rows, 256), dtype=np.uint8)
+    base = g.put(0x50000, data)
+    out = np.zeros_like(data)
+    obase = 0x90000
+
+    def write(addr, b):
+        off = addr - obase
+        assert 0 <= off and off + len(b) <= out.size, (hex(addr), len(b))
+        out.reshape(-1)[off:off + len(b)] = np.frombuffer(b, np.uint8)
+
+    box = (128, 32, 1)
+    tm_in = tma.TensorMap(8, base, (256, rows, planes), (256, 256 * rows), box, (1, 1, 1), span)
+    tm_out = tma.TensorMap(8, obase, (256, rows, planes), (256, 256 * rows), box, (1, 1, 1), span)
+    sm = SharedMemory()
+    for coords in ((0, 0, 0), (128, 32, 1), (128, 0, 1)):  # (128, 32, 1): rows 32..39 only
+        tma.tma_load(sm, g.read, tm_in, coords, 8192)
+        n, _ = tma.tma_store(sm, write, tm_out, coords, 8192)
+        assert n == 128 * 32
+    want = np.zeros_like(data)
+    want[0, 0:32, 0:128] = data[0, 0:32, 0:128]
+    want[1, 32:40, 128:256] = data[1, 32:40, 128:256]
+    want[1, 0:32, 128:256] = data[1, 0:32, 128:256]
+    assert np.array_equal(out, want)
+
+
+def test_tile_store_reads_smem_through_the_swizzle():
+    """The store reads 16-byte cell table[r % 8][j] of 128-byte SMEM row r as cell j of global
+    row r (the ISA table); a planted unswizzled SMEM image comes out permuted."""
+    rows = 8
+    sm = SharedMemory()
+    plain = (np.arange(rows * 128) // 16).astype(np.uint8)  # cell ids in global order
+    swz = np.zeros_like(plain)
+    for r in range(rows):
+        for j in range(8):
+            c = ISA_TABLES[128][r][j]
+            swz[128 * r + 16 * c:128 * r + 16 * c + 16] = plain[128 * r + 16 * j:128 * r + 16 * j + 16]
+    out = {}
+    tm = tma.TensorMap(8, 0x1000, (128, rows), (128,), (128, rows), (1, 1), 128)
+    sm.write(4096, swz.tobytes())
+    tma.tma_store(sm, lambda a, b: out.__setitem__(a, b), tm, (0, 0), 4096)
+    got = np.frombuffer(b"".join(out[k] for k in sorted(out)), np.uint8)
+    assert np.array_equal(got, plain)
+    sm.write(4096, plain.tobytes())
+    tma.tma_store(sm, lambda a, b: out.__setitem__(a, b), tm, (0, 0), 4096)
+    got = np.frombuffer(b"".join(out[k] for k in sorted(out)), np.uint8)
+    assert not np.array_equal(got, plain)
+
+
 # ------------------------------------------------------------------ tma_load -----
 
 def test_tile_load_with_out_of_bounds_rows_and_columns():
@@ -246,7 +303,12 @@ def _fp4_rows(t: torch.Tensor) -> np.ndarray:
 @pytest.mark.slow
 def test_fa4_fp4_maps_put_tiles_where_the_mma_reads_them():
     ops, gm, maps = _setup("fa4_fp4_d128")
-    assert set(maps) == {"q", "k", "v", "sfq", "sfk", "sfv"}
+    assert set(maps) == {"q", "k", "v", "sfq", "sfk", "sfv", "o"}
+    # O (the epilogue's TMA store): bf16 rows of D = 128 in two 64-element boxes of 128 query
+    # rows under the 128-byte swizzle, one plane per (batch, head)
+    o = maps["o"]
+    assert (o.elem_bits, o.box_dims, o.swizzle) == (16, (64, 128, 1), 128)
+    assert o.global_dims[0] == 128 and o.global_dims[1] == 200
     addr, sub = _smem_tile("K_SW64", "Float4E2M1FN", 128, 128, (0, 1))
     sm = SharedMemory(fill=0xAB)
 
@@ -331,7 +393,7 @@ def test_every_forward_atom_gets_a_map(name):
 
     ops, gm, maps = _setup(name)
     ptx, _ = _artifacts(name)
-    want = {"q", "k", "v", "sfq", "sfk"} | ({"sfv"} if "sfv" in maps else set())
+    want = {"q", "k", "v", "sfq", "sfk", "o"} | ({"sfv"} if "sfv" in maps else set())
     assert want <= set(maps)
     ranks = {int(r) for r in re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.", ptx)}
     assert ranks <= {m.rank for m in maps.values()}
