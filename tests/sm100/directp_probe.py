@@ -6,7 +6,7 @@ tiny kernel that mirrors the per-row softmax loop of ``fp4gen/device/sm100/forwa
 (one thread owns one row; 32-key blocks; per block: fmax of the scores, block
 exponent of ``bmax - m``, the offset ``sat_offset``, then ``sat_block``'s four nibble words
 and block sum, beside each key's code from the scalar chain ``fma_sat`` then ``fma_rn``; then
-``l += twice * 0.5 * pow2_e8m0(e_B)``), so that a Hopper GPU can check them bit for bit
+``l += twice * half_pow2_e8m0(e_B)``), so that a Hopper GPU can check them bit for bit
 against ``fp4gen.numerics.directp.sat_codes`` (the scores are in log2 units: scale 1).
 
 The accurate policy is not probed: ``cvt.rn.satfinite.e2m1x2.f32`` is sm_100-only.
@@ -82,7 +82,7 @@ def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: c
             twice = dp.sat_block(sb, Float32(a7), c_b, wv, 0, False)
             for w in cutlass.range_constexpr(4):
                 mWords[row, blk * 4 + w] = wv[w]
-            l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)
+            l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_b)
             mE8[row, blk] = cutlass.Uint8(e_b + Int32(127))
             mTwice[row, blk] = twice
         mL[row] = l_run

@@ -60,17 +60,27 @@ def i32_as_f32(x, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def block_exponent(block_max_u: Float32) -> Int32:
-    """e_B = clamp(floor(max_B u), -127, 127); -inf (fully masked block) -> -127."""
-    d = min(cute.arch.fmax(block_max_u, Float32(-1.0e4)), Float32(1.0e4))
-    e = Int32(cute.math.floor(d, fastmath=True))
-    return max(min(e, Int32(127)), Int32(-127))
+    """e_B = clamp(floor(max_B u), -127, 127); -inf (fully masked block) -> -127. The floor and
+    the conversion are one ``cvt.rmi.s32.f32``, which saturates +-inf (PTX ISA: cvt, float to
+    integer: clamped to the destination's range; NaN -> 0, only for an all-NaN block, whose
+    codes are 0 whatever e_B is)."""
+    return max(min(floor_s32(block_max_u), Int32(127)), Int32(-127))
+
+
+@dsl_user_op
+def floor_s32(x, *, loc=None, ip=None) -> Int32:
+    """floor(x) as a saturated int32 (``cvt.rmi.s32.f32``): no LLVM float-to-int conversion,
+    whose out-of-range result would be undefined there."""
+    return Int32(_asm(T.i32(), "cvt.rmi.s32.f32 $0, $1;", "=r,f", [Float32(x)], loc=loc, ip=ip))
 
 
 @cute.jit
-def pow2_e8m0(e: Int32) -> Float32:
-    """2^e for e in [-127, 127] from the exponent field (2^-127 is subnormal: halve 2^-126)."""
-    v = i32_as_f32((max(e, Int32(-126)) + Int32(127)) << Int32(23))
-    return Float32(cutlass.select_(e == Int32(-127), v * Float32(0.5), v))
+def half_pow2_e8m0(e: Int32) -> Float32:
+    """2^(e-1) for e in [-127, 127], exact: the exponent field for e >= -125, else 2^-126 times
+    2^(e+125) (subnormal results), so that l += twice * 2^(e_B - 1) costs no separate halving."""
+    v = i32_as_f32((max(e, Int32(-125)) + Int32(126)) << Int32(23))
+    tiny = Float32(cutlass.select_(e == Int32(-127), Float32(0.25), Float32(0.5)))
+    return Float32(cutlass.select_(e < Int32(-125), Float32(2.0 ** -126) * tiny, v))
 
 
 REBASE_E = 64  # numerics.directp.REBASE_E

@@ -806,7 +806,7 @@ class AttentionFwdSm100:
                                         word = word | (q << Int32(8 * h))
                                     p_words[b * 4 + w] = word
                                 twice = (twice2 & Int32(0xFF)) + ((twice2 >> Int32(8)) & Int32(0xFF))
-                            l_run = l_run + Float32(twice) * Float32(0.5) * dp.pow2_e8m0(e_b)
+                            l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_b)
                             # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
                             # (((row % 32, row // 32), 0), (vec, b % 2)), MMA_M 0, K64 step b // 2, stage j
                             sfp_bytes[(((t_sf % 32, t_sf // 32), 0), (0, b % 2)), 0, b // 2, j] = cutlass.Uint8(e_b + Int32(127))
