@@ -172,9 +172,12 @@ def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0
                 h1 = fma_rn(y[3], hi_mul[1], magic16[1]) + shift[1]
                 r = (fma_rn(y[0], seven[0], h0), fma_rn(y[2], seven[1], h1))
             pairs += [f32_as_i32(r[0]), f32_as_i32(r[1])]  # keys (k, k+1), (k+2, k+3)
-        word = Int32(ptx.prmt(ptx.prmt(pairs[0], pairs[1], 0x40), ptx.prmt(pairs[2], pairs[3], 0x40), 0x5410))
-        words[w0 + w] = word
-        twice_bytes = twice_bytes + twice_values_pair(word, lo_t, hi_t) + twice_values_pair(word >> Int32(16), lo_t, hi_t)
+        # keys 8w..8w+3 and 8w+4..8w+7 as the low halves of two words: the word's two halves,
+        # and each one PRMT lookup's four selectors as they are (no shift for the high half)
+        lo4 = Int32(ptx.prmt(pairs[0], pairs[1], 0x40))
+        hi4 = Int32(ptx.prmt(pairs[2], pairs[3], 0x40))
+        words[w0 + w] = Int32(ptx.prmt(lo4, hi4, 0x5410))
+        twice_bytes = twice_bytes + twice_values_pair(lo4, lo_t, hi_t) + twice_values_pair(hi4, lo_t, hi_t)
     return byte_sum(twice_bytes)
 
 
