@@ -80,6 +80,16 @@ def test_default_form_is_the_kernels_and_the_context_restores_it():
             pass
 
 
+def _near_boundary(t, m, eb):
+    """(where the two-op affine value lies within a few ulps of a .5 code boundary, that value):
+    the only places two forms' codes may differ."""
+    u = t - m[:, None]
+    x = u.reshape(t.shape[0], -1, 32) - eb[..., None] + dp.LOG2_6
+    y = (x * dp.FAST_A + dp.FAST_B).reshape(t.shape[0], -1)
+    ulps = 8 * torch.finfo(torch.float32).eps * (u.abs() * dp.FAST_A + 8)
+    return ((y - torch.floor(y) - 0.5).abs() <= ulps) | (y < 1e-3), y
+
+
 @pytest.mark.parametrize("scale", [1.0, 8.0, 16.0])
 def test_one_ffma_codes_differ_only_at_rounding_boundaries(scale):
     t, m = _tiles(scale)
@@ -88,12 +98,7 @@ def test_one_ffma_codes_differ_only_at_rounding_boundaries(scale):
     assert torch.equal(eb, eb1)  # the block exponents do not depend on the form
     d = (c1.int() - c2.int()).abs()
     assert d.max() <= 1
-    # where they differ, today's affine value lies within a few ulps of a .5 boundary
-    u = t - m[:, None]
-    x = u.reshape(64, -1, 32) - eb[..., None] + dp.LOG2_6
-    y = (x * dp.FAST_A + dp.FAST_B).reshape(64, -1)
-    ulps = 8 * torch.finfo(torch.float32).eps * (u.abs() * dp.FAST_A + 8)
-    near = ((y - torch.floor(y) - 0.5).abs() <= ulps) | (y < 1e-3)
+    near, y = _near_boundary(t, m, eb)
     flips = d.bool() & (y > -0.5) & (y < 7.5)
     assert not (flips & ~near).any()
 
@@ -166,11 +171,7 @@ def test_sat_ffma_codes_differ_from_two_op_only_at_rounding_boundaries(scale):
     assert torch.equal(eb, ebs)
     d = (cs.int() - c2.int()).abs()
     assert d.max() <= 1
-    u = t - m[:, None]
-    x = u.reshape(64, -1, 32) - eb[..., None] + dp.LOG2_6
-    y = (x * dp.FAST_A + dp.FAST_B).reshape(64, -1)
-    ulps = 8 * torch.finfo(torch.float32).eps * (u.abs() * dp.FAST_A + 8)
-    near = ((y - torch.floor(y) - 0.5).abs() <= ulps) | (y < 1e-3)
+    near, _ = _near_boundary(t, m, eb)
     assert not (d.bool() & ~near).any()
 
 

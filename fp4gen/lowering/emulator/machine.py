@@ -1608,12 +1608,7 @@ class Machine:
             d, t, b = d_rd(w), t_rd(w), b_rd(w)
             cs = [c(w) for c in c_rds]
             for i in np.nonzero(m)[0]:
-                taddr = int(t[i])
-                poff = taddr - PARAM_GENERIC if taddr >= PARAM_GENERIC else taddr
-                pidx = self._param_at(poff)
-                tmap = self.tensor_maps.get(pidx)
-                if tmap is None:
-                    raise EmulationError(f"warp {w.idx}, line {line}: no tensor map for param {pidx}")
+                tmap = self._tensor_map_at(int(t[i]), w, line)
                 coords = tuple(int(c[i]) for c in cs)
                 dst = int(d[i]) & 0xFFFFFFFF
                 bar = self._mbar(w, int(b[i]) & 0xFFFFFFFF, line)
@@ -1624,6 +1619,16 @@ class Machine:
                     return {"writes": tuple(spans), "tx": int(nbytes)}
                 self._issue(w, "tma", run, T.AsyncOp(line, 0, "tma", bar=bar.addr))
         return h
+
+    def _tensor_map_at(self, taddr: int, w, line):
+        """The tensor map a ``cp.async.bulk.tensor`` names by the (generic) address of its
+        kernel parameter."""
+        poff = taddr - PARAM_GENERIC if taddr >= PARAM_GENERIC else taddr
+        pidx = self._param_at(poff)
+        tmap = self.tensor_maps.get(pidx)
+        if tmap is None:
+            raise EmulationError(f"warp {w.idx}, line {line}: no tensor map for param {pidx}")
+        return tmap
 
     def _c_tma_store(self, ins):
         """cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group [tmap, {coords}], [src]
@@ -1644,11 +1649,7 @@ class Machine:
             t, sa = t_rd(w), s_rd(w)
             cs = [c(w) for c in c_rds]
             for i in np.nonzero(m)[0]:
-                taddr = int(t[i])
-                poff = taddr - PARAM_GENERIC if taddr >= PARAM_GENERIC else taddr
-                tmap = self.tensor_maps.get(self._param_at(poff))
-                if tmap is None:
-                    raise EmulationError(f"warp {w.idx}, line {line}: no tensor map for the TMA store")
+                tmap = self._tensor_map_at(int(t[i]), w, line)
                 coords = tuple(int(c[i]) for c in cs)
                 smem_at = int(sa[i]) & 0xFFFFFFFF
 
