@@ -963,10 +963,9 @@ def main(argv=None) -> int:
         print(f"{'kernel':36s} {'gpu':6s} {'S':>6s} {'causal':6s} {'TFLOP/s':>8s} {'xFA4':>6s} "
               f"{'cyc/tile':>8s} {'worst xFA4':>10s}  bottleneck   (predicted; worst case: a rebase on every tile)")
         for r in rows:
-            for label, x in [(r["kernel"], r)]:
-                print(f"{label:36s} {x['gpu']:6s} {x['shape']['S']:6d} {str(x['shape']['causal']):6s} "
-                      f"{x['predicted_tflops']:8.1f} {x['ratio_vs_fa4_bf16']:6.2f} {x['cycles_per_tile']:8.0f} "
-                      f"{x['worst_case']['ratio_vs_fa4_bf16']:10.2f}  {x['bottleneck']}")
+            print(f"{r['kernel']:36s} {r['gpu']:6s} {r['shape']['S']:6d} {str(r['shape']['causal']):6s} "
+                  f"{r['predicted_tflops']:8.1f} {r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f} "
+                  f"{r['worst_case']['ratio_vs_fa4_bf16']:10.2f}  {r['bottleneck']}")
         print(f"steady state: {rows[0]['rebase_rate'] if rows else 0:g} rebases per KV tile (moderate logits never "
               f"rebase); causal: the diagonal tiles run the masked path")
     return 0

@@ -186,7 +186,7 @@ def one_ffma_codes(tb: torch.Tensor, m: torch.Tensor, eb: torch.Tensor, a: float
 # the low bits). The kernel folds the softmax scale into the multiplier, A7s = fl32(scale * A7),
 # and applies it to the raw score s: fl32(A7s * s) and fl32(A7 * fl32(scale * s)) differ by an
 # ulp or two, so with scale != 1 a code can differ from this model only where 7 y lies within
-# a few ulps of a .5 boundary (docs/numerics.md, "The saturating classifier").
+# a few ulps of a .5 boundary (docs/numerics.md section 13).
 
 
 def sat_constants(a: float = FAST_A, b: float = FAST_B) -> tuple:

@@ -31,7 +31,6 @@ from fp4gen.device import markers
 from fp4gen.device import directp as dpf  # E4M3 decode, shared with sm90a
 from fp4gen.device.pipelines import coop, stage_pipelines, stage_view
 from fp4gen.device import ptx
-from fp4gen.device.ptx import perf_marker
 from fp4gen.device.sm100 import copies
 from fp4gen.device.sm100 import direct_p as dp
 from fp4gen.device.sm100 import opaque as opq
@@ -412,7 +411,7 @@ class AttentionFwdSm100:
                                              cute.group_modes(gO, 0, 2))
             # the stages one after the other, one traced body (as the softmax's)
             for j in cutlass.range(cfg.q_stages, unroll=1):
-                perf_marker(markers.PER_CTA_LOOP)  # for the perf model: not a KV-tile loop
+                ptx.perf_marker(markers.PER_CTA_LOOP)  # for the perf model: not a KV-tile loop
                 self.epilogue(j, tidx % 128, m_block, bh, seqlen_q, stage_tmem(tOtO[0], j, cfg.stage_stride("O")),
                               sO, sO_l, tma_o, tOs, tOg, mLSE, v_scale, stage_view(o_pipes, j).make_consumer(),
                               stage_view(t_pipes, j).make_consumer(), st.row_sum.data_ptr(), st.row_max.data_ptr())
@@ -661,15 +660,14 @@ class AttentionFwdSm100:
                 # scores -> log2 units t = s * scale * log2(e); masked keys -> -inf, only on the
                 # tiles that cross the sequence end or (causal) this row's diagonal
                 s_max = -Float32.inf
-                if const_expr(fold_scale):
-                    pass  # the saturating classifier takes raw scores: the scale is in its multiplier
-                elif const_expr(cfg.direct_p):
+                # (fast Direct-P keeps the raw scores: its classifier's multiplier holds the scale)
+                if const_expr(cfg.direct_p and not fold_scale):
                     # two scores per mul.rn.f32x2 (PTX ISA: Floating-Point Instructions, mul; each
                     # lane rounds as the scalar FMUL does, no flush to zero)
                     for c in cutlass.range_constexpr(0, cfg.tile_n, 2):
                         tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1] = cute.arch.mul_packed_f32x2(
                             (tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1]), (scale_log2, scale_log2))
-                else:
+                elif const_expr(not cfg.direct_p):
                     for c in cutlass.range_constexpr(cfg.tile_n):
                         tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
                 if const_expr(masked):
@@ -853,7 +851,7 @@ class AttentionFwdSm100:
                         # reasons), by the whole warp when any row rebased; in 16-column chunks, each
                         # store waited for before the next load (32-column chunks spilled 176 B)
                         if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
-                            perf_marker(markers.REBASE)  # a cold region for the perf model
+                            ptx.perf_marker(markers.REBASE)  # a cold region for the perf model
                             self.scale_o(o_view, o_alpha, True)
                     cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
                     cute.arch.fence_proxy("async.shared", space="cta")

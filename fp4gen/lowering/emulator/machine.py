@@ -1598,9 +1598,7 @@ class Machine:
             raise NotImplementedError(".multicast::cluster")
         ops = ins.operands
         d_rd = self._addr(ops[0], "shared")
-        src = ops[1]
-        t_rd = self._addr(P.Addr(src.base, src.offset), "generic")
-        c_rds = [self._reader(c, np.int32) for c in src.coords.items]
+        t_rd, c_rds = self._tensor_operand(ops[1])
         b_rd = self._addr(ops[2], "shared")
         line = ins.line
 
@@ -1619,6 +1617,11 @@ class Machine:
                     return {"writes": tuple(spans), "tx": int(nbytes)}
                 self._issue(w, "tma", run, T.AsyncOp(line, 0, "tma", bar=bar.addr))
         return h
+
+    def _tensor_operand(self, src):
+        """Readers of a ``[tmap, {coords}]`` operand: the map's (generic) address, each coordinate."""
+        return (self._addr(P.Addr(src.base, src.offset), "generic"),
+                [self._reader(c, np.int32) for c in src.coords.items])
 
     def _tensor_map_at(self, taddr: int, w, line):
         """The tensor map a ``cp.async.bulk.tensor`` names by the (generic) address of its
@@ -1639,9 +1642,7 @@ class Machine:
         if "tile" not in parts or "bulk_group" not in parts:
             raise NotImplementedError("only .tile .bulk_group tensor stores")
         ops = ins.operands
-        src = ops[0]
-        t_rd = self._addr(P.Addr(src.base, src.offset), "generic")
-        c_rds = [self._reader(c, np.int32) for c in src.coords.items]
+        t_rd, c_rds = self._tensor_operand(ops[0])
         s_rd = self._addr(ops[1], "shared")
         line = ins.line
 

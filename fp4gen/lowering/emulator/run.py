@@ -309,7 +309,7 @@ _TMA = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_sfq": "sfq", "tma_sfk": "
         "tma_o": "o"}
 _COORD = {"gQ_mkl": "q", "gK_nkl": "k", "gV_nkl": "v", "gSFQ_mkl": "sfq", "gSFK_nkl": "sfk",
           "gSFV_nkl": "sfv", "gO_mkl": "o"}
-_MEMREF = {"mO": "o", "mLSE": "lse", "mVS": "vs", "mSFQb": "sfq", "mSFKb": "sfk"}
+_MEMREF = {"mLSE": "lse", "mVS": "vs", "mSFQb": "sfq", "mSFKb": "sfk"}
 
 
 @dataclass
