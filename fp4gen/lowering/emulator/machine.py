@@ -863,6 +863,25 @@ class Machine:
              "gt": np.greater, "ge": np.greater_equal, "lo": np.less, "ls": np.less_equal,
              "hi": np.greater, "hs": np.greater_equal}
 
+    def _c_dp4a(self, ins):
+        """dp4a.atype.btype d, a, b, c: d = c + the sum of the four byte products of a and b,
+        each byte signed for .s32 and unsigned for .u32 (PTX ISA dp4a); d wraps mod 2^32."""
+        a_t, b_t = ins.parts[1], ins.parts[2]
+        a_rd, b_rd = (self._reader(o, np.uint32) for o in ins.operands[1:3])
+        c_rd = self._reader(ins.operands[3], np.uint32)
+        wr = self._writer(ins.operands[0])
+        sh = np.arange(4, dtype=np.uint32) * np.uint32(8)
+
+        def bytes_of(x, t):
+            v = ((x[:, None] >> sh) & np.uint32(0xFF)).astype(np.int64)
+            return np.where(v >= 128, v - 256, v) if t == "s32" else v
+
+        def h(w, m, full):
+            dot = (bytes_of(a_rd(w), a_t) * bytes_of(b_rd(w), b_t)).sum(axis=1)
+            r = (c_rd(w).astype(np.int64) + dot) & 0xFFFFFFFF
+            wr(w, r.astype(np.uint32), m, full)
+        return h
+
     def _c_setp(self, ins):
         parts = ins.parts
         cmp, t = parts[1], parts[-1]

@@ -152,8 +152,10 @@ def test_integer_ops_against_python():
 \txor.b32 %r121, %r3, 0x55;
 \tnot.b32 %r122, %r3;
 \tneg.s32 %r123, %r3;
+\tdp4a.u32.u32 %r124, %r3, 0x01010101, 7;
+\tdp4a.s32.s32 %r125, %r3, 0x02ff0180, %r2;
 """
-    out = run(body, nout=24)
+    out = run(body, nout=26)
     for t in range(32):
         x = t - 16
         u = x & 0xFFFFFFFF
@@ -191,6 +193,10 @@ def test_integer_ops_against_python():
         b8 = ((t << 5) & 0xFF)
         assert row[20] == s(b8 - 256 if b8 & 0x80 else b8)  # cvt.s8 sign-extends into 16 bits
         assert row[21] == u ^ 0x55 and row[22] == (~u) & 0xFFFFFFFF and row[23] == s(-x)
+        ub = list(u.to_bytes(4, "little"))
+        assert row[24] == sum(ub) + 7  # dp4a unsigned: the byte sum byte_sum() relies on
+        sb = [b - 256 if b & 0x80 else b for b in ub]
+        assert row[25] == s(t + sb[0] * -128 + sb[1] * 1 + sb[2] * -1 + sb[3] * 2)  # signed bytes of both
 
 
 # ----------------------------------------------------------------------------- float
