@@ -363,6 +363,32 @@ def expected_barriers(plan) -> int:
     return 2 * q + 2 * kv + 2 * kv + q * (2 + 2 * parts + 2 + 2)
 
 
+def scale_fence_mismatches(lines: list) -> list:
+    """P's block scales are stores to SMEM (st.shared: bytes, or the four of a row packed into one
+    word) that tcgen05.cp reads through the async proxy once the MMA warp has seen a publish
+    arrive. So in every publish window (the code from one mbarrier arrive to the next that holds
+    a tcgen05.st, i.e. a part of P) with an st.shared in it, a fence.proxy.async must follow the
+    window's last st.shared before the arrive (PTX ISA 9.7.13.4; missing, the copy may read
+    stale bytes: NaNs, not errors). A window that stores nothing to SMEM (the second half of P)
+    needs none. ``lines``: stripped PTX lines in text order."""
+    last_store, fenced, publish = None, False, False
+    for i, ln in enumerate(lines):
+        if ln.startswith("st.shared"):
+            last_store, fenced = i, False
+        elif ln.startswith("fence.proxy.async"):
+            fenced = True
+        elif ln.startswith("tcgen05.st."):
+            publish = True
+        elif ln.startswith("mbarrier.arrive"):
+            if publish and last_store is not None and not fenced:
+                return [Mismatch("ptx.fence.scales", "fence.proxy.async between P's scale stores and the arrive",
+                                 "missing", "ptx", f"PTX line {last_store + 1} (store) .. {i + 1} (arrive): "
+                                 "P's scale bytes in SMEM feed tcgen05.cp")]
+            last_store, fenced, publish = None, False, False
+    return []
+
+
+
 def check_conformance(plan, artifacts: Artifacts) -> list:
     """Compare a compiled sm100a kernel with ``plan``; return the mismatches (empty: conforming)."""
     out: list[Mismatch] = []
@@ -420,10 +446,8 @@ def check_conformance(plan, artifacts: Artifacts) -> list:
             out.append(Mismatch("ptx.fence.tmem_store", "tcgen05.wait::st before the arrive", "missing", "ptx",
                                 f"PTX line {i + 1}: {ln[:60]}"))
             break
-        if mma["PV"].block_scaled and not any(x.startswith("fence.proxy.async") for x in between):
-            out.append(Mismatch("ptx.fence.scales", "fence.proxy.async before the arrive", "missing", "ptx",
-                                f"PTX line {i + 1}: P's scale bytes in SMEM feed tcgen05.cp"))
-            break
+    if mma["PV"].block_scaled:
+        out += scale_fence_mismatches(lines)
 
     # --- PTX, p_source smem: P's codes are 32-bit st.shared stores (scalar or v4) that the MMA
     # reads through the async proxy, so each publish part must be proxy-fenced after its last
