@@ -6,7 +6,8 @@ tiny kernel that mirrors the per-row softmax loop of ``fp4gen/device/sm100/forwa
 (one thread owns one row; 32-key blocks; per block: fmax of the scores, block
 exponent of ``bmax - m``, the offset ``sat_offset``, then ``sat_block``'s four nibble words
 and block sum, beside each key's code from the scalar chain ``fma_sat`` then ``fma_rn``; then
-``l += twice * half_pow2_e8m0(e_B)``), so that a Hopper GPU can check them bit for bit
+``l += twice * half_pow2_e8m0(e_B)``, and as the kernels with the guard's rebase keep it,
+``4 l += twice * quad_pow2(e_B)``), so that a Hopper GPU can check them bit for bit
 against ``fp4gen.numerics.directp.sat_codes`` (the scores are in log2 units: scale 1).
 
 The accurate policy is not probed: ``cvt.rn.satfinite.e2m1x2.f32`` is sm_100-only.
@@ -20,7 +21,9 @@ Kernel arguments (pointers, so nothing depends on DLPack/tvm-ffi; ``rows`` at ru
          them in ``p_words`` (key 8w+c in nibble c of word w)
   e8m0   (rows, N_KEYS // 32) uint8: e_B + 127 per block (the byte written to sSFP)
   twice  (rows, N_KEYS // 32) int32: 2 * sum of the block's E2M1 magnitudes (PRMT table)
-  l      (rows,) fp32: the row's l, accumulated block by block as the kernel does
+  l      (rows,) fp32: the row's l, accumulated block by block as a kernel without the guard
+  l4     (rows,) fp32: 4 l accumulated as a kernel with the guard (quad_pow2; exact in the
+         rebase's range e_B <= 64, overflowing for e_B >= 125)
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ ARCH = "sm_90a"
 
 @cute.kernel
 def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: cute.Tensor,
-                  mE8: cute.Tensor, mTwice: cute.Tensor, mL: cute.Tensor, rows: Int32,
+                  mE8: cute.Tensor, mTwice: cute.Tensor, mL: cute.Tensor, mL4: cute.Tensor, rows: Int32,
                   a: cutlass.Constexpr, b: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
@@ -61,12 +64,12 @@ def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: c
         m_ref = mM[row]
         a7, k7 = sat_constants(a, b)
         l_run = Float32(0.0)
+        l4_run = Float32(0.0)
         for blk in cutlass.range_constexpr(N_BLOCKS):
             bmax = -Float32.inf
             for c in cutlass.range_constexpr(32):
                 bmax = cute.arch.fmax(bmax, s[blk * 32 + c])
-            e_b = dp.block_exponent(bmax - m_ref)
-            e_bf = Float32(e_b)
+            e_bf, e_word = dp.block_exponent(bmax - m_ref)
             c_b = dp.sat_offset(m_ref, e_bf, a7, k7)
             # each key's code by the scalar chain (y = sat(A7 t + c_B), then 7 y + 1.5 * 2^23),
             # and the words and block sum of the block helper the kernel runs (its scalar
@@ -82,10 +85,12 @@ def _probe_kernel(mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: c
             twice = dp.sat_block(sb, Float32(a7), c_b, wv, 0, False)
             for w in cutlass.range_constexpr(4):
                 mWords[row, blk * 4 + w] = wv[w]
-            l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_b)
-            mE8[row, blk] = cutlass.Uint8(e_b + Int32(127))
+            l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_word)
+            l4_run = l4_run + Float32(twice) * dp.quad_pow2(e_word)
+            mE8[row, blk] = cutlass.Uint8(e_word)
             mTwice[row, blk] = twice
         mL[row] = l_run
+        mL4[row] = l4_run
 
 
 class _Probe:
@@ -95,7 +100,7 @@ class _Probe:
     @cute.jit
     def __call__(self, t_ptr: cute.Pointer, m_ptr: cute.Pointer, raw_ptr: cute.Pointer,
                  words_ptr: cute.Pointer, e8_ptr: cute.Pointer, twice_ptr: cute.Pointer,
-                 l_ptr: cute.Pointer, rows: Int32, stream):
+                 l_ptr: cute.Pointer, l4_ptr: cute.Pointer, rows: Int32, stream):
         def mat(ptr, cols):
             return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
 
@@ -103,6 +108,7 @@ class _Probe:
             mat(t_ptr, N_KEYS), cute.make_tensor(m_ptr, cute.make_layout(rows)),
             mat(raw_ptr, N_KEYS), mat(words_ptr, N_WORDS), mat(e8_ptr, N_BLOCKS),
             mat(twice_ptr, N_BLOCKS), cute.make_tensor(l_ptr, cute.make_layout(rows)),
+            cute.make_tensor(l4_ptr, cute.make_layout(rows)),
             rows, self.a, self.b,
         ).launch(grid=((rows + THREADS - 1) // THREADS, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
@@ -116,14 +122,14 @@ class _ProbeT:
 
     @cute.jit
     def __call__(self, mT: cute.Tensor, mM: cute.Tensor, mRaw: cute.Tensor, mWords: cute.Tensor,
-                 mE8: cute.Tensor, mTwice: cute.Tensor, mL: cute.Tensor, stream):
+                 mE8: cute.Tensor, mTwice: cute.Tensor, mL: cute.Tensor, mL4: cute.Tensor, stream):
         rows = mT.shape[0]
-        _probe_kernel(mT, mM, mRaw, mWords, mE8, mTwice, mL, rows, self.a, self.b).launch(
+        _probe_kernel(mT, mM, mRaw, mWords, mE8, mTwice, mL, mL4, rows, self.a, self.b).launch(
             grid=((rows + THREADS - 1) // THREADS, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
 
 _DTYPES = (cutlass.Float32, cutlass.Float32, cutlass.Int32, cutlass.Int32, cutlass.Uint8,
-           cutlass.Int32, cutlass.Float32)
+           cutlass.Int32, cutlass.Float32, cutlass.Float32)
 _COMPILED = {}
 
 
@@ -156,7 +162,7 @@ def compile_probe_tensors(a: float = FAST_A, b: float = FAST_B):
     key = ("tensors", a, b)
     if key not in _COMPILED:
         rows = cute.sym_int()
-        cols = (N_KEYS, None, N_KEYS, N_WORDS, N_BLOCKS, N_BLOCKS, None)
+        cols = (N_KEYS, None, N_KEYS, N_WORDS, N_BLOCKS, N_BLOCKS, None, None)
         args = [fake(dt, (rows, c) if c else (rows,), stride_order=(1, 0) if c else (0,), assumed_align=1)
                 for dt, c in zip(_DTYPES, cols)]
         _COMPILED[key] = cute.compile(_ProbeT(a, b), *args, cuda.CUstream(0), options=f"--gpu-arch {ARCH}")
@@ -168,7 +174,7 @@ LAST_PATH = None  # which launch path run_probe used: "pointers" or "tensors"
 
 def run_probe(t, m, a: float = FAST_A, b: float = FAST_B):
     """Run on CUDA tensors t (rows, N_KEYS) fp32 and m (rows,) fp32.
-    Returns dict raw, codes (from the packed words), words, e8m0, twice, l (CPU tensors)."""
+    Returns dict raw, codes (from the packed words), words, e8m0, twice, l, l4 (CPU tensors)."""
     import cuda.bindings.driver as cuda
     import torch
 
@@ -187,8 +193,9 @@ def run_probe(t, m, a: float = FAST_A, b: float = FAST_B):
     e8 = torch.full((rows, N_BLOCKS), 0xEE, dtype=torch.uint8, device=dev)
     twice = torch.full((rows, N_BLOCKS), -1, dtype=torch.int32, device=dev)
     l = torch.full((rows,), float("nan"), dtype=torch.float32, device=dev)
+    l4 = torch.full((rows,), float("nan"), dtype=torch.float32, device=dev)
     global LAST_PATH
-    bufs = (t, m, raw, words, e8, twice, l)
+    bufs = (t, m, raw, words, e8, twice, l, l4)
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         try:
@@ -210,7 +217,7 @@ def run_probe(t, m, a: float = FAST_A, b: float = FAST_B):
     shifts = torch.arange(8, dtype=torch.int32) * 4
     codes = ((words_c[:, :, None] >> shifts) & 0xF).reshape(rows, N_KEYS).to(torch.uint8)
     return {"raw": raw.cpu(), "codes": codes, "words": words_c, "e8m0": e8.cpu(),
-            "twice": twice.cpu(), "l": l.cpu()}
+            "twice": twice.cpu(), "l": l.cpu(), "l4": l4.cpu()}
 
 
 def pack_words(codes):

@@ -374,8 +374,22 @@ def test_direct_p_helpers_match_oracle(name):
         (r,), n = _first(bad)
         pytest.fail(f"[{name}] {n} rows: l differs from the oracle's l beyond fp32 summation order: row {r}, "
                     f"kernel {_h(l[r])}, oracle {_h(mod['l_ref'][r])}, exact {_h(S[r])}, bound {tol_o[r].item():.3e}")
+    # 6. 4 l as the kernels with the guard keep it (quad_pow2): the same bound in the rebase's
+    # range (every e_B <= 64 there; here any row whose blocks stay <= 124), +inf once a block has
+    # e_B >= 126 (then S overflows too: the block maximum is 6 * 2^e_B); e_B = 125 is not in the
+    # cases (4 l overflows two binades before l: outside the guard kernels' range)
+    l4 = out["l4"].double() / 4
+    in_range = (mod["eb"] <= 124).all(-1)
+    high = (mod["eb"] >= 126).any(-1)
+    assert not (~in_range & ~high).any(), "a case has e_B = 125: no bound for 4 l there"
+    tol4 = _gamma(3) * S + 4 * 2.0 ** -150  # the final / 4 rounds once below 2^-124
+    bad = (in_range & ((l4 - S).abs() > tol4)) | (high & ~torch.isposinf(l4))
+    if bad.any():
+        (r,), n = _first(bad)
+        pytest.fail(f"[{name}] {n} rows: 4 l / 4 differs from the exact sum of the kernel's P values: row {r}, "
+                    f"kernel {_h(l4[r])}, exact {_h(S[r])}, bound {tol4[r].item():.3e}; e_B {mod['eb'][r].tolist()}")
     full_masked = torch.isneginf(t).all(-1)
-    assert (out["l"][full_masked] == 0).all()
+    assert (out["l"][full_masked] == 0).all() and (out["l4"][full_masked] == 0).all()
     assert (out["e8m0"][full_masked] == 0).all()
 
 

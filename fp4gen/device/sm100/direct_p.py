@@ -58,26 +58,37 @@ def i32_as_f32(x, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-@cute.jit
-def block_exponent(block_max_u: Float32) -> Int32:
-    """e_B = clamp(floor(max_B u), -127, 127); -inf (fully masked block) -> -127. The floor and
-    the conversion are one ``cvt.rmi.s32.f32``, which saturates +-inf (PTX ISA: cvt, float to
-    integer: clamped to the destination's range; NaN -> 0, only for an all-NaN block, whose
-    codes are 0 whatever e_B is)."""
-    return max(min(floor_s32(block_max_u), Int32(127)), Int32(-127))
-
-
-@dsl_user_op
-def floor_s32(x, *, loc=None, ip=None) -> Int32:
-    """floor(x) as a saturated int32 (``cvt.rmi.s32.f32``): no LLVM float-to-int conversion,
-    whose out-of-range result would be undefined there."""
-    return Int32(_asm(T.i32(), "cvt.rmi.s32.f32 $0, $1;", "=r,f", [Float32(x)], loc=loc, ip=ip))
+E8M0_MAGIC = 12583039.0  # 1.5 * 2^23 + 127: e + E8M0_MAGIC holds e + 127 in its low mantissa bits
 
 
 @cute.jit
-def half_pow2_e8m0(e: Int32) -> Float32:
-    """2^(e-1) for e in [-127, 127], exact: the exponent field for e >= -125, else 2^-126 times
-    2^(e+125) (subnormal results), so that l += twice * 2^(e_B - 1) costs no separate halving."""
+def block_exponent(block_max_u: Float32):
+    """(e_B, word) for a block: e_B = clamp(floor(max_B u), -127, 127) as a float (-inf, a fully
+    masked block, and an all-NaN block give -127: max.f32 returns the operand that is not NaN),
+    and ``word`` = bits of fl32(e_B + 1.5 * 2^23 + 127), exact, whose low byte is the E8M0
+    byte e_B + 127 (a byte store keeps just that) and whose low 9 bits ``quad_pow2`` and
+    ``half_pow2_e8m0`` read. A floor and two FP32 clamps: no conversion to integer."""
+    e = cute.math.floor(block_max_u, fastmath=True)
+    e = cute.arch.fmin(cute.arch.fmax(e, Float32(-127.0)), Float32(127.0))
+    return e, f32_as_i32(e + Float32(E8M0_MAGIC))
+
+
+@cute.jit
+def quad_pow2(word: Int32) -> Float32:
+    """2^(e_B + 1) from ``block_exponent``'s word: the exponent field (e_B + 128) << 23, one LEA.
+    A normal float for e_B in [-127, 126] (so l kept as 4 l sums exact terms down to e_B = -127
+    without subnormals); e_B = 127 gives inf, as the reference's l is then (6 * 2^127 > FLT_MAX).
+    Only for kernels with the guard's rebase, where every e_B <= REBASE_E: 4 l has 2^61 of
+    headroom there (numerics.directp.rebase); without it 4 l would overflow 2 binades early."""
+    return i32_as_f32((word << Int32(23)) + Int32(1 << 23))
+
+
+@cute.jit
+def half_pow2_e8m0(word: Int32) -> Float32:
+    """2^(e_B-1) for e_B in [-127, 127] from ``block_exponent``'s word, exact: the exponent field
+    for e_B >= -125, else 2^-126 times 2^(e_B+125) (subnormal results), so that
+    l += twice * 2^(e_B - 1) costs no separate halving (kernels without the rebase)."""
+    e = (word & Int32(0xFF)) - Int32(127)
     v = i32_as_f32((max(e, Int32(-125)) + Int32(126)) << Int32(23))
     tiny = Float32(cutlass.select_(e == Int32(-127), Float32(0.25), Float32(0.5)))
     return Float32(cutlass.select_(e < Int32(-125), Float32(2.0 ** -126) * tiny, v))
@@ -101,14 +112,11 @@ def rebase_shift(t_max: Float32, m: Float32):
     return d, Float32(cutlass.select_(d > Float32(126.0), Float32(0.0), fac))
 
 
-@cute.jit
-def byte_sum(x: Int32) -> Int32:
-    """The sum of the four bytes of ``x``, each <= 96: adjacent pairs (<= 192, no carry) in
-    bytes 0 and 2, those as 16-bit lanes, and both lanes added by one multiply (the high half
-    of z * 0x10001 is z's two halves' sum)."""
-    y = x + (x >> Int32(8))
-    z = y & Int32(0x00FF00FF)
-    return (z * Int32(0x10001)) >> Int32(16)
+@dsl_user_op
+def byte_sum(x, *, loc=None, ip=None) -> Int32:
+    """The sum of the four bytes of ``x`` (unsigned): one ``dp4a.u32.u32`` against 0x01010101
+    (PTX ISA: Integer Arithmetic Instructions, dp4a)."""
+    return Int32(_asm(T.i32(), "dp4a.u32.u32 $0, $1, 0x01010101, 0;", "=r,r", [Int32(x)], loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -142,7 +150,7 @@ MAGIC_SHIFT = MAGIC - MAGIC16  # exact in FP32
 
 @cute.jit
 def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
-              packed: cutlass.Constexpr = True) -> Int32:
+              packed: cutlass.Constexpr = True, lo_t=None) -> Int32:
     """The saturating classifier (numerics.directp.sat_codes) for one 32-key block of raw scores
     ``s``: the codes as four nibble words ``words[w0 .. w0+4)`` (key 8w + c in nibble c of word
     w); returns twice the block's sum of E2M1 magnitudes. Per key one ``fma.rn.sat.f32``
@@ -156,7 +164,9 @@ def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0
     hi_mul = (Float32(112.0), Float32(112.0))
     magic16 = (Float32(MAGIC16), Float32(MAGIC16))
     shift = (Float32(MAGIC_SHIFT), Float32(MAGIC_SHIFT))
-    lo_t, hi_t = Int32(TWICE_LO), Int32(TWICE_HI)
+    hi_t = Int32(TWICE_HI)
+    if cutlass.const_expr(lo_t is None):
+        lo_t = Int32(TWICE_LO)
     twice_bytes = Int32(0)
     for w in cutlass.range_constexpr(4):
         pairs = []
@@ -194,6 +204,14 @@ def accurate_pair(t0, t1, m, e_b, *, loc=None, ip=None) -> Int32:
                       "ex2.approx.ftz.f32 p0, $1;\nex2.approx.ftz.f32 p1, $2;\n"
                       "cvt.rn.satfinite.e2m1x2.f32 q, p1, p0;\n"  # first source -> upper nibble
                       "cvt.u32.u8 $0, q;\n}", "=r,f,f", [x0, x1], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def thread_register(value: int, *, loc=None, ip=None) -> Int32:
+    """``value`` in a per-thread register: %tid.x >> 31 (always 0) added, which ptxas cannot fold."""
+    return Int32(llvm.inline_asm(T.i32(), [], "{\n.reg .u32 t;\nmov.u32 t, %tid.x;\nshr.u32 t, t, 31;\n"
+                                 f"add.u32 $0, t, {value:#x};\n}}", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op

@@ -620,6 +620,10 @@ class AttentionFwdSm100:
                 guard_on = flag[0]
                 m_run = Float32(cutlass.select_(guard_on != Int32(0), m_hat, Float32(0.0)))
         l_run = Float32(0.0)
+        if const_expr(cfg.direct_p):
+            # the l lookup table's first word in a register of its own (ptxas would rebuild a
+            # constant before each PRMT: one MOV per four keys)
+            twice_lo = dp.thread_register(dp.TWICE_LO)
         # fast Direct-P: the saturating classifier (numerics.directp.sat_codes) on raw scores,
         # the softmax scale folded into its multiplier A7s = fl32(scale * A7)
         fold_scale = cfg.direct_p and cfg.p_policy == "fast"
@@ -718,22 +722,32 @@ class AttentionFwdSm100:
                         t_max = bmaxes[0]
                         for b in cutlass.range_constexpr(1, n_blocks):
                             t_max = cute.arch.fmax(t_max, bmaxes[b])
-                        d_shift, fac = dp.rebase_shift(t_max, m_run)
-                        m_run = m_run + d_shift
+                        # (a cold branch, taken by the whole warp when any row needs it: the hot
+                        # path is a subtract, a compare and a vote)
+                        if cute.arch.vote_any_sync(t_max - m_run > Float32(dp.REBASE_E)):
+                            ptx.perf_marker(markers.REBASE)  # a cold region for the perf model
+                            d_shift, fac = dp.rebase_shift(t_max, m_run)
+                            m_run = m_run + d_shift
+                            l_run = l_run * fac
+                            # O_j *= 2^-d here: PV_j of the previous tile has completed (its commit
+                            # precedes this S_j). Tile 0's PV overwrites O_j (ACCUMULATE off).
+                            # 16-column chunks, each store waited for before the next load (32-column
+                            # chunks spilled 176 B)
+                            if i > 0:
+                                self.scale_o(o_view, fac, True)
                         m_ref = m_run
-                        l_run = l_run * fac
-                        # tile 0's PV overwrites O_j (ACCUMULATE off): nothing there to scale
-                        o_alpha = Float32(cutlass.select_(i == 0, Float32(1.0), fac))
                 # ---- P codes and block exponents (scale bytes go to SMEM for tcgen05.cp) ----
-                # the row of the scale bytes' addresses, read again here: carried from the
-                # prologue through both tile loops, ptxas spilled it (4 bytes) in the masked one
                 t_sf = t
-                if const_expr(cfg.direct_p):
+                if const_expr(cfg.p_smem):
+                    # P's SMEM row address is live too: carried through both tile loops, the
+                    # scale bytes' row spilled (8 B) there; read again here (3 instructions)
                     t_sf = row_in_warpgroup()
                 p_words = cute.make_rmem_tensor((p_cols,), cutlass.Int32)
                 sfp_bytes = None
                 if const_expr(cfg.pv_block_scaled):
                     sfp_bytes = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=cutlass.Uint8), sSFP.layout)
+                e_fs, e_words = [], []  # Direct-P: each block's e_B (float) and block_exponent word
+                blocks_per_part = n_blocks // self.p_parts
                 if const_expr(cfg.two_level):
                     # ---- two-level P (numerics.directp.p_two_level) ----
                     # level 1: p = exp2(t - m) in place of the scores; l sums the unrounded p;
@@ -782,16 +796,28 @@ class AttentionFwdSm100:
                     if cute.arch.vote_any_sync(o_fac != Float32(1.0)):
                         self.scale_o(o_view, o_fac, False)
                     r_prev = r
-                else:
+                elif const_expr(cfg.direct_p):
+                    # every block's exponent and E8M0 byte first: publish part 1 carries the block
+                    # scales of the whole tile (plan.publish)
                     for b in cutlass.range_constexpr(n_blocks):
-                        lsum = Float32(0.0)
-                        if const_expr(cfg.direct_p):
-                            e_b = dp.block_exponent(bmaxes[b] - m_ref)
-                            e_bf = Float32(e_b)
+                        e_bf, e_word = dp.block_exponent(bmaxes[b] - m_ref)
+                        e_fs.append(e_bf)
+                        e_words.append(e_word)
+                        # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
+                        # (((row % 32, row // 32), 0), (vec, b % 2)), MMA_M 0, K64 step b // 2, stage j
+                        sfp_bytes[(((t_sf % 32, t_sf // 32), 0), (0, b % 2)), 0, b // 2, j] = cutlass.Uint8(e_word)
+                # ---- P codes of each publish part's blocks, then that part published: with halves
+                # the PV MMA starts on keys [0, N/2) while the codes of [N/2, N) are made ----
+                for part in cutlass.range_constexpr(self.p_parts):
+                    for b in cutlass.range_constexpr(part * blocks_per_part, (part + 1) * blocks_per_part):
+                        if const_expr(cfg.two_level):
+                            pass  # P made above, for the whole tile
+                        elif const_expr(cfg.direct_p):
+                            e_bf, e_word = e_fs[b], e_words[b]
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
                                 c_b = dp.sat_offset(m_ref, e_bf, sat_a7, sat_k7)
-                                twice = dp.sat_block(tS_rc[b], a7_s, c_b, p_words, b * 4)
+                                twice = dp.sat_block(tS_rc[b], a7_s, c_b, p_words, b * 4, lo_t=twice_lo)
                             else:
                                 # two codes per hardware conversion; the PRMT lookup yields both magnitudes
                                 # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block
@@ -800,15 +826,16 @@ class AttentionFwdSm100:
                                     word = Int32(0)
                                     for h in cutlass.range_constexpr(4):
                                         q = dp.accurate_pair(tS_rc[b][w * 8 + 2 * h], tS_rc[b][w * 8 + 2 * h + 1], m_ref, e_bf)
-                                        twice2 = twice2 + dp.twice_values_pair(q, dp.TWICE_LO, dp.TWICE_HI)
+                                        twice2 = twice2 + dp.twice_values_pair(q, twice_lo, dp.TWICE_HI)
                                         word = word | (q << Int32(8 * h))
                                     p_words[b * 4 + w] = word
-                                twice = (twice2 & Int32(0xFF)) + ((twice2 >> Int32(8)) & Int32(0xFF))
-                            l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_b)
-                            # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
-                            # (((row % 32, row // 32), 0), (vec, b % 2)), MMA_M 0, K64 step b // 2, stage j
-                            sfp_bytes[(((t_sf % 32, t_sf // 32), 0), (0, b % 2)), 0, b // 2, j] = cutlass.Uint8(e_b + Int32(127))
+                                twice = dp.byte_sum(twice2)
+                            if const_expr(cfg.guard):
+                                l_run = l_run + Float32(twice) * dp.quad_pow2(e_word)  # l_run is 4 l here
+                            else:
+                                l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_word)
                         else:
+                            lsum = Float32(0.0)
                             pf = cute.make_rmem_tensor((32,), Float32)
                             for c in cutlass.range_constexpr(32):
                                 pf[c] = cute.math.exp2(tS_rc[(b * 32 + c) // 32][(b * 32 + c) % 32] - m_ref, fastmath=True)
@@ -816,8 +843,6 @@ class AttentionFwdSm100:
                             p8 = cute.recast_tensor(cute.make_tensor(p_words.iterator + b * 8, cute.make_layout(8)), E4M3)
                             p8.store((pf.load() * Float32(cfg.p_fp8_scale)).to(E4M3))
                             l_run = l_run + lsum  # the exp path sums unrounded p (as the reference)
-                # ---- publish P (whole or halves) ----
-                for part in cutlass.range_constexpr(self.p_parts):
                     hp = p_prod.acquire_and_advance()
                     if const_expr(cfg.p_smem):
                         # p_source smem: this part's 16-byte chunks of row t at their swizzled places
@@ -846,20 +871,18 @@ class AttentionFwdSm100:
                             # 9.7.16.8.3/4); alpha = 1 leaves a row exact. Found by the emulator.
                             if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
                                 self.scale_o(o_view, o_alpha, False)
-                    if const_expr(cfg.direct_p and cfg.guard and part == 0):
-                        # O_j *= 2^-d of this tile's rebase, where the exp path rescales (above, same
-                        # reasons), by the whole warp when any row rebased; in 16-column chunks, each
-                        # store waited for before the next load (32-column chunks spilled 176 B)
-                        if cute.arch.vote_any_sync(o_alpha < Float32(1.0)):
-                            ptx.perf_marker(markers.REBASE)  # a cold region for the perf model
-                            self.scale_o(o_view, o_alpha, True)
                     cute.arch.fence_view_async_tmem_store()  # P's (and O's) tcgen05.st complete
-                    cute.arch.fence_proxy("async.shared", space="cta")
+                    if const_expr(part == 0 or cfg.p_smem):
+                        # generic-proxy SMEM writes (the block scales, before part 0; P itself with
+                        # p_source smem) made visible to the MMA's async proxy (tcgen05.cp, the MMA)
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
         # final statistics for the epilogue
         hst = st_prod.acquire_and_advance()
         rs = cute.make_tensor(row_sum_ptr + j * cfg.tile_m, cute.make_layout(cfg.tile_m))
         rm = cute.make_tensor(row_max_ptr + j * cfg.tile_m, cute.make_layout(cfg.tile_m))
+        if const_expr(cfg.direct_p and cfg.guard):
+            l_run = l_run * Float32(0.25)  # it summed 4 l (dp.quad_pow2); exact
         rs[t] = l_run
         rm[t] = m_run
         if const_expr(cfg.two_level):

@@ -203,19 +203,24 @@ def pv_reads_p_part2(ptx):
 
 
 def swap_sfp_coords(ptx):
-    """(d) stage 0's P scale bytes stored at b//2 + 2*(b%2) instead of b%2 + 2*(b//2): blocks 1
-    and 2 trade places (their shared-memory byte offsets), in every copy of the tile loop that
-    stores them (unmasked and masked)."""
+    """(d) stage 0's P scale bytes of blocks 1 and 2 trade places. The four bytes of a row are
+    contiguous (b % 2 + 2 * (b // 2)) and LLVM packs them into one word (two PRMTs 0x3340 for
+    the byte pairs, one 0x5410 joining them) for a single st.shared.b32; the fault makes the
+    joining selector 0x5140, in every copy of the tile loop that stores them."""
     ls = _lines(ptx)
-    st = [i for i, s in enumerate(ls) if "st.shared.b8" in s]
-    off = {i: int(re.search(r"\+(\d+)\]", ls[i]).group(1)) for i in st}
-    first = off[st[0]]
-    groups = [st[j:j + 4] for j in range(len(st) - 3)
-              if [off[i] for i in st[j:j + 4]] == [first + k for k in range(4)]]
-    assert groups, "no run of four stage-0 scale-byte stores"
-    for g in groups:
-        ls[g[1]] = ls[g[1]].replace(f"+{first + 1}]", f"+{first + 2}]")
-        ls[g[2]] = ls[g[2]].replace(f"+{first + 2}]", f"+{first + 1}]")
+    defs = {}
+    for i, s in enumerate(ls):
+        m = re.match(r"\s*prmt\.b32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+),\s*(0x[0-9A-F]+)U;", s)
+        if m:
+            defs[m.group(1)] = (i, m.group(2), m.group(3), m.group(4))
+    n = 0
+    for s in ls:
+        m = re.match(r"\s*st\.shared\.b32\s+\[[^\]]+\],\s*(%r\d+);", s)
+        d = defs.get(m.group(1)) if m else None
+        if d and d[3] == "0x5410" and all(defs.get(r, (0, 0, 0, ""))[3] == "0x3340" for r in d[1:3]):
+            ls[d[0]] = ls[d[0]].replace("0x5410U", "0x5140U")
+            n += 1
+    assert n, "no packed store of four scale bytes found"
     return "\n".join(ls)
 
 
