@@ -41,8 +41,7 @@ MASKED_BOUND = 665
 MASK_COMPARES = 16  # ISETP on the unmasked path: none per key (the masked copy has ~128)
 
 
-@pytest.fixture(scope="module")
-def softmax_roles(tmp_path_factory):
+def _softmax_roles(example: str, tmp):
     from fp4gen.frontend import parse_file
     from fp4gen.ir.passes import plan_kernel
     from fp4gen.lowering import conformance as C
@@ -50,13 +49,18 @@ def softmax_roles(tmp_path_factory):
 
     from test_sm100_lowering import EXAMPLES
 
-    plan = plan_kernel(parse_file(EXAMPLES / "fa4_fp4_d128.attn")[0])
-    art = C.compile_artifacts(sm100.render(plan), str(tmp_path_factory.mktemp("count")))
-    info = perf.KernelInfo(name="fa4_fp4_d128", arch="sm_100a", causal=True, tile_m=256, tile_n=128,
+    plan = plan_kernel(parse_file(EXAMPLES / f"{example}.attn")[0])
+    art = C.compile_artifacts(sm100.render(plan), str(tmp))
+    info = perf.KernelInfo(name=example, arch="sm_100a", causal=True, tile_m=256, tile_n=128,
                            head_dim=128, warps_by_registers={}, groups=2, persistent=False)
     an = perf.analyse(perf.KernelArtifacts(info, art.ptx, perf.sass_cached(art.ptx)))
     softmax = next(r.registers for r in plan.pipeline.roles if r.name.startswith("softmax"))
     return [r for r in an["roles"] if r["registers"] == softmax]
+
+
+@pytest.fixture(scope="module")
+def softmax_roles(tmp_path_factory):
+    return _softmax_roles("fa4_fp4_d128", tmp_path_factory.mktemp("count"))
 
 
 @pytest.mark.slow
@@ -71,3 +75,20 @@ def test_the_fast_direct_p_tile_stays_under_its_instruction_bound(softmax_roles)
         assert ops.get("FFMA", 0) >= 128  # y = sat(A7s * s + c_B), one per key
         assert ops.get("FFMA2", 0) == 64 and ops.get("FADD2", 0) == 32  # two code bytes per 3 f32x2
         assert not ops.get("FMUL2")  # the scale is folded into the classifier
+
+
+# The FP8 exp path (fa4_nvfp8_d128), one loop masking every tile: 959 instructions and 129 MUFU
+# per row per tile (MUFU-bound: 129 x 8 cycles at 16 lanes/clk/SM); with the exponent as one
+# FFMA2 per two scores, P's factor 256 in it, l summed by FADD2 and 2 pairs in 8 of the
+# exponentials on the FMA pipe (exp2_fma): 782 and 97 MUFU, the two pipes balanced.
+FP8_BOUND = 790
+FP8_MUFU = 97
+
+
+@pytest.mark.slow
+def test_the_fp8_exp_tile_balances_issue_and_mufu(tmp_path_factory):
+    (r,) = _softmax_roles("fa4_nvfp8_d128", tmp_path_factory.mktemp("fp8"))
+    ops = r["main"]["opcodes"]
+    assert r["main"]["instructions"] <= FP8_BOUND, ops
+    assert ops.get("MUFU", 0) <= FP8_MUFU, ops
+    assert ops.get("FMUL", 0) <= 1, ops  # the row max's scale only: each score's is in the FFMA2

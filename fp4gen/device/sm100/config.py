@@ -9,6 +9,8 @@ be imported without CuTe DSL.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,6 +64,9 @@ class ForwardKernelConfig:
     def __post_init__(self):
         if self.p_mode not in P_MODES:
             raise ValueError(f"p_mode must be one of {P_MODES}, got {self.p_mode!r}")
+        if self.p_mode == "exp_fp8" and not math.log2(self.p_fp8_scale).is_integer():
+            # the kernel folds the factor into the exponent: exp2(x + log2 p_fp8_scale)
+            raise ValueError(f"p_fp8_scale must be a power of two, got {self.p_fp8_scale}")
 
     @property
     def guard(self) -> bool:

@@ -33,6 +33,7 @@ from fp4gen.device.pipelines import coop, stage_pipelines, stage_view
 from fp4gen.device import ptx
 from fp4gen.device.sm100 import copies
 from fp4gen.device.sm100 import direct_p as dp
+from fp4gen.device.sm100 import exp2_fma as e2f
 from fp4gen.device.sm100 import opaque as opq
 from fp4gen.device.sm100 import two_level as tl
 from fp4gen.device.sm100.config import ForwardKernelConfig
@@ -41,6 +42,10 @@ from fp4gen.numerics import directp as dpn
 F4 = cutlass.Float4E2M1FN
 E4M3 = cutlass.Float8E4M3FN
 E8M0 = cutlass.Float8E8M0FNU
+# FP8 exp path: pairs of scores in each eight whose exp2 runs on the FMA pipe (exp2_fma) instead
+# of the MUFU. 2 of 8 (model, B200: issue 782 against MUFU 776 cycles per warp and tile, from
+# 1,032 MUFU-bound with none); 3 of 8 spilled 24 B
+EXP2_FMA_PAIRS_IN_8 = 2
 
 
 class AttentionFwdSm100:
@@ -69,6 +74,8 @@ class AttentionFwdSm100:
         # the softmax's copies of its tile loop, masked or not, in the order they run (softmax():
         # the unmasked tiles first on Direct-P). No extra copies for an unguarded stage's m = 0
         # (ea85f78 had them: 64 fewer FADD2 per tile, twice the code, +85 % compile time)
+        # The exp and two-level paths keep one loop: split, each spilled (two-level 4 bytes; the FP8
+        # exp path 8 to 32 bytes in its masked copy once the other copy had FMA-pipe exp2s)
         self.tile_loops = (False, True) if cfg.direct_p else (True,)
 
     @cute.jit
@@ -634,12 +641,11 @@ class AttentionFwdSm100:
             r_prev = Float32(1.0)  # row factor of the previous KV tile (O_j is in its units)
         words_per_part = part_cols
         n_blocks = cfg.tile_n // 32
-        # Direct-P: two copies of the tile loop, as FA4's: first the tiles that every row of
-        # this stage sees whole (no key past the sequence end or, causal, past the stage's
-        # first row's diagonal), without the masking code; then the rest, with it. In one loop
-        # ptxas if-converts the masking (a compare, a select and a move per key) and every
-        # tile issues it. The exp and two-level paths keep one loop: split, the two-level
-        # kernel spilled 4 bytes (not yet worked out), and neither is issue-bound on this.
+        # Two copies of the tile loop, as FA4's: first the tiles that every row of this stage
+        # sees whole (no key past the sequence end or, causal, past the stage's first row's
+        # diagonal), without the masking code; then the rest, with it. In one loop ptxas
+        # if-converts the masking (a compare, a select and a move per key) and every tile
+        # issues it. The exp and two-level paths keep one loop (self.tile_loops).
         row0 = (m_block * cfg.q_stages + j) * cfg.tile_m
         n_whole = seqlen_k // cfg.tile_n
         if const_expr(cfg.causal):
@@ -671,9 +677,10 @@ class AttentionFwdSm100:
                     for c in cutlass.range_constexpr(0, cfg.tile_n, 2):
                         tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1] = cute.arch.mul_packed_f32x2(
                             (tS_rc[c // 32][c % 32], tS_rc[c // 32][c % 32 + 1]), (scale_log2, scale_log2))
-                elif const_expr(not cfg.direct_p):
+                elif const_expr(cfg.two_level):
                     for c in cutlass.range_constexpr(cfg.tile_n):
                         tS_rc[c // 32][c % 32] = tS_rc[c // 32][c % 32] * scale_log2
+                # (the FP8 exp path keeps raw scores too: its exponent is one FFMA, below)
                 if const_expr(masked):
                     # this row sees keys [0, n_valid) of the tile (bottom-right causal: key <= diag).
                     # Per 32 keys one bit mask of the kept ones, then per key a bit test and an
@@ -695,6 +702,8 @@ class AttentionFwdSm100:
                     # PV_j of the previous tile has completed (its commit precedes this S_j) and
                     # PV_j of this tile waits for P below, so O_j is ours to rescale until P_j is
                     # published (the exp path does it there, the two-level path after packing P).
+                    if const_expr(cfg.exp_fp8):
+                        s_max = s_max * scale_log2  # the max of raw s, in log2 units (scale > 0)
                     m_new = cute.arch.fmax(m_run, s_max)
                     m_new_s = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
                     m_old_s = Float32(cutlass.select_(m_run == -Float32.inf, m_new_s, m_run))
@@ -747,6 +756,9 @@ class AttentionFwdSm100:
                 if const_expr(cfg.pv_block_scaled):
                     sfp_bytes = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=cutlass.Uint8), sSFP.layout)
                 e_fs, e_words = [], []  # Direct-P: each block's e_B (float) and block_exponent word
+                if const_expr(cfg.exp_fp8):
+                    exp_off = Float32(math.log2(cfg.p_fp8_scale)) - m_ref
+                    lsum2 = (Float32(0.0), Float32(0.0))
                 blocks_per_part = n_blocks // self.p_parts
                 if const_expr(cfg.two_level):
                     # ---- two-level P (numerics.directp.p_two_level) ----
@@ -835,14 +847,23 @@ class AttentionFwdSm100:
                             else:
                                 l_run = l_run + Float32(twice) * dp.half_pow2_e8m0(e_word)
                         else:
-                            lsum = Float32(0.0)
+                            # p' = p_fp8_scale * exp2(t - m) = exp2(s * scale - (m - log2 p_fp8_scale)):
+                            # one FFMA per score (two per f32x2), the stored factor in the exponent;
+                            # l sums the unrounded p' (as the reference sums p) in two lanes
+                            # 2 pairs in 8 take exp2 on the FMA pipe (exp2_fma): the tile is MUFU-bound
+                            # otherwise (MUFU 16 lanes/clk/SM on B200); a masked key's x = -inf gives 0
                             pf = cute.make_rmem_tensor((32,), Float32)
-                            for c in cutlass.range_constexpr(32):
-                                pf[c] = cute.math.exp2(tS_rc[(b * 32 + c) // 32][(b * 32 + c) % 32] - m_ref, fastmath=True)
-                                lsum = lsum + pf[c]
+                            for c in cutlass.range_constexpr(0, 32, 2):
+                                x = cute.arch.fma_packed_f32x2((tS_rc[b][c], tS_rc[b][c + 1]),
+                                                               (scale_log2, scale_log2), (exp_off, exp_off))
+                                if const_expr((c // 2) % 8 < EXP2_FMA_PAIRS_IN_8):
+                                    pf[c], pf[c + 1] = e2f.exp2_pair(x[0], x[1])
+                                else:
+                                    pf[c] = cute.math.exp2(x[0], fastmath=True)
+                                    pf[c + 1] = cute.math.exp2(x[1], fastmath=True)
+                                lsum2 = cute.arch.add_packed_f32x2(lsum2, (pf[c], pf[c + 1]))
                             p8 = cute.recast_tensor(cute.make_tensor(p_words.iterator + b * 8, cute.make_layout(8)), E4M3)
-                            p8.store((pf.load() * Float32(cfg.p_fp8_scale)).to(E4M3))
-                            l_run = l_run + lsum  # the exp path sums unrounded p (as the reference)
+                            p8.store(pf.load().to(E4M3))
                     hp = p_prod.acquire_and_advance()
                     if const_expr(cfg.p_smem):
                         # p_source smem: this part's 16-byte chunks of row t at their swizzled places
@@ -877,12 +898,16 @@ class AttentionFwdSm100:
                         # p_source smem) made visible to the MMA's async proxy (tcgen05.cp, the MMA)
                         cute.arch.fence_proxy("async.shared", space="cta")
                     hp.commit()
+                if const_expr(cfg.exp_fp8):
+                    l_run = l_run + (lsum2[0] + lsum2[1])  # in units of p_fp8_scale (below)
         # final statistics for the epilogue
         hst = st_prod.acquire_and_advance()
         rs = cute.make_tensor(row_sum_ptr + j * cfg.tile_m, cute.make_layout(cfg.tile_m))
         rm = cute.make_tensor(row_max_ptr + j * cfg.tile_m, cute.make_layout(cfg.tile_m))
         if const_expr(cfg.direct_p and cfg.guard):
             l_run = l_run * Float32(0.25)  # it summed 4 l (dp.quad_pow2); exact
+        if const_expr(cfg.exp_fp8):
+            l_run = l_run * Float32(1.0 / cfg.p_fp8_scale)  # it summed p' = p_fp8_scale p; exact
         rs[t] = l_run
         rm[t] = m_run
         if const_expr(cfg.two_level):
