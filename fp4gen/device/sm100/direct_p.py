@@ -30,6 +30,7 @@ target-neutral FP8 Direct-P helpers live in ``fp4gen.device.directp``.
 from __future__ import annotations
 
 import math
+import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -62,14 +63,18 @@ E8M0_MAGIC = 12583039.0  # 1.5 * 2^23 + 127: e + E8M0_MAGIC holds e + 127 in its
 
 
 @cute.jit
-def block_exponent(block_max_u: Float32):
+def block_exponent(block_max_u: Float32, bounded: cutlass.Constexpr = False):
     """(e_B, word) for a block: e_B = clamp(floor(max_B u), -127, 127) as a float (-inf, a fully
     masked block, and an all-NaN block give -127: max.f32 returns the operand that is not NaN),
     and ``word`` = bits of fl32(e_B + 1.5 * 2^23 + 127), exact, whose low byte is the E8M0
     byte e_B + 127 (a byte store keeps just that) and whose low 9 bits ``quad_pow2`` and
-    ``half_pow2_e8m0`` read. A floor and two FP32 clamps: no conversion to integer."""
+    ``half_pow2_e8m0`` read. A floor and two FP32 clamps: no conversion to integer.
+    ``bounded``: u <= REBASE_E is known (the guard's rebase ran on this tile, and the scores are
+    finite: products of NVFP4 operands), so the clamp at 127 is left out."""
     e = cute.math.floor(block_max_u, fastmath=True)
-    e = cute.arch.fmin(cute.arch.fmax(e, Float32(-127.0)), Float32(127.0))
+    e = cute.arch.fmax(e, Float32(-127.0))
+    if cutlass.const_expr(not bounded):
+        e = cute.arch.fmin(e, Float32(127.0))
     return e, f32_as_i32(e + Float32(E8M0_MAGIC))
 
 
@@ -135,8 +140,9 @@ def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def sat_offset(m: Float32, e_b: Float32, a7: cutlass.Constexpr, k7: cutlass.Constexpr) -> Float32:
-    """c_B = fl32(fma(-A7, fl32(m + e_B), K7)) (numerics.directp.sat_offset)."""
+def sat_offset(m: Float32, e_b: Float32, a7, k7: cutlass.Constexpr) -> Float32:
+    """c_B = fl32(fma(-A7, fl32(m + e_B), K7)) (numerics.directp.sat_offset). ``a7``: the constant or
+    a register holding it (thread_f32)."""
     return fma_rn(m + e_b, Float32(-a7), Float32(k7))
 
 
@@ -150,7 +156,7 @@ MAGIC_SHIFT = MAGIC - MAGIC16  # exact in FP32
 
 @cute.jit
 def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0: cutlass.Constexpr,
-              packed: cutlass.Constexpr = True, lo_t=None) -> Int32:
+              packed: cutlass.Constexpr = True, lo_t=None, hi_mul=None) -> Int32:
     """The saturating classifier (numerics.directp.sat_codes) for one 32-key block of raw scores
     ``s``: the codes as four nibble words ``words[w0 .. w0+4)`` (key 8w + c in nibble c of word
     w); returns twice the block's sum of E2M1 magnitudes. Per key one ``fma.rn.sat.f32``
@@ -161,7 +167,9 @@ def sat_block(s: cute.Tensor, a_s: Float32, c_b: Float32, words: cute.Tensor, w0
     ``packed=False``: the same roundings by scalar FMAs and adds (the
     sm_90a probe: f32x2 is sm_100a only)."""
     seven = (Float32(7.0), Float32(7.0))
-    hi_mul = (Float32(112.0), Float32(112.0))
+    if cutlass.const_expr(hi_mul is None):
+        hi_mul = Float32(112.0)
+    hi_mul = (hi_mul, hi_mul)
     magic16 = (Float32(MAGIC16), Float32(MAGIC16))
     shift = (Float32(MAGIC_SHIFT), Float32(MAGIC_SHIFT))
     hi_t = Int32(TWICE_HI)
@@ -212,6 +220,14 @@ def thread_register(value: int, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(T.i32(), [], "{\n.reg .u32 t;\nmov.u32 t, %tid.x;\nshr.u32 t, t, 31;\n"
                                  f"add.u32 $0, t, {value:#x};\n}}", "=r", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def thread_f32(value: float, *, loc=None, ip=None) -> Float32:
+    """The fp32 ``value`` in a per-thread register (``thread_register`` of its bits): a constant
+    the tile loop uses that ptxas would otherwise rebuild on every tile."""
+    bits = int.from_bytes(struct.pack("<f", value), "little")
+    return i32_as_f32(thread_register(bits, loc=loc, ip=ip))
 
 
 @dsl_user_op

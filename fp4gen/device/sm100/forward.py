@@ -637,6 +637,12 @@ class AttentionFwdSm100:
         if const_expr(fold_scale):
             sat_a7, sat_k7 = dpn.sat_constants(cfg.direct_p_a, cfg.direct_p_b)
             a7_s = scale_log2 * Float32(sat_a7)
+            # constants of the tile loop in registers of their own (ptxas rebuilt them every tile);
+            # not with P through SMEM, whose row address takes the register (8 B spilled)
+            sat_a7_r, sat_112_r = sat_a7, None
+            if const_expr(not cfg.p_smem):
+                sat_a7_r = dp.thread_f32(sat_a7)
+                sat_112_r = dp.thread_f32(112.0)
         if const_expr(cfg.two_level):
             r_prev = Float32(1.0)  # row factor of the previous KV tile (O_j is in its units)
         words_per_part = part_cols
@@ -812,7 +818,7 @@ class AttentionFwdSm100:
                     # every block's exponent and E8M0 byte first: publish part 1 carries the block
                     # scales of the whole tile (plan.publish)
                     for b in cutlass.range_constexpr(n_blocks):
-                        e_bf, e_word = dp.block_exponent(bmaxes[b] - m_ref)
+                        e_bf, e_word = dp.block_exponent(bmaxes[b] - m_ref, bounded=cfg.guard)
                         e_fs.append(e_bf)
                         e_words.append(e_word)
                         # scale-factor atom coordinate of (row t, 32-key block b) in stage j's buffer:
@@ -828,8 +834,8 @@ class AttentionFwdSm100:
                             e_bf, e_word = e_fs[b], e_words[b]
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
-                                c_b = dp.sat_offset(m_ref, e_bf, sat_a7, sat_k7)
-                                twice = dp.sat_block(tS_rc[b], a7_s, c_b, p_words, b * 4, lo_t=twice_lo)
+                                c_b = dp.sat_offset(m_ref, e_bf, sat_a7_r, sat_k7)
+                                twice = dp.sat_block(tS_rc[b], a7_s, c_b, p_words, b * 4, lo_t=twice_lo, hi_mul=sat_112_r)
                             else:
                                 # two codes per hardware conversion; the PRMT lookup yields both magnitudes
                                 # as bytes, summed bytewise (<= 16 * 12 per byte) and folded per block
