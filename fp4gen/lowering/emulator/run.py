@@ -423,10 +423,13 @@ def warp_roles(mod) -> dict:
 
 
 def _spec_of(mod):
-    from fp4gen.frontend import parse_file
+    """The spec a generated module was rendered from, as its PLAN_JSON records it (as the runtime
+    reads it: torch_ops._spec_of_module). The spec file may hold several kernels and may have
+    changed since; taking its first kernel compared fa4_fp4_full_d128 with fa4_fp4_d128's
+    causal reference."""
+    from fp4gen.ir.serialize import spec_from_plan_json
 
-    path = REPO / mod.SPEC_FILE
-    return parse_file(path)[0]
+    return spec_from_plan_json(mod.PLAN_JSON)
 
 
 # ----------------------------------------------------------------------------- run
