@@ -59,7 +59,7 @@ def i32_as_f32(x, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-E8M0_MAGIC = 12583039.0  # 1.5 * 2^23 + 127: e + E8M0_MAGIC holds e + 127 in its low mantissa bits
+E8M0_MAGIC = MAGIC + 127.0  # e + E8M0_MAGIC holds the integer e + 127 in its low mantissa bits
 
 
 @cute.jit

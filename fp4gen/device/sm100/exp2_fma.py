@@ -23,7 +23,7 @@ from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.device.ptx import _asm
-from fp4gen.device.sm100.direct_p import f32_as_i32, i32_as_f32
+from fp4gen.device.sm100.direct_p import E8M0_MAGIC, f32_as_i32, i32_as_f32
 
 # 2^f ~ c0 + f (c1 + f (c2 + f c3)) on [-1/2, 1/2], minimax in relative error (reweighted least
 # squares on 200,001 points, coefficients rounded to fp32): max |p / 2^f - 1| = 7.52e-5. Where
@@ -32,7 +32,7 @@ from fp4gen.device.sm100.direct_p import f32_as_i32, i32_as_f32
 # 0.016). Degree 4 (2.7e-6: 0.00098) spilled 8 B; the MUFU's ex2.approx has ~2^-22.
 EXP2_POLY = (0.9999282956123352, 0.6932609677314758, 0.24260851740837097, 0.05517060309648514)
 EXP2_POLY_REL_ERR = 7.6e-5
-ROUND_BIAS = 12583039.0  # 1.5 * 2^23 + 127
+ROUND_BIAS = E8M0_MAGIC  # 1.5 * 2^23 + 127, the trick of direct_p.block_exponent
 
 
 @dsl_user_op

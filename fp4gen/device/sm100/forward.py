@@ -827,10 +827,10 @@ class AttentionFwdSm100:
                 # ---- P codes of each publish part's blocks, then that part published: with halves
                 # the PV MMA starts on keys [0, N/2) while the codes of [N/2, N) are made ----
                 for part in cutlass.range_constexpr(self.p_parts):
-                    for b in cutlass.range_constexpr(part * blocks_per_part, (part + 1) * blocks_per_part):
-                        if const_expr(cfg.two_level):
-                            pass  # P made above, for the whole tile
-                        elif const_expr(cfg.direct_p):
+                    # this part's blocks; none for two-level P, made above for the whole tile
+                    b_end = part * blocks_per_part if cfg.two_level else (part + 1) * blocks_per_part
+                    for b in cutlass.range_constexpr(part * blocks_per_part, b_end):
+                        if const_expr(cfg.direct_p):
                             e_bf, e_word = e_fs[b], e_words[b]
                             twice = Int32(0)  # 2 * sum of the block's E2M1 magnitudes, exact in integers
                             if const_expr(cfg.p_policy == "fast"):
