@@ -44,35 +44,35 @@ PLAN_JSON = (
     '  "head_dim": 128, "mbarriers": 14, "mma_format": "bf16", "mma_kind": "kind::f16",\n'
     '  "mmas": [\n'
     '   {\n'
-    '    "a_major": "K", "a_source": "smem", "accumulate": "zero_init", "accumulator": "S",\n'
-    '    "b_major": "K", "formula": "S^T = K Q^T", "k": 128, "kind": "kind::f16", "m": 128, "n": 128,\n'
-    '    "name": "S", "operand_format": "bf16"\n'
+    '    "a_format": "", "a_major": "K", "a_source": "smem", "accumulate": "zero_init",\n'
+    '    "accumulator": "S", "b_format": "", "b_major": "K", "formula": "S^T = K Q^T", "k": 128,\n'
+    '    "kind": "kind::f16", "m": 128, "n": 128, "name": "S", "operand_format": "bf16"\n'
     '   },\n'
     '   {\n'
-    '    "a_major": "K", "a_source": "smem", "accumulate": "zero_init", "accumulator": "dP",\n'
-    '    "b_major": "K", "formula": "dP^T = V dO^T", "k": 128, "kind": "kind::f16", "m": 128, "n": 128,\n'
-    '    "name": "dP", "operand_format": "bf16"\n'
+    '    "a_format": "bf16", "a_major": "K", "a_source": "smem", "accumulate": "zero_init",\n'
+    '    "accumulator": "dP", "b_format": "bf16", "b_major": "K", "formula": "dP^T = V dO^T", "k": 128,\n'
+    '    "kind": "kind::f16", "m": 128, "n": 128, "name": "dP", "operand_format": "bf16"\n'
     '   },\n'
     '   {\n'
-    '    "a_major": "K", "a_source": "tmem", "accumulate": "across_tiles", "accumulator": "dV",\n'
-    '    "b_major": "MN", "formula": "dV += P^T dO", "k": 128, "kind": "kind::f16", "m": 128, "n": 128,\n'
-    '    "name": "dV", "operand_format": "bf16"\n'
+    '    "a_format": "bf16", "a_major": "K", "a_source": "tmem", "accumulate": "across_tiles",\n'
+    '    "accumulator": "dV", "b_format": "bf16", "b_major": "MN", "formula": "dV += P^T dO", "k": 128,\n'
+    '    "kind": "kind::f16", "m": 128, "n": 128, "name": "dV", "operand_format": "bf16"\n'
     '   },\n'
     '   {\n'
-    '    "a_major": "K", "a_source": "smem", "accumulate": "across_tiles", "accumulator": "dK",\n'
-    '    "b_major": "MN", "formula": "dK += dS^T Q", "k": 128, "kind": "kind::f16", "m": 128, "n": 128,\n'
-    '    "name": "dK", "operand_format": "bf16"\n'
+    '    "a_format": "", "a_major": "K", "a_source": "smem", "accumulate": "across_tiles",\n'
+    '    "accumulator": "dK", "b_format": "", "b_major": "MN", "formula": "dK += dS^T Q", "k": 128,\n'
+    '    "kind": "kind::f16", "m": 128, "n": 128, "name": "dK", "operand_format": "bf16"\n'
     '   },\n'
     '   {\n'
-    '    "a_major": "MN", "a_source": "smem", "accumulate": "zero_init", "accumulator": "dQ",\n'
-    '    "b_major": "MN", "formula": "dQ = dS K", "k": 128, "kind": "kind::f16", "m": 128, "n": 128,\n'
-    '    "name": "dQ", "operand_format": "bf16"\n'
+    '    "a_format": "", "a_major": "MN", "a_source": "smem", "accumulate": "zero_init",\n'
+    '    "accumulator": "dQ", "b_format": "", "b_major": "MN", "formula": "dQ = dS K", "k": 128,\n'
+    '    "kind": "kind::f16", "m": 128, "n": 128, "name": "dQ", "operand_format": "bf16"\n'
     '   }\n'
     '  ],\n'
     '  "notes": [\n'
     '   "causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the query tiles entirely above its keys and masks per element",\n'
     '   "S^T is recomputed from the caller\'s bf16 Q and K (V is never reused: dP^T = V dO^T needs bf16 V)",\n'
-    '   "P^T and dS^T are rounded to bf16 for the MMAs; dP^T stays fp32 (TMEM, then registers)",\n'
+    '   "P^T is rounded to bf16 for dV; dS^T to bf16 for dK and dQ; dP^T stays fp32 (TMEM, then registers)",\n'
     '   "LSE2 and D are read from global memory by the compute threads (32 queries per 16-byte-load batch)",\n'
     '   "Q/dO ring of 2 stage(s): 230520 of 232448 bytes of SMEM"\n'
     '  ],\n'
@@ -752,10 +752,10 @@ def forward(q, k, v, *, softmax_scale=None, return_lse=False):
 # sm100_bwd_causal_d128 backward: one CTA owns 128 keys of one (batch, head) and walks
 # the query tiles of 128 that see them; every product is a tcgen05.mma accumulating
 # in TMEM (fp4gen/device/sm100/backward.py, AttentionBwdSm100, configured by BWD_CONFIG below).
-# examples/sm100_bwd_d128.attn:23: backward {
-# examples/sm100_bwd_d128.attn:24: reuse lse
-# examples/sm100_bwd_d128.attn:10: mask     causal
-# examples/sm100_bwd_d128.attn:25: deterministic false
+# examples/sm100_bwd_d128.attn:24: backward {
+# examples/sm100_bwd_d128.attn:25: reuse lse
+# examples/sm100_bwd_d128.attn:11: mask     causal
+# examples/sm100_bwd_d128.attn:26: deterministic false
 #   tiles: 128 queries x 128 keys; warps: compute 4 (216 regs), dq 4 (168 regs), mma 1 (112 regs), load 1 (112 regs), spare 2 (112 regs)
 #   MMAs: S^T = K Q^T (A smem K-major, B K-major, acc TMEM S); dP^T = V dO^T (A smem K-major, B K-major, acc TMEM dP); dV += P^T dO (A tmem K-major, B MN-major, acc TMEM dV); dK += dS^T Q (A smem K-major, B MN-major, acc TMEM dK); dQ = dS K (A smem MN-major, B MN-major, acc TMEM dQ)
 #   TMEM (alloc 512): S 0-127, P 0-63 (over S), dP 128-255, dV 256-383, dK 384-511, dQ 128-255 (over dP)
@@ -783,6 +783,9 @@ BWD_CONFIG = BackwardKernelConfig(
     q_stages=2,
     causal=True,
     deterministic=False,
+    do_fp8=False,
+    do_format='bf16',
+    p_fp8_scale_log2=8,
     dq_aliases_dp=True,
     compute_warps=(0, 1, 2, 3),
     dq_warps=(4, 5, 6, 7),
@@ -820,7 +823,8 @@ def _bwd_build():
 from fp4gen.runtime import sm100_bwd_host as _sm100_bwd_host  # noqa: E402
 
 _BWD_HOST = _sm100_bwd_host.BackwardHost(_sm100_bwd_host.BackwardConfig(
-    kernel_name=KERNEL_NAME, head_dim=BWD_CONFIG.head_dim, tile_m=BWD_CONFIG.tile_m, softmax_scale=SOFTMAX_SCALE),
+    kernel_name=KERNEL_NAME, head_dim=BWD_CONFIG.head_dim, tile_m=BWD_CONFIG.tile_m, softmax_scale=SOFTMAX_SCALE,
+    do_format=BWD_CONFIG.do_format),
     build=_bwd_build)
 _bwd_compile = _BWD_HOST.compiled
 _bwd_launch = _BWD_HOST.launch  # looked up at call time: tests replace it with a CPU model

@@ -1117,8 +1117,8 @@ def backward_ops(bp) -> list:
     regions = {r.name: r for r in bp.tmem.regions}
     ops = []
     for m in bp.mmas:
-        t = _elem_type(m.operand_format)
-        op = _Op(m.name, m.kind, m.m, m.n, m.k, t, t, _major(m.a_major), _major(m.b_major), m.a_source,
+        a_t, b_t = (_elem_type(f) for f in m.formats())
+        op = _Op(m.name, m.kind, m.m, m.n, m.k, a_t, b_t, _major(m.a_major), _major(m.b_major), m.a_source,
                  regions[m.accumulator].first_col, zero_init=(m.accumulate == "zero_init"), order=len(ops))
         if m.a_source == "tmem":
             op.a_col = regions["P"].first_col

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from fp4gen.device.sm100.config import BackwardKernelConfig
+from fp4gen.ir.passes.backward_sm100 import P_FP8_SCALE_LOG2
 
 from . import Comment, LoweringError, template_env
 
@@ -46,9 +47,20 @@ def context(plan, bp=None) -> dict:
     if spec.backward is None:
         raise LoweringError(f"kernel {spec.name!r} has no backward block")
     bp = bp if bp is not None else backward_plan(plan)
-    if bp.mma_format != "bf16" or bp.mma_kind != "kind::f16":
-        raise LoweringError(f"the sm100a backward template has bf16 MMAs (kind::f16) only, plan asks "
-                            f"{bp.mma_format} ({bp.mma_kind})")
+    fmts = {m.name: m.operand_format for m in bp.mmas}
+    do_fp8 = fmts["dP"] == "fp8"
+    want = {"S": "bf16", "dK": "bf16", "dQ": "bf16", "dP": fmts["dP"], "dV": fmts["dP"]}
+    if fmts != want or fmts["dP"] not in ("bf16", "fp8"):
+        raise LoweringError(f"the sm100a backward template runs S^T, dK and dQ in bf16 and dP^T, dV in bf16 or "
+                            f"(with an FP8 dO) FP8; the plan asks {fmts}")
+    do_fmt = bp.grad_format("dO")
+    if do_fp8 != do_fmt.startswith("fp8"):
+        raise LoweringError(f"dP^T / dV MMAs in {fmts['dP']} but dO : {do_fmt}")
+    if do_fp8:  # the kernel's FP8 operand types: V and P^T E4M3, dO its own
+        for name in ("dP", "dV"):
+            got = next(m for m in bp.mmas if m.name == name).formats()
+            if got != ("fp8e4m3", do_fmt):
+                raise LoweringError(f"the sm100a backward's {name} MMA reads E4M3 x {do_fmt}; the plan has {got}")
     if bp.tile_m != 128 or bp.tile_n != 128 or bp.head_dim not in (64, 128):
         raise LoweringError(f"the sm100a backward template is written for 128 x 128 tiles and head_dim 64/128; "
                             f"plan has {bp.tile_m} x {bp.tile_n}, head_dim {bp.head_dim}")
@@ -67,8 +79,10 @@ def context(plan, bp=None) -> dict:
         # already loaded; any other offset would overwrite scores it still has to read
         raise LoweringError(f"the template writes P^T over the first columns of S^T (P at {cols['P'][0]}, "
                             f"S at {cols['S'][0]})")
-    if cols["P"][1] - cols["P"][0] + 1 != bp.tile_m // 2:
-        raise LoweringError(f"P^T is {bp.tile_m} bf16 queries = {bp.tile_m // 2} columns; plan has {cols['P']}")
+    per = 4 if do_fp8 else 2  # queries per 32-bit TMEM column: E4M3 or bf16 P^T
+    if cols["P"][1] - cols["P"][0] + 1 != bp.tile_m // per:
+        raise LoweringError(f"P^T is {bp.tile_m} {'E4M3' if do_fp8 else 'bf16'} queries = {bp.tile_m // per} "
+                            f"columns; plan has {cols['P']}")
 
     summary = [
         f"tiles: {bp.tile_m} queries x {bp.tile_n} keys; warps: "
@@ -107,6 +121,9 @@ def context(plan, bp=None) -> dict:
         q_stages=bp.q_stages,
         causal=bp.causal,
         deterministic=bp.deterministic,
+        do_fp8=do_fp8,
+        do_format=do_fmt[len("fp8"):] if do_fp8 else "bf16",
+        p_fp8_scale_log2=P_FP8_SCALE_LOG2,
         dq_aliases_dp=bp.dq_aliases_dp,
         compute_warps=warps["compute"],
         dq_warps=warps["dq"],

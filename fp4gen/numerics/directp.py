@@ -19,12 +19,13 @@ from typing import Optional
 
 import torch
 
+from .backward_rules import P_FP8_SCALE_LOG2
 from .formats import E2M1, E4M3, decode, encode, pow2
 from .quant import quantize_mxfp4, quantize_nvfp4
 
 LOG2E = math.log2(math.e)
 LOG2_6 = torch.tensor(math.log2(6.0), dtype=torch.float32).item()  # float32-rounded log2(6)
-P_FP8_SCALE = 256.0  # Hopper contract: P_fp8 = e4m3(p * 2**8)
+P_FP8_SCALE = 2.0 ** P_FP8_SCALE_LOG2  # Hopper contract: P_fp8 = e4m3(p * 2**8)
 E8M0_EMIN, E8M0_EMAX = -127, 127
 FAST_A, FAST_B = 1.50, 1.20
 # MXFP4 Direct-P's P approximates GAIN * 2**(t - m). The gain is not exact (the block

@@ -37,9 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from fp4gen.numerics.backward_rules import P_FP8_SCALE_LOG2
+
 from ..plan import (REGISTERS_PER_SM, SMEM_LIMIT_BYTES, TMEM_COLUMNS, TMEM_LANES, KernelPlan, LiveInterval, PlanError, SmemItem,
                     TmemPlan, TmemRegion, WarpRole)
-from ..spec import Format, Mask, Target
+from ..spec import Format, Mask, ScaleGranularity, Target
 from .backward import DKV_OUTPUT, POSTPROCESS, PREPROCESS, backward_block
 
 BWD_TILE_M = 128  # queries per step: the N of S^T/dP^T and the M (TMEM lanes) of dQ
@@ -50,8 +52,9 @@ BWD_HEAD_DIMS = (64, 128)  # what the template is written and compiled for
 SMEM_ALIGN_SLACK = 1024
 MBARRIER_BYTES = 8
 # one kind per element format (PTX: tcgen05.mma.cta_group::1.kind::f16 covers bf16 and fp16)
-MMA_KIND = {"bf16": "kind::f16"}
-K_PER_INSTRUCTION = {"kind::f16": 16}
+MMA_KIND = {"bf16": "kind::f16", "fp8": "kind::f8f6f4"}
+K_PER_INSTRUCTION = {"kind::f16": 16, "kind::f8f6f4": 32}
+# FP8 dO: P^T in TMEM is E4M3 of 2^P_FP8_SCALE_LOG2 P, as in the reference
 
 # warp roles in warp order; setmaxnreg works per warpgroup, so warps 8-11 share one budget.
 # Budgets from ptxas -v on the compiled d128 kernel: the MMA warp keeps the shared-memory
@@ -80,9 +83,14 @@ class BwdMmaSm100:
     a_source: str  # smem | tmem
     a_major: str  # K | MN
     b_major: str
-    operand_format: str
+    operand_format: str  # bf16 | fp8 (kind::f8f6f4 takes E4M3 and E5M2 in either operand)
     accumulator: str  # TMEM region name
     accumulate: str  # zero_init (per query tile) | across_tiles
+    a_format: str = ""  # element formats of A and B (bf16, fp8e4m3, fp8e5m2); "" = operand_format
+    b_format: str = ""
+
+    def formats(self) -> tuple[str, str]:
+        return (self.a_format or self.operand_format, self.b_format or self.operand_format)
 
     @property
     def instructions(self) -> int:
@@ -111,8 +119,8 @@ class BackwardPlanSm100:
     dq_aliases_dp: bool  # dQ's columns are dP^T's (d128): the MMA warp waits for the dQ warps' drain
     reuse: tuple[str, ...]
     grad_formats: tuple[tuple[str, str], ...]  # (operand, format) for dO dP dS dQ dK dV
-    mma_format: str
-    mma_kind: str
+    mma_format: str  # operand formats of the five MMAs, '+'-joined (bf16, bf16+fp8)
+    mma_kind: str  # their tcgen05 kinds, '+'-joined (kind::f16, kind::f16+kind::f8f6f4)
     mmas: tuple[BwdMmaSm100, ...]
     deterministic: bool
     dq_reduction: str  # atomic_fp32 | ordered_atomic_fp32
@@ -160,8 +168,9 @@ def _pow2_alloc(cols: int) -> int:
 
 
 def tmem_map(d: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N, limit: int = TMEM_COLUMNS,
-             loc=None) -> tuple[TmemPlan, bool]:
-    """The backward's TMEM regions for head_dim ``d``; (plan, dQ aliases dP^T).
+             loc=None, p_bits: int = 16) -> tuple[TmemPlan, bool]:
+    """The backward's TMEM regions for head_dim ``d``; (plan, dQ aliases dP^T). ``p_bits``: P^T's
+    element width (16 bf16, 8 E4M3 with an FP8 dO), 32 // p_bits queries per column.
 
     Raises PlanError naming every accumulator's columns when they cannot fit in ``limit``."""
     if tile_n != TMEM_LANES:
@@ -188,9 +197,11 @@ def tmem_map(d: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N, limit: 
     regions = [
         TmemRegion("S", s0, s0 + tile_m - 1, 0, tile_n - 1, "fp32",
                    "S^T = K Q^T (keys x queries), read by the compute warps", None, tile),
-        TmemRegion("P", s0, s0 + tile_m // 2 - 1, 0, tile_n - 1, "bf16x2",
-                   "P^T in bf16 (two queries per column), A operand of dV += P^T dO; written over S^T "
-                   "chunk by chunk after that chunk was loaded", None,
+        TmemRegion("P", s0, s0 + tile_m * p_bits // 32 - 1, 0, tile_n - 1, "bf16x2" if p_bits == 16 else "e4m3x4",
+                   ("P^T in bf16 (two queries per column)" if p_bits == 16 else
+                    "P^T as E4M3 of 2^8 P (four queries per column)")
+                   + ", A operand of dV += P^T dO; written over S^T chunk by chunk after that chunk was loaded",
+                   None,
                    LiveInterval("PUBLISH_P", "DV_MMA", "per_tile"), alias_of="S"),
         TmemRegion("dP", dp0, dp0 + tile_m - 1, 0, tile_n - 1, "fp32",
                    "dP^T = V dO^T (keys x queries), read by the compute warps", None, tile),
@@ -203,7 +214,8 @@ def tmem_map(d: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N, limit: 
                    None, LiveInterval("DQ_MMA", "DQ_DRAINED", "per_tile"), alias_of="dP" if dq_alias else None),
     ]
     total = max(r.last_col for r in regions) + 1
-    notes = ["P^T starts at S^T's first column: P chunk c (16 columns) overwrites S^T chunk c // 2 (32 "
+    per = 32 // p_bits
+    notes = [f"P^T starts at S^T's first column: P chunk c ({32 // per} columns) overwrites S^T chunk c // {per} (32 "
              "columns), which the compute thread has already loaded",
              "dQ over dP^T: the compute warps have read dP^T before they publish dS^T, and the MMA warp "
              "waits for the dQ warps' drain of the previous tile before the next dP^T" if dq_alias else
@@ -230,18 +242,39 @@ def _refuse_formats(spec) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]
                         spec.loc("backward.reuse") or spec.loc("backward"))
     grads = tuple((n, bw.format_of(n).format.value) for n in ("dO", "dP", "dS", "dQ", "dK", "dV"))
     for n, f in grads:
+        if n == "dO" and f.startswith("fp8"):
+            _check_fp8_do(spec, bw)
+            continue
         if f.startswith("fp8"):
             raise PlanError(
-                f"FP8 gradient operands on sm100a are not implemented yet ({n} : {f})",
+                f"FP8 {n} on sm100a is not implemented yet ({n} : {f})",
                 spec.loc(f"backward.{n}") or spec.loc("backward"),
-                notes=("tcgen05.mma kind::f8f6f4 reads 8-bit operands MN-major, so no transposed copies would be "
-                       "needed (unlike Hopper), but the per-row scales of dO and dS are not planned; "
-                       "use bf16 gradients for now",))
+                notes=("FP8 dO is (dP^T = V dO^T and dV += P^T dO run as kind::f8f6f4); an FP8 dS needs FP8 "
+                       "Q and K for dK and dQ, which NVFP4 Q/K cannot give exactly (E2M1 x E4M3 has 5 "
+                       "significant bits); use bf16 dS",) if n == "dS" else ())
         ok = ("bf16", "fp32") if n == "dP" else ("bf16",)  # dP never feeds an MMA: fp32 in registers
         if f not in ok:
             raise PlanError(f"gradient {n} : {f} is not supported by the sm100a backward ({' or '.join(ok)})",
                             spec.loc(f"backward.{n}") or spec.loc("backward"))
     return reuse, grads
+
+
+def _check_fp8_do(spec, bw) -> None:
+    """FP8 dO (E4M3 or E5M2, one scale per (batch, head)): dP^T = V dO^T and dV += P^T dO become
+    kind::f8f6f4 MMAs, which take V as the forward quantized it (E4M3, one scale per (batch,
+    kv head)) and P^T as E4M3 of 2^8 P (the reference's rule: ``fp4gen.numerics.reference``)."""
+    fdo = bw.format_of("dO")
+    where = spec.loc("backward.dO") or spec.loc("backward")
+    if fdo.granularity not in (ScaleGranularity.TENSOR, ScaleGranularity.NONE):
+        raise PlanError(f"dO : {fdo}: the sm100a backward scales FP8 dO per (batch, head) (the scale folds into "
+                        f"dP^T and dV after their MMAs); write `dO : {fdo.format.value}`", where)
+    if spec.v.format is not Format.FP8E4M3 or spec.v.granularity not in (ScaleGranularity.TENSOR,
+                                                                          ScaleGranularity.NONE):
+        raise PlanError(f"FP8 dO needs the forward's V as fp8e4m3(scale=tensor) (dP^T = V dO^T is one kind::f8f6f4 "
+                        f"MMA: it cannot mix FP8 with bf16 or take V's block scales), got V : {spec.v}", where)
+    if spec.p.format is not Format.FP8E4M3:
+        raise PlanError(f"FP8 dO needs P : fp8e4m3 in the forward (dV += P^T dO reads P^T as E4M3), "
+                        f"got P : {spec.p.format.value}", where)
 
 
 def plan_backward_sm100(plan: KernelPlan) -> BackwardPlanSm100:
@@ -255,26 +288,34 @@ def plan_backward_sm100(plan: KernelPlan) -> BackwardPlanSm100:
         raise PlanError(f"the sm100a backward template is written for head_dim 64 and 128, not {d}",
                         spec.loc("head_dim"))
     reuse, grads = _refuse_formats(spec)
-    mfmt = "bf16"
-    kind = MMA_KIND[mfmt]
+    do_fp8 = dict(grads)["dO"].startswith("fp8")
+    # dP^T = V dO^T and dV += P^T dO take dO's format; S^T, dK and dQ stay bf16
+    dfmt = "fp8" if do_fp8 else "bf16"
+    if do_fp8:  # P^T is E4M3 in TMEM: half the columns of bf16 P^T
+        tmem, dq_alias = tmem_map(d, m, n, loc=spec.loc("head_dim"), p_bits=8)
+    kind, dkind = MMA_KIND["bf16"], MMA_KIND[dfmt]
+    # with an FP8 dO: V (the forward's payload) and P^T are E4M3, dO the spec's FP8 type
+    v_f, p_f, do_f = ("fp8e4m3", "fp8e4m3", dict(grads)["dO"]) if do_fp8 else ("bf16",) * 3
     mmas = (
-        BwdMmaSm100("S", "S^T = K Q^T", kind, n, m, d, "smem", "K", "K", mfmt, "S", "zero_init"),
-        BwdMmaSm100("dP", "dP^T = V dO^T", kind, n, m, d, "smem", "K", "K", mfmt, "dP", "zero_init"),
-        BwdMmaSm100("dV", "dV += P^T dO", kind, n, d, m, "tmem", "K", "MN", mfmt, "dV", "across_tiles"),
-        BwdMmaSm100("dK", "dK += dS^T Q", kind, n, d, m, "smem", "K", "MN", mfmt, "dK", "across_tiles"),
-        BwdMmaSm100("dQ", "dQ = dS K", kind, m, d, n, "smem", "MN", "MN", mfmt, "dQ", "zero_init"),
+        BwdMmaSm100("S", "S^T = K Q^T", kind, n, m, d, "smem", "K", "K", "bf16", "S", "zero_init"),
+        BwdMmaSm100("dP", "dP^T = V dO^T", dkind, n, m, d, "smem", "K", "K", dfmt, "dP", "zero_init", v_f, do_f),
+        BwdMmaSm100("dV", "dV += P^T dO", dkind, n, d, m, "tmem", "K", "MN", dfmt, "dV", "across_tiles", p_f, do_f),
+        BwdMmaSm100("dK", "dK += dS^T Q", kind, n, d, m, "smem", "K", "MN", "bf16", "dK", "across_tiles"),
+        BwdMmaSm100("dQ", "dQ = dS K", kind, m, d, n, "smem", "MN", "MN", "bf16", "dQ", "zero_init"),
     )
+    mfmt = "bf16+fp8" if do_fp8 else "bf16"
 
     eb = 2  # bf16
+    vb = 1 if do_fp8 else 2  # V and dO: E4M3/E5M2 payloads with an FP8 dO
     fixed = [
         SmemItem("K", n * d * eb, f"{n} keys x {d}; A of S^T (K-major) and, viewed MN-major, B of dQ"),
-        SmemItem("V", n * d * eb, f"{n} keys x {d}; A of dP^T"),
+        SmemItem("V", n * d * vb, f"{n} keys x {d}; A of dP^T"),
         SmemItem("dS", n * m * eb, f"dS^T {n} keys x {m} queries bf16; A of dK (K-major) and of dQ (MN-major)"),
     ]
 
     def ring(stages):
         return [SmemItem("Q", stages * m * d * eb, f"{stages} x {m} x {d}; B of S^T (K-major) and of dK (MN-major)"),
-                SmemItem("dO", stages * m * d * eb, f"{stages} x {m} x {d}; B of dP^T (K-major) and of dV (MN-major)")]
+                SmemItem("dO", stages * m * d * vb, f"{stages} x {m} x {d}; B of dP^T (K-major) and of dV (MN-major)")]
 
     def barriers(stages):
         # K/V once, the Q/dO ring, S+dP ready, P+dS published, dQ ready, dK/dV final: full + empty each
@@ -310,8 +351,13 @@ def plan_backward_sm100(plan: KernelPlan) -> BackwardPlanSm100:
         "causal: bottom-right aligned (key j visible to query i iff j <= i + Sk - Sq); a CTA skips the query "
         "tiles entirely above its keys and masks per element" if spec.mask is Mask.CAUSAL else
         "no mask: every query tile; keys past Sk masked",
-        "S^T is recomputed from the caller's bf16 Q and K (V is never reused: dP^T = V dO^T needs bf16 V)",
-        "P^T and dS^T are rounded to bf16 for the MMAs; dP^T stays fp32 (TMEM, then registers)",
+        "S^T is recomputed from the caller's bf16 Q and K" + (
+            "; V is quantized as the forward does (E4M3, one scale per (batch, kv head)) and dO to "
+            f"{dict(grads)['dO']} with one scale per (batch, head): dP^T and dV are kind::f8f6f4 MMAs, their "
+            "scales applied to dP^T in registers and to dV in the epilogue" if do_fp8 else
+            " (V is never reused: dP^T = V dO^T needs bf16 V)"),
+        ("P^T is E4M3 of 2^8 P for dV" if do_fp8 else "P^T is rounded to bf16 for dV")
+        + "; dS^T to bf16 for dK and dQ; dP^T stays fp32 (TMEM, then registers)",
         "LSE2 and D are read from global memory by the compute threads (32 queries per 16-byte-load batch)",
         f"Q/dO ring of {q_stages} stage(s): {total} of {SMEM_LIMIT_BYTES} bytes of SMEM",
     ]
@@ -330,7 +376,7 @@ def plan_backward_sm100(plan: KernelPlan) -> BackwardPlanSm100:
         reuse=reuse,
         grad_formats=grads,
         mma_format=mfmt,
-        mma_kind=kind,
+        mma_kind="+".join(sorted({m.kind for m in mmas})),
         mmas=mmas,
         deterministic=deterministic,
         dq_reduction="ordered_atomic_fp32" if deterministic else "atomic_fp32",

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from fp4gen.lowering import sm100
+from fp4gen.numerics import reference as refnum
+from fp4gen.numerics.formats import E4M3, E5M2, decode, round_to
 
 import bwd100 as H
 
@@ -32,8 +34,15 @@ CASES = {  # name: (B, Sq, Sk, H, Hkv)
 def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
     """What the compiled kernel computes, CTA by CTA, in float32 torch."""
     bf = torch.bfloat16
-    q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h = args
+    q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk_h, dv_h, scales = args
     assert dk_h.dtype == (torch.float32 if gqa else bf)
+    cfg = mod.BWD_CONFIG
+    if cfg.do_fp8:  # V and dO come as FP8 codes; their scales apply after dP^T's and dV's MMAs
+        assert v.dtype == do.dtype == torch.uint8
+        v = decode(v, E4M3)
+        do = decode(do, {"e4m3": E4M3, "e5m2": E5M2}[cfg.do_format])
+    else:
+        assert torch.equal(scales, torch.ones_like(scales))
     BM, BN = mod.BWD_CONFIG.tile_m, mod.BWD_CONFIG.tile_n
     B, Sq, Hh, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -69,15 +78,17 @@ def emulate_kernel(mod, args, softmax_scale, causal_offset, gqa):
             if mod.BWD_CONFIG.causal:
                 bad = bad | (key > qry + causal_offset)
             P = torch.exp2((S * c - lse2[:, :, None, q0:q0 + BM]).masked_fill(bad, float("-inf")))
-            dP = Vt @ dOt.transpose(-1, -2)
+            dP = Vt @ dOt.transpose(-1, -2) * scales[:, :, 0, None, None]
             dS = P * (dP - dsum[:, :, None, q0:q0 + BM])
-            Pb, dSb = P.to(bf).float(), dS.to(bf).float()
+            Pb = round_to(P * 2.0 ** cfg.p_fp8_scale_log2, E4M3) if cfg.do_fp8 else P.to(bf).float()
+            dSb = dS.to(bf).float()
             dV += Pb @ dOt
             dK += dSb @ Qt
             dq_acc[:, :, q0:q0 + BM] += dSb.transpose(-1, -2) @ Kt
         rows = slice(k0, min(k0 + BN, Sk))
         nr = rows.stop - rows.start
         dk_h[:, rows] = (dK[:, :, :nr] * softmax_scale).permute(0, 2, 1, 3).to(dk_h.dtype)
+        dV = dV * scales[:, :, 1, None, None]  # FP8 dO: s_do / 2^8 (bf16: 1)
         dv_h[:, rows] = dV[:, :, :nr].permute(0, 2, 1, 3).to(dv_h.dtype)
 
 
@@ -121,7 +132,9 @@ def modules(tmp_path_factory):
     causal = H.load_source(sm100.render(H.example_plan()), tmp / "causal.py")
     plan_nc = H.plan_text(H.spec_text(name="bwd_host_nc", causal=False, det=True))
     noncausal = H.load_source(sm100.render(plan_nc), tmp / "noncausal.py")
-    return {True: causal, False: noncausal}
+    plan_fp8 = H.plan_text(H.spec_text(name="bwd_host_fp8", extra="    dO : fp8e4m3\n    dP : fp32\n"))
+    fp8 = H.load_source(sm100.render(plan_fp8), tmp / "fp8.py")
+    return {True: causal, False: noncausal, "fp8": fp8, "fp8_spec": plan_fp8.spec}
 
 
 @pytest.fixture
@@ -159,6 +172,26 @@ def test_host_and_tile_algorithm_match_the_exact_gradient(case, causal, modules,
     errs = run_case(mod, case, causal)
     # bf16 P^T / dS^T / outputs give about 2.5e-3 on these cases (a wrong diagonal gives > 0.5)
     assert max(errs) < 1e-2, dict(zip(("dq", "dk", "dv"), errs))
+
+
+@pytest.mark.parametrize("case", ["basic", "ragged_200", "sq100_sk300", "gqa_6_2"])
+def test_fp8_do_host_and_tile_algorithm_match_the_reference_backend(case, modules, on_cpu):
+    """FP8 dO (E4M3 here): the module's quantization of V and dO, its scales and D, and the tile
+    algorithm, against fp4gen's reference backward of the same spec (its own FP8 numerics)."""
+    mod = on_cpu(modules["fp8"])
+    B, Sq, Sk, Hh, Hkv = CASES[case]
+    gen = torch.Generator().manual_seed(1)
+    q, do = (torch.randn(B, Sq, Hh, 128, generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Sk, Hkv, 128, generator=gen).to(torch.bfloat16) for _ in range(2))
+    o, lse, exact = exact_grads(q, k, v, do, True, mod.SOFTMAX_SCALE)
+    got = mod.backward(q, k, v, o, lse, do)
+    ref = refnum.backward(q, k, v, o, lse, do, modules["fp8_spec"])
+    errs = {n: rel_l2(x, r) for n, x, r in zip(("dq", "dk", "dv"), got, ref)}
+    far = {n: rel_l2(x, r) for n, x, r in zip(("dq", "dk", "dv"), got, exact)}
+    # the same numerics up to fp32 summation order and bf16 outputs; the exact gradient is
+    # 1-4 % away (E4M3 dO and V, E4M3 P^T)
+    assert max(errs.values()) < 1e-3, errs
+    assert 2e-3 < max(far.values()) < 0.1, far
 
 
 def test_a_wrong_causal_start_is_caught(modules, on_cpu):

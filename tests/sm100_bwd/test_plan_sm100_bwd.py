@@ -7,6 +7,7 @@ from fp4gen.ir.dump import to_json, to_text
 from fp4gen.ir.passes import PlanError, plan_kernel
 from fp4gen.ir.passes.backward_sm100 import BackwardPlanSm100, plan_backward_sm100, tmem_map
 from fp4gen.ir.plan import REGISTERS_PER_SM, SMEM_LIMIT_BYTES, TMEM_COLUMNS
+from fp4gen.ir.spec import Format, OperandFormat
 from fp4gen.lowering import LoweringError, sm100
 from fp4gen.lowering.sm100_bwd import context, render_backward
 
@@ -101,12 +102,52 @@ def test_refuses_reusing_nvfp4_qk_at_the_reuse_line():
     assert any("reuse lse" in n for n in e.notes)
 
 
-def test_refuses_fp8_gradients_at_their_line():
-    text = H.spec_text(extra="    dO : fp8e5m2\n")
+def test_fp8_do_plans_dp_and_dv_as_f8f6f4():
+    """FP8 dO: dP^T and dV become kind::f8f6f4 (E4M3 V / P^T x dO's type, 32 K per instruction),
+    P^T takes a quarter of S^T's columns, V and dO half the SMEM; S^T, dK, dQ stay bf16."""
+    bf = plan_backward_sm100(H.plan_text(H.spec_text()))
+    bp = plan_backward_sm100(H.plan_text(H.spec_text(extra="    dO : fp8e5m2\n")))
+    got = {m.name: (m.kind, m.formats(), m.instructions) for m in bp.mmas}
+    assert got == {"S": ("kind::f16", ("bf16", "bf16"), 8),
+                   "dP": ("kind::f8f6f4", ("fp8e4m3", "fp8e5m2"), 4),
+                   "dV": ("kind::f8f6f4", ("fp8e4m3", "fp8e5m2"), 4),
+                   "dK": ("kind::f16", ("bf16", "bf16"), 8), "dQ": ("kind::f16", ("bf16", "bf16"), 8)}
+    assert bp.mma_kind == "kind::f16+kind::f8f6f4" and bp.mma_format == "bf16+fp8"
+    p = next(r for r in bp.tmem.regions if r.name == "P")
+    assert (p.first_col, p.last_col, p.alias_of) == (0, 31, "S")
+    smem = {i.name: i.bytes for i in bp.smem}
+    smem_bf = {i.name: i.bytes for i in bf.smem}
+    assert smem["V"] * 2 == smem_bf["V"] and smem["dO"] * 2 == smem_bf["dO"] and smem["K"] == smem_bf["K"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("    dS : fp8e4m3\n", ["FP8 dS on sm100a is not implemented", "dS : fp8e4m3"]),
+    ("    dO : fp8e4m3(scale=token)\n", ["scales FP8 dO per (batch, head)", "dO : fp8e4m3(scale=token)"]),
+    ("    dK : fp8e4m3\n", ["FP8 dK on sm100a", "dK : fp8e4m3"]),
+])
+def test_refuses_other_fp8_gradients_at_their_line(extra, words):
+    text = H.spec_text(extra=extra)
     e = _refusal(text)
-    assert e.message == "FP8 gradient operands on sm100a are not implemented yet (dO : fp8e5m2)"
-    assert text.splitlines()[e.loc.line - 1].strip() == "dO : fp8e5m2"
-    assert any("kind::f8f6f4" in n for n in e.notes)
+    assert words[0] in e.message, e.message
+    assert text.splitlines()[e.loc.line - 1].strip() == words[1]
+
+
+@pytest.mark.parametrize("field, fmt, words", [
+    ("v", OperandFormat(Format.BF16), "fp8e4m3(scale=tensor)"),
+    ("p", OperandFormat(Format.MXFP4), "P : fp8e4m3"),
+])
+def test_fp8_do_needs_the_forwards_fp8_v_and_p(field, fmt, words):
+    """(The sm100a forward planner refuses such forwards first; the backward's own check is
+    called directly so that it cannot rot behind it.)"""
+    import dataclasses
+
+    from fp4gen.ir.passes.backward_sm100 import _check_fp8_do
+
+    text = H.spec_text(extra="    dO : fp8e4m3\n")
+    spec = dataclasses.replace(H.plan_text(text).spec, **{field: fmt})
+    with pytest.raises(PlanError) as e:
+        _check_fp8_do(spec, spec.backward)
+    assert words in e.value.message and text.splitlines()[e.value.loc.line - 1].strip() == "dO : fp8e4m3"
 
 
 def test_refuses_a_backward_without_lse():

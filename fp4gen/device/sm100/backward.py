@@ -26,6 +26,9 @@ from fp4gen.device.sm100.config import BackwardKernelConfig
 from fp4gen.device.sm100.copies import tma_part
 
 BF16 = cutlass.BFloat16
+E4M3 = cutlass.Float8E4M3FN
+# element type of dO (and of V and P^T with it) by BackwardKernelConfig.do_format
+DO_DTYPE = {"bf16": BF16, "e4m3": E4M3, "e5m2": cutlass.Float8E5M2}
 CHUNK = 32  # TMEM columns per tcgen05.ld.32x32b.x32 (one register per column)
 
 
@@ -33,9 +36,9 @@ def slice0(layout):
     return cute.slice_(layout, (None, None, None, 0))
 
 
-def view(src, layout):
+def view(src, layout, dtype=BF16):
     """The same SMEM bytes through another MMA's (transposed) operand layout."""
-    return cute.make_tensor(cute.recast_ptr(src.iterator, layout.inner, dtype=BF16), layout.outer)
+    return cute.make_tensor(cute.recast_ptr(src.iterator, layout.inner, dtype=dtype), layout.outer)
 
 
 def gemm(mma, acc, tA, tB, accumulate_first):
@@ -64,14 +67,20 @@ class AttentionBwdSm100:
         self.s_tiler = (BN, BM, D)  # S^T = K Q^T, dP^T = V dO^T: M keys, N queries, K head dim
         self.kv_tiler = (BN, D, BM)  # dV += P^T dO, dK += dS^T Q: M keys, N head dim, K queries
         self.q_tiler = (BM, D, BN)  # dQ = dS K: M queries, N head dim, K keys
+        # operand types of dP^T = V dO^T and dV += P^T dO: bf16, or with an FP8 dO the forward's
+        # E4M3 V, dO's FP8 type and P^T as E4M3 of 2^8 P
+        self.do_dtype = DO_DTYPE[cfg.do_format]
+        self.v_dtype = E4M3 if cfg.do_fp8 else BF16
+        self.p_dtype = E4M3 if cfg.do_fp8 else BF16
 
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,  # bf16 (B, S, H, D)
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,  # (B, S, H, D): bf16; V, dO FP8 with do_fp8
         mLSE2: cute.Tensor, mDsum: cute.Tensor,  # fp32 (B, H, Sqp): the forward's LSE2, rowsum(dO O)
         mdQacc: cute.Tensor, mdQturn: cute.Tensor,  # fp32 (B, H, Sqp, D), int32 (B, H, Sqp / tile_m)
         mdK: cute.Tensor, mdV: cute.Tensor,  # (B, Sk, H, D), per query head (fp32 for GQA)
+        mScale: cute.Tensor,  # fp32 (B, H, 2): FP8 dO's dP^T and dV factors (read only with do_fp8)
         scale_log2: Float32, softmax_scale: Float32, causal_offset: Int32, stream,
     ):
         cfg = self.config
@@ -83,10 +92,12 @@ class AttentionBwdSm100:
                            for t in (mQ, mK, mV, mdO)]
         one = tcgen05.CtaGroup.ONE
         K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
-        # the five products (plan.mmas): bf16 operands, fp32 accumulators in TMEM (kind::f16)
+        # the five products (plan.mmas): fp32 accumulators in TMEM; bf16 operands (kind::f16) but
+        # for dP^T and dV with an FP8 dO (kind::f8f6f4, which reads 8-bit operands MN-major too)
+        VT, DOT, PT = self.v_dtype, self.do_dtype, self.p_dtype
         mma_s = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, K_, Float32, one, self.s_tiler[:2])
-        mma_dp = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, K_, Float32, one, self.s_tiler[:2])
-        mma_dv = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, MN_, Float32, one, self.kv_tiler[:2],
+        mma_dp = sm100_utils.make_trivial_tiled_mma(VT, DOT, K_, K_, Float32, one, self.s_tiler[:2])
+        mma_dv = sm100_utils.make_trivial_tiled_mma(PT, DOT, K_, MN_, Float32, one, self.kv_tiler[:2],
                                                     tcgen05.OperandSource.TMEM)  # A = P^T from TMEM
         mma_dk = sm100_utils.make_trivial_tiled_mma(BF16, BF16, K_, MN_, Float32, one, self.kv_tiler[:2])
         mma_dq = sm100_utils.make_trivial_tiled_mma(BF16, BF16, MN_, MN_, Float32, one, self.q_tiler[:2])
@@ -94,15 +105,15 @@ class AttentionBwdSm100:
         # MMA through the same bytes (K-major (rows, 64-element swizzle atoms) == the MN-major
         # view of the transposed operand)
         sK_l = sm100_utils.make_smem_layout_a(mma_s, self.s_tiler, BF16, 1)
-        sV_l = sm100_utils.make_smem_layout_a(mma_dp, self.s_tiler, BF16, 1)
+        sV_l = sm100_utils.make_smem_layout_a(mma_dp, self.s_tiler, VT, 1)
         sQ_l = sm100_utils.make_smem_layout_b(mma_s, self.s_tiler, BF16, cfg.q_stages)
-        sdO_l = sm100_utils.make_smem_layout_b(mma_dp, self.s_tiler, BF16, cfg.q_stages)
+        sdO_l = sm100_utils.make_smem_layout_b(mma_dp, self.s_tiler, DOT, cfg.q_stages)
         sdSt_l = sm100_utils.make_smem_layout_a(mma_dk, self.kv_tiler, BF16, 1)
         sQt_l = sm100_utils.make_smem_layout_b(mma_dk, self.kv_tiler, BF16, cfg.q_stages)
-        sdOt_l = sm100_utils.make_smem_layout_b(mma_dv, self.kv_tiler, BF16, cfg.q_stages)
+        sdOt_l = sm100_utils.make_smem_layout_b(mma_dv, self.kv_tiler, DOT, cfg.q_stages)
         sdS_l = sm100_utils.make_smem_layout_a(mma_dq, self.q_tiler, BF16, 1)
         sKt_l = sm100_utils.make_smem_layout_b(mma_dq, self.q_tiler, BF16, 1)
-        tP_l = sm100_utils.make_smem_layout_a(mma_dv, self.kv_tiler, BF16, 1)  # P^T as a TMEM A operand
+        tP_l = sm100_utils.make_smem_layout_a(mma_dv, self.kv_tiler, PT, 1)  # P^T as a TMEM A operand
 
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,))
         g2s = cpasync.CopyBulkTensorTileG2SOp(one)
@@ -110,14 +121,14 @@ class AttentionBwdSm100:
         tma_v, gV = cute.nvgpu.make_tiled_tma_atom_A(g2s, mV, slice0(sV_l), self.s_tiler, mma_dp, cluster_vmnk.shape)
         tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_B(g2s, mQ, slice0(sQ_l), self.s_tiler, mma_s, cluster_vmnk.shape)
         tma_do, gdO = cute.nvgpu.make_tiled_tma_atom_B(g2s, mdO, slice0(sdO_l), self.s_tiler, mma_dp, cluster_vmnk.shape)
-        self.kv_bytes = cute.size_in_bytes(BF16, slice0(sK_l)) + cute.size_in_bytes(BF16, slice0(sV_l))
-        self.qdo_bytes = cute.size_in_bytes(BF16, slice0(sQ_l)) + cute.size_in_bytes(BF16, slice0(sdO_l))
+        self.kv_bytes = cute.size_in_bytes(BF16, slice0(sK_l)) + cute.size_in_bytes(VT, slice0(sV_l))
+        self.qdo_bytes = cute.size_in_bytes(BF16, slice0(sQ_l)) + cute.size_in_bytes(DOT, slice0(sdO_l))
 
         grid = (cute.ceil_div(seqlen_k, BN), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
             tma_k, gK, tma_v, gV, tma_q, gQ, tma_do, gdO,
-            mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV,
+            mLSE2, mDsum, mdQacc, mdQturn, mdK, mdV, mScale,
             sK_l, sV_l, sQ_l, sdO_l, sdSt_l, sQt_l, sdOt_l, sdS_l, sKt_l, tP_l,
             seqlen_q, seqlen_k, kv_group, scale_log2, softmax_scale, causal_offset,
         ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream,
@@ -131,7 +142,7 @@ class AttentionBwdSm100:
         tma_k: cute.CopyAtom, gK_all: cute.Tensor, tma_v: cute.CopyAtom, gV_all: cute.Tensor,
         tma_q: cute.CopyAtom, gQ_all: cute.Tensor, tma_do: cute.CopyAtom, gdO_all: cute.Tensor,
         mLSE2: cute.Tensor, mDsum: cute.Tensor, mdQacc: cute.Tensor, mdQturn: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor, mScale: cute.Tensor,
         sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
         sdO_l: cute.ComposedLayout, sdSt_l: cute.ComposedLayout, sQt_l: cute.ComposedLayout,
         sdOt_l: cute.ComposedLayout, sdS_l: cute.ComposedLayout, sKt_l: cute.ComposedLayout,
@@ -163,11 +174,12 @@ class AttentionBwdSm100:
         smem = utils.SmemAllocator()
         st = smem.allocate(Storage)
         sK = smem.allocate_tensor(BF16, sK_l.outer, 1024, sK_l.inner)
-        sV = smem.allocate_tensor(BF16, sV_l.outer, 1024, sV_l.inner)
+        sV = smem.allocate_tensor(self.v_dtype, sV_l.outer, 1024, sV_l.inner)
         sQ = smem.allocate_tensor(BF16, sQ_l.outer, 1024, sQ_l.inner)
-        sdO = smem.allocate_tensor(BF16, sdO_l.outer, 1024, sdO_l.inner)
+        sdO = smem.allocate_tensor(self.do_dtype, sdO_l.outer, 1024, sdO_l.inner)
         sdSt = smem.allocate_tensor(BF16, sdSt_l.outer, 1024, sdSt_l.inner)
-        sQt, sdOt, sKt, sdS = view(sQ, sQt_l), view(sdO, sdOt_l), view(sK, sKt_l), view(sdSt, sdS_l)
+        sQt, sKt, sdS = view(sQ, sQt_l), view(sK, sKt_l), view(sdSt, sdS_l)
+        sdOt = view(sdO, sdOt_l, self.do_dtype)
 
         # CuTe's checker (compile option "warnings") reports C3 "arrive count may not match
         # the mbarrier.init count (effective count: 32)" for the four barriers with a `wg`
@@ -208,7 +220,7 @@ class AttentionBwdSm100:
         tdKt = acc("dK", mma_dk, self.kv_tiler)
         tdQt = acc("dQ", mma_dq, self.q_tiler)
         tdVrP = mma_dv.make_fragment_A(
-            cute.make_tensor(cute.recast_ptr(tmem_base + cfg.first_col("P"), dtype=BF16), slice0(tP_l).outer))
+            cute.make_tensor(cute.recast_ptr(tmem_base + cfg.first_col("P"), dtype=self.p_dtype), slice0(tP_l).outer))
 
         # query tiles that see this CTA's keys
         m_max = cute.ceil_div(seqlen_q, BM)
@@ -284,7 +296,7 @@ class AttentionBwdSm100:
             self.set_registers(cfg.regs_compute, cfg.regs_compute_increase)
             tmem.relinquish_alloc_permit()
             self.compute(tidx % 128, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,
-                         mLSE2, mDsum, mdK, mdV, n_block, head, batch, m_min, n_tiles, seqlen_k,
+                         mLSE2, mDsum, mdK, mdV, mScale, n_block, head, batch, m_min, n_tiles, seqlen_k,
                          scale_log2, softmax_scale, causal_offset)
         # ============================ dQ warps =============================
         if warp >= 4 and warp < 8:
@@ -314,7 +326,7 @@ class AttentionBwdSm100:
 
     @cute.jit
     def compute(self, t: Int32, mma_dv, tdVrP, tStS, tdPt, tdVt, tdKt, sdSt, s_cons, p_prod, dkv_cons,
-                mLSE2, mDsum, mdK, mdV, n_block: Int32, head: Int32, batch: Int32, m_min: Int32,
+                mLSE2, mDsum, mdK, mdV, mScale, n_block: Int32, head: Int32, batch: Int32, m_min: Int32,
                 n_tiles: Int32, seqlen_k: Int32, scale_log2: Float32, softmax_scale: Float32,
                 causal_offset: Int32):
         """One thread per key (TMEM lane t): P^T and dS^T of its row, then its dK/dV rows."""
@@ -331,10 +343,12 @@ class AttentionBwdSm100:
         # P^T goes to TMEM through the dV MMA's own A-operand fragment (tdVrP at the plan's P
         # columns): the tcgen05.st partition of that fragment decides which column holds which
         # query, as in CUTLASS's Blackwell fmha backward. Its source side is
-        # (((16, 2), 1), 1, 1, BM / 32): one 16-column store per chunk of 32 queries, registers
-        # in query order (the order tcgen05.ld.32x32b gave the scores). Chunk c lands in P + 16c,
-        # inside S^T chunk c // 2 (P starts at S, the lowering checks it), already loaded.
-        st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(CHUNK * BF16.width // 32)), BF16)
+        # (((16, 2), 1), 1, 1, BM / 32) for bf16: one 16-column store per chunk of 32 queries
+        # (8 columns for E4M3), registers in query order (the order tcgen05.ld.32x32b gave the
+        # scores). Chunk c lands in P + 16c (8c), inside S^T chunk c // 2 (c // 4) (P starts at
+        # S, the lowering checks it), already loaded.
+        PT = self.p_dtype
+        st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(CHUNK * PT.width // 32)), PT)
         thr_r2t = tcgen05.make_tmem_copy(st, tdVrP).get_slice(t)
         tRT_tP = thr_r2t.partition_D(tdVrP)
         p_shape = thr_r2t.partition_S(mma_dv.get_slice(0).partition_A(cute.make_identity_tensor((BN, BM)))).shape
@@ -342,11 +356,16 @@ class AttentionBwdSm100:
 
         key = n_block * BN + t
         key_out = key >= seqlen_k  # TMA filled this key's K/V rows with zeros: P must be 0
+        # FP8 dO: dP^T = s_do s_v (dO8 V8^T) and dV = (s_do / 2^8) (P8^T dO8), P8 = e4m3(2^8 P)
+        dp_scale, dv_scale, p_scale = Float32(1.0), Float32(1.0), Float32(1.0)
+        if const_expr(cfg.do_fp8):
+            dp_scale, dv_scale = mScale[batch, head, 0], mScale[batch, head, 1]
+            p_scale = Float32(2.0 ** cfg.p_fp8_scale_log2)
         for it in cutlass.range(n_tiles, unroll=1):
             q0 = (m_min + it) * BM
             hs = s_cons.wait_and_advance()
             hp = p_prod.acquire_and_advance()  # the previous tile's dV/dK/dQ read P^T and dS^T
-            rP = cute.make_rmem_tensor(p_shape, BF16)
+            rP = cute.make_rmem_tensor(p_shape, PT)
             for c in cutlass.range_constexpr(BM // CHUNK):
                 rS = cute.make_rmem_tensor(reg_shape, Float32)
                 rdP = cute.make_rmem_tensor(reg_shape, Float32)
@@ -372,10 +391,14 @@ class AttentionBwdSm100:
                     if const_expr(cfg.causal):
                         bad = bad | (key > qi + causal_offset)  # bottom-right aligned diagonal
                     p = cute.math.exp2(Float32(cutlass.select_(bad, -Float32.inf, x)), fastmath=True)
-                    p32[e] = p
-                    ds32[e] = p * (ds32[e] - dsum_c[e])  # dS^T = P^T (dP^T - D)
+                    if const_expr(cfg.do_fp8):
+                        ds32[e] = p * (ds32[e] * dp_scale - dsum_c[e])  # dS^T = P^T (dP^T - D)
+                        p32[e] = p * p_scale
+                    else:
+                        ds32[e] = p * (ds32[e] - dsum_c[e])
+                        p32[e] = p
                 rPc = rP[None, None, None, c]
-                cute.make_tensor(rPc.iterator, cute.make_layout(CHUNK)).store(p32.load().to(BF16))
+                cute.make_tensor(rPc.iterator, cute.make_layout(CHUNK)).store(p32.load().to(PT))
                 cute.copy(thr_r2t, rPc, tRT_tP[None, None, None, c])
                 dsb = cute.make_rmem_tensor((CHUNK,), BF16)
                 dsb.store(ds32.load().to(BF16))
@@ -394,7 +417,8 @@ class AttentionBwdSm100:
         # ---- epilogue: dV and dK (scaled) rows of this thread's key -> global ----
         hd = dkv_cons.wait_and_advance()
         visited = n_tiles > 0  # a key tile no query sees has zero gradients (TMEM never written)
-        for acc_t, out, scaled in ((tdVt, mdV, False), (tdKt, mdK, True)):
+        # dV carries FP8 dO's factor (bf16: none), dK the softmax scale
+        for acc_t, out, factor, scaled in ((tdVt, mdV, dv_scale, cfg.do_fp8), (tdKt, mdK, softmax_scale, True)):
             cl = cute.composition(acc_t.layout, cute.make_layout((BN, CHUNK)))
             for c in cutlass.range_constexpr(D // CHUNK):
                 src_t = cute.make_tensor(acc_t.iterator + CHUNK * c, cl)
@@ -406,7 +430,7 @@ class AttentionBwdSm100:
                     for e in cutlass.range_constexpr(CHUNK):
                         v = r[e]
                         if const_expr(scaled):
-                            v = v * softmax_scale
+                            v = v * factor
                         v = Float32(cutlass.select_(visited, v, Float32(0.0)))
                         out[batch, key, head, c * CHUNK + e] = v.to(out.element_type)
         hd.release()

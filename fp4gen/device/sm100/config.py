@@ -141,6 +141,11 @@ class BackwardKernelConfig:
     q_stages: int  # Q/dO ring depth (plan: SMEM budget)
     causal: bool
     deterministic: bool  # dQ: key tiles add into each query tile in ascending order
+    # FP8 dO: dP^T = V dO^T and dV += P^T dO are kind::f8f6f4 (V E4M3, dO ``do_format``, P^T
+    # E4M3 of 2^8 P in TMEM); their scales come in per (batch, head) and apply after the MMAs
+    do_fp8: bool
+    do_format: str  # "bf16", "e4m3" or "e5m2"
+    p_fp8_scale_log2: int  # P^T's fixed scale with an FP8 dO: E4M3 of 2^this P
     # dQ accumulates in dP^T's columns (informational: either way the MMA warp waits for the
     # dQ warps' drain of the previous tile before it issues the next tile's first MMA)
     dq_aliases_dp: bool

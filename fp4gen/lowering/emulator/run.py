@@ -522,10 +522,12 @@ def emulate_forward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int = 
 
 # kernel(...) argument name -> index of the host ``__call__`` argument it views (the order of
 # ``launch``'s args: q, k, v, do, lse2, dsum, dq_acc, dq_turn, dk, dv)
-_BWD_HOST_ARGS = {"q": 0, "k": 1, "v": 2, "do": 3, "lse2": 4, "dsum": 5, "dq": 6, "turn": 7, "dk": 8, "dv": 9}
+_BWD_HOST_ARGS = {"q": 0, "k": 1, "v": 2, "do": 3, "lse2": 4, "dsum": 5, "dq": 6, "turn": 7, "dk": 8, "dv": 9,
+                  "scale": 10}
 _BWD_TMA = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_do": "do"}
 _BWD_COORD = {"gQ_all": "q", "gK_all": "k", "gV_all": "v", "gdO_all": "do"}
-_BWD_MEMREF = {"mLSE2": "lse2", "mDsum": "dsum", "mdQacc": "dq", "mdQturn": "turn", "mdK": "dk", "mdV": "dv"}
+_BWD_MEMREF = {"mLSE2": "lse2", "mDsum": "dsum", "mdQacc": "dq", "mdQturn": "turn", "mdK": "dk", "mdV": "dv",
+               "mScale": "scale"}
 _TORCH_ELEM = {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}
 
 
@@ -543,8 +545,8 @@ class BackwardEmulationResult:
     dq: "object"  # torch (B, Sq, H, D) bf16, what the module's backward returned
     dk: "object"
     dv: "object"
-    reference: tuple  # float64 (dq, dk, dv) of the exact gradient
-    errors: dict  # "dq"/"dk"/"dv" -> relative L2 error against the reference
+    reference: tuple  # (dq, dk, dv) of the oracle: exact float64, or fp4gen's reference backend
+    errors: dict  # "dq"/"dk"/"dv" -> relative L2 error against the oracle
     ctas: int
     traces: list  # one T.Trace per CTA, in launch order
     seconds: float
@@ -555,11 +557,23 @@ class BackwardEmulationResult:
     seqlen_k: int = 256
     causal_offset: int = 0
     notes: list = field(default_factory=list)
+    # "exact" (float64 autograd) for bf16 MMAs; "reference" (fp4gen.numerics.reference.backward
+    # with the module's spec) with an FP8 dO, whose rounding the exact gradient cannot gate
+    oracle: str = "exact"
+    exact_errors: dict = field(default_factory=dict)  # against the exact gradient, always
 
 
 # bf16 P^T / dS^T (the MMA operands) and bf16 outputs: the host tests' tile model of the same
 # algorithm reaches about 2.5e-3; a wrong diagonal or a lost key tile gives > 0.1
 BWD_TOLERANCE = 1e-2
+# against the reference backend of an FP8-dO module's own spec: the same roundings, so what is
+# left is fp32 summation order (about 5e-5 on the verify case); a scale or format fault is > 0.1
+BWD_REFERENCE_TOLERANCE = 1e-3
+
+
+def backward_tolerance(res) -> float:
+    """The gate of a BackwardEmulationResult: by its oracle."""
+    return BWD_TOLERANCE if res.oracle == "exact" else BWD_REFERENCE_TOLERANCE
 
 
 def rel_l2_error(x, ref) -> float:
@@ -601,7 +615,7 @@ class BackwardLauncher:
 
     def __init__(self, source, module: P.Module, mlir: str, ptx_text: str, *, schedule="eager",
                  strict_aligned=True, smem_fill=0, tmem_fill=0, ops=None, roles=None, kernel="",
-                 max_instructions=5_000_000):
+                 max_instructions=5_000_000, fp8_elems=None):
         self.source, self.module, self.mlir, self.ptx_text = source, module, mlir, ptx_text
         self.schedule, self.strict_aligned = schedule, strict_aligned
         self.smem_fill, self.tmem_fill, self.ops = smem_fill, tmem_fill, ops
@@ -609,6 +623,7 @@ class BackwardLauncher:
         self.traces, self.instructions, self.seconds, self.notes = [], 0, 0.0, []
         self.causal_offset, self.ctas = None, 0
         self.max_instructions = max_instructions
+        self.fp8_elems = fp8_elems or {}  # host argument -> CuTe element type of its uint8 codes
 
     def params(self, args, addresses, scale, causal_offset) -> tuple:
         """(param bytes, tensor maps) for these host tensors at these global addresses."""
@@ -657,8 +672,11 @@ class BackwardLauncher:
             if len(data) > p.size:
                 raise ValueError(f"argument {name}: {len(data)} bytes for the {p.size}-byte {p.name}")
             out[off:off + len(data)] = data
-        gba = {_BWD_HOST_ARGS[n]: (addresses[n], *kview[n], _TORCH_ELEM[str(args[_BWD_HOST_ARGS[n]].dtype)[6:]])
-               for n in ("q", "k", "v", "do")}
+        def elem(n):  # CuTe's element type of a host tensor (FP8 codes travel as uint8)
+            dt = str(args[_BWD_HOST_ARGS[n]].dtype)[6:]
+            return self.fp8_elems[n] if dt == "uint8" else _TORCH_ELEM[dt]
+
+        gba = {_BWD_HOST_ARGS[n]: (addresses[n], *kview[n], elem(n)) for n in ("q", "k", "v", "do")}
         tmaps = tma.tensor_maps(self.mlir, gba, self.ptx_text)
         if tma_params - set(tmaps):
             raise ValueError(f"tensor_maps gave no map for PTX params {sorted(tma_params - set(tmaps))}")
@@ -764,7 +782,9 @@ def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int =
     launcher = BackwardLauncher(module_source, module, mlir, ptx_text, schedule=schedule,
                                 strict_aligned=strict_aligned, smem_fill=smem_fill, tmem_fill=tmem_fill,
                                 ops=ops, roles=roles, kernel=mod.KERNEL_NAME + ".backward",
-                                max_instructions=max_instructions)
+                                max_instructions=max_instructions,
+                                fp8_elems={"v": "f8E4M3FN", "do": {"e4m3": "f8E4M3FN", "e5m2": "f8E5M2"}.get(
+                                    mod.BWD_CONFIG.do_format)})
 
     def launch(args, s, off, gqa):
         return launcher(args, s, off + causal_offset_error, gqa)
@@ -780,8 +800,19 @@ def emulate_backward(module_source: str, *, seqlen_q: int = 256, seqlen_k: int =
         es.enter_context(mock.patch.object(checks, "require_arch", lambda *a, **kw: None))
         dq, dk, dv = mod._BWD_HOST.backward(q, k, v, o, lse, do, softmax_scale=softmax_scale,
                                             launch=launch)
-    errors = {n: rel_l2_error(x, r) for n, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref)}
+    exact_errors = {n: rel_l2_error(x, r) for n, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref)}
+    errors, oracle = exact_errors, "exact"
+    if mod.BWD_CONFIG.do_fp8:
+        # the module's own numerics (FP8 dO and V, E4M3 P^T): the reference backend of its spec
+        import dataclasses
+
+        from fp4gen.numerics import reference as refnum
+
+        spec = dataclasses.replace(_spec_of(mod), softmax_scale=scale)
+        ref = refnum.backward(q, k, v, o, lse, do, spec)
+        errors, oracle = {n: rel_l2_error(x, r) for n, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref)}, "reference"
     return BackwardEmulationResult(kernel=mod.KERNEL_NAME, dq=dq, dk=dk, dv=dv, reference=ref, errors=errors,
+                                   oracle=oracle, exact_errors=exact_errors,
                                    ctas=launcher.ctas, traces=launcher.traces, seconds=time.time() - t0,
                                    instructions=launcher.instructions, emulation_seconds=launcher.seconds,
                                    schedule=schedule, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
