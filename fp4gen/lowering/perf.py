@@ -944,8 +944,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rebase-rate", type=float, default=REBASE_RATE_STEADY, metavar="R",
                     help="headroom rebases per KV tile charged in the main prediction (default 0: moderate "
                          "logits never rebase; the worst case, 1, is always reported beside it)")
+    ap.add_argument("--backward", action="store_true",
+                    help="the sm100a backwards of the specs instead, beside FA4's sm100 BF16 backward "
+                         "(fp4gen/lowering/perf_backward.py)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.backward:
+        return _main_backward(a)
     if not 0.0 <= a.rebase_rate <= 1.0:
         ap.error(f"--rebase-rate is rebases per KV tile, in [0, 1]: got {a.rebase_rate}")
     try:
@@ -968,6 +973,33 @@ def main(argv=None) -> int:
                   f"{r['worst_case']['ratio_vs_fa4_bf16']:10.2f}  {r['bottleneck']}")
         print(f"steady state: {rows[0]['rebase_rate'] if rows else 0:g} rebases per KV tile (moderate logits never "
               f"rebase); causal: the diagonal tiles run the masked path")
+    return 0
+
+
+def _main_backward(a) -> int:
+    from . import perf_backward
+
+    seqlens = [int(x) for x in a.seqlens.split(",") if x]
+    try:
+        rows = perf_backward.rows(a.specs, a.gpu, seqlens, a.tokens, a.heads)
+    except (FileNotFoundError, _sass.NvdisasmUnavailable, RuntimeError) as e:
+        print(f"fp4gen perf: {e}", file=sys.stderr)
+        return 1
+    if not rows:
+        print("fp4gen perf: none of the specs has an sm100a backward", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'kernel':40s} {'gpu':6s} {'S':>6s} {'TFLOP/s':>8s} {'xFA4':>6s} {'cyc/tile':>8s}  bottleneck"
+          "   (predicted backward; FA4 by the same model)")
+    for r in rows:
+        print(f"{r['kernel']:40s} {r['gpu']:6s} {r['shape']['S']:6d} {r['predicted_tflops']:8.1f} "
+              f"{r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  {r['bottleneck']}")
+    fa4 = rows[-1]
+    print(f"FA4's backward by this model: {fa4['fa4_bf16_predicted_tflops']:.0f} TFLOP/s (step "
+          f"{fa4['fa4_step']['cycles']:.0f} cycles, {fa4['fa4_step']['bottleneck']}-bound)"
+          + (f"; published on B200: ~{fa4['fa4_bf16_published_tflops']:.0f}" if fa4["fa4_bf16_published_tflops"] else ""))
     return 0
 
 
