@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Masks beyond dense causal: varlen and sliding-window forwards beside FA4's, in one GPU run.
 
-For each fp4gen sm90a recipe (BF16, FP8 exp, FP8 Direct-P; their dense causal example specs,
-the mask or layout given at the call as flash_attn users give it) and FA4's CuTe BF16 forward
+For each fp4gen sm90a recipe (BF16, FP8 exp, FP8 Direct-P; for each mask the example kernel
+compiled for it, ``RECIPES``, called as flash_attn users call) and FA4's CuTe BF16 forward
 (``flash_attn.cute.flash_attn_func`` / ``flash_attn_varlen_func``), on the same inputs:
 
 - ``dense``: causal, B x S (S = --seqlen, B = --tokens // S);
@@ -29,11 +29,20 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RECIPES = {  # name -> the dense causal example spec of the recipe
-    "fp4gen-bf16": "examples/sm90_bf16_d128.attn::sm90_bf16_causal_d128",
-    "fp4gen-fp8-exp": "examples/sm90_fp8_exp_d128.attn::sm90_fp8_exp_causal_d128",
-    "fp4gen-fp8-directp": "examples/sm90_fp8_directp_d128.attn::sm90_fp8_directp_causal_d128",
-}
+# name -> mask -> the example kernel that serves it (a generated kernel is compiled for its
+# spec's mask and layout: the dense causal kernel does not run varlen or a window; None: the
+# recipe has no such example and its row says so)
+RECIPES = {
+    "fp4gen-bf16": {"dense": "examples/sm90_bf16_d128.attn::sm90_bf16_causal_d128",
+                    "varlen": "examples/sm90_bf16_varlen_d128.attn::sm90_bf16_varlen_causal_d128",
+                    "window": "examples/sm90_bf16_window_bwd_d128.attn::sm90_bf16_window_bwd_d128"},
+    "fp4gen-fp8-exp": {"dense": "examples/sm90_fp8_exp_d128.attn::sm90_fp8_exp_causal_d128",
+                       "varlen": "examples/sm90_fp8_varlen_d128.attn::sm90_fp8_exp_varlen_causal_d128",
+                       "window": None},
+    "fp4gen-fp8-directp": {"dense": "examples/sm90_fp8_directp_d128.attn::sm90_fp8_directp_causal_d128",
+                           "varlen": "examples/sm90_fp8_varlen_d128.attn::sm90_fp8_directp_varlen_causal_d128",
+                           "window": "examples/sm90_fp8_directp_window_d128.attn::sm90_fp8_directp_window_d128"},
+}  # the window examples are window(255, 0): --window 255
 FA4 = "fa4-cute-bf16"
 
 
@@ -104,16 +113,22 @@ def main(argv=None) -> int:
     cases = {  # kind -> (lengths for the FLOP count, {kernel: callable}, first head's (q, k, v, out getter))
         "dense": [S] * B, "varlen": lengths, "window": [S] * B}
 
-    def calls(name, spec):
+    def missing(kind):
+        def fn():
+            raise LookupError(f"no {kind} example kernel for this recipe")
+        return fn
+
+    def calls(name, specs):
         if name == FA4:
             return {"dense": lambda: flash_attn_func(qd, kd, vd, causal=True),
                     "varlen": lambda: flash_attn_varlen_func(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                              max_seqlen_q=S, max_seqlen_k=S, causal=True),
                     "window": lambda: flash_attn_func(qd, kd, vd, causal=True, window_size=w)}
-        return {"dense": lambda: attention(qd, kd, vd, spec=spec, causal=True, backend="generated"),
-                "varlen": lambda: attention_varlen(qv, kv, vv, cu, cu, S, S, spec=spec, causal=True,
-                                                   backend="generated"),
-                "window": lambda: attention(qd, kd, vd, spec=spec, window_size=w, backend="generated")}
+        out = {"dense": lambda: attention(qd, kd, vd, spec=specs["dense"], causal=True, backend="generated"),
+               "varlen": lambda: attention_varlen(qv, kv, vv, cu, cu, S, S, spec=specs["varlen"], causal=True,
+                                                  backend="generated"),
+               "window": lambda: attention(qd, kd, vd, spec=specs["window"], window_size=w, backend="generated")}
+        return {k: fn if specs[k] else missing(k) for k, fn in out.items()}
 
     kernels = {FA4: None} | {n: s for n, s in RECIPES.items() if n in a.recipes.split(",")}
     refs = {"dense": reference(qd[0, :, 0], kd[0, :, 0], vd[0, :, 0], "dense", a.window),
