@@ -779,11 +779,12 @@ def check_backward_conformance(bp, artifacts: Artifacts) -> list:
     if ordered != (bp.dq_reduction == "ordered_atomic_fp32"):
         out.append(Mismatch("ptx.bwd.dq.order", bp.dq_reduction, "turns (acquire/release)" if ordered else "none",
                             "ptx", "deterministic dQ takes turns per query tile"))
-    # P^T stores: one per 32 queries (16 columns of bf16 pairs), together covering P's columns
+    # P^T stores: one per 32 queries (16 columns of bf16 pairs, 8 of E4M3 quads), together
+    # covering P's columns, in each copy of the tile body (the masked and unmasked ones)
     p_cols = regs["P"][1] - regs["P"][0] + 1
     want_w = p_cols // (bp.tile_m // 32)
     widths = [int(x) for x in re.findall(r"tcgen05\.st\.sync\.aligned\.32x32b\.x(\d+)", ptx)]
-    if set(widths) != {want_w} or sum(widths) != p_cols:
+    if set(widths) != {want_w} or sum(widths) % p_cols or not widths:
         out.append(Mismatch("ptx.bwd.p_store.width", f"{bp.tile_m // 32} x tcgen05.st .x{want_w} ({p_cols} columns)",
                             widths, "ptx"))
     # every P^T store is waited on and dS^T (generic-proxy SMEM stores) fenced before the arrive

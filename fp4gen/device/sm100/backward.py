@@ -356,58 +356,39 @@ class AttentionBwdSm100:
 
         key = n_block * BN + t
         key_out = key >= seqlen_k  # TMA filled this key's K/V rows with zeros: P must be 0
-        # FP8 dO: dP^T = s_do s_v (dO8 V8^T) and dV = (s_do / 2^8) (P8^T dO8), P8 = e4m3(2^8 P)
-        dp_scale, dv_scale, p_scale = Float32(1.0), Float32(1.0), Float32(1.0)
+        # Per element, two at a time (f32x2): x = S^T c + nl, P = exp2(x), t = dP^T f + nD,
+        # dS^T = P t. bf16: nl = -LSE2, f = 1, nD = -D. FP8 dO: P^T goes out as E4M3 of 2^8 P,
+        # so the 2^8 is folded into the exponent (nl = 8 - LSE2: exp2 gives 2^8 P) and its
+        # inverse into dS^T's factor (f = s_do s_v / 2^8, nD = -D / 2^8): exact powers of two.
+        # The FP8 scales: dP^T = s_do s_v (dO8 V8^T), dV = (s_do / 2^8) (P8^T dO8).
+        p_log2 = 0.0
+        dp_scale, dv_scale = Float32(1.0), Float32(1.0)
         if const_expr(cfg.do_fp8):
-            dp_scale, dv_scale = mScale[batch, head, 0], mScale[batch, head, 1]
-            p_scale = Float32(2.0 ** cfg.p_fp8_scale_log2)
+            p_log2 = float(cfg.p_fp8_scale_log2)
+            dp_scale = mScale[batch, head, 0] * Float32(2.0 ** -cfg.p_fp8_scale_log2)
+            dv_scale = mScale[batch, head, 1]
+        d_mul = Float32(-(2.0 ** -p_log2))
+        # a tile needs the per-element mask only if one of its (key, query) pairs is hidden:
+        # keys past Sk (the last key tile) or, causal, above the diagonal (warp-uniform)
+        last_key = n_block * BN + BN - 1
+        keys_in = last_key < seqlen_k
+        ctx = (t, key, key_out, batch, head, mLSE2, mDsum, scale_log2, causal_offset, p_log2, d_mul, dp_scale,
+               thr_ld, tS_src, tdP_src, reg_shape, thr_r2t, tRT_tP, sdSt)
+
         for it in cutlass.range(n_tiles, unroll=1):
             q0 = (m_min + it) * BM
             hs = s_cons.wait_and_advance()
             hp = p_prod.acquire_and_advance()  # the previous tile's dV/dK/dQ read P^T and dS^T
             rP = cute.make_rmem_tensor(p_shape, PT)
-            for c in cutlass.range_constexpr(BM // CHUNK):
-                rS = cute.make_rmem_tensor(reg_shape, Float32)
-                rdP = cute.make_rmem_tensor(reg_shape, Float32)
-                cute.copy(thr_ld, tS_src[c], rS)
-                cute.copy(thr_ld, tdP_src[c], rdP)
-                cute.arch.fence_view_async_tmem_load()
-                # P^T and dS^T replace S^T and dP^T in place (registers are the limit here)
-                p32 = cute.make_tensor(rS.iterator, cute.make_layout(CHUNK))
-                ds32 = cute.make_tensor(rdP.iterator, cute.make_layout(CHUNK))
-                # LSE2 and D of these 32 queries as 16-byte loads: the offset divides by 32 because
-                # the host pads each (batch, head) row to whole query tiles (sqp = 128 k)
-                row0 = cute.assume(cute.crd2idx((batch, head, q0 + c * CHUNK), mLSE2.layout), 32)
-                lse_c = cute.make_rmem_tensor((CHUNK,), Float32)
-                dsum_c = cute.make_rmem_tensor((CHUNK,), Float32)
-                cute.autovec_copy(cute.make_tensor(mLSE2.iterator + row0, cute.make_layout(CHUNK)), lse_c)
-                cute.autovec_copy(cute.make_tensor(mDsum.iterator + row0, cute.make_layout(CHUNK)), dsum_c)
-                for e in cutlass.range_constexpr(CHUNK):
-                    qi = q0 + c * CHUNK + e
-                    # P^T = exp2(S^T c - LSE2): the forward's softmax row, recomputed; LSE2 is
-                    # +inf past Sq and for rows that saw no key, so P = 0 there
-                    x = p32[e] * scale_log2 - lse_c[e]
-                    bad = key_out
-                    if const_expr(cfg.causal):
-                        bad = bad | (key > qi + causal_offset)  # bottom-right aligned diagonal
-                    p = cute.math.exp2(Float32(cutlass.select_(bad, -Float32.inf, x)), fastmath=True)
-                    if const_expr(cfg.do_fp8):
-                        ds32[e] = p * (ds32[e] * dp_scale - dsum_c[e])  # dS^T = P^T (dP^T - D)
-                        p32[e] = p * p_scale
-                    else:
-                        ds32[e] = p * (ds32[e] - dsum_c[e])
-                        p32[e] = p
-                rPc = rP[None, None, None, c]
-                cute.make_tensor(rPc.iterator, cute.make_layout(CHUNK)).store(p32.load().to(PT))
-                cute.copy(thr_r2t, rPc, tRT_tP[None, None, None, c])
-                dsb = cute.make_rmem_tensor((CHUNK,), BF16)
-                dsb.store(ds32.load().to(BF16))
-                # dS^T row -> SMEM in the dK MMA's A layout ((key, query % 16), 0, query // 16):
-                # 16 queries are contiguous there (the 128-byte swizzle moves 16-byte units),
-                # so each half-chunk is two 16-byte stores
-                for kb in cutlass.range_constexpr(CHUNK // 16):
-                    dst = sdSt[((t, None), 0, c * (CHUNK // 16) + kb, 0)]
-                    cute.autovec_copy(cute.make_tensor(dsb.iterator + 16 * kb, cute.make_layout(16)), dst)
+            unmasked = keys_in
+            if const_expr(cfg.causal):
+                unmasked = unmasked & (last_key <= q0 + causal_offset)
+            if unmasked:
+                for c in cutlass.range_constexpr(BM // CHUNK):
+                    self.chunk(c, q0, rP, False, ctx)
+            else:
+                for c in cutlass.range_constexpr(BM // CHUNK):
+                    self.chunk(c, q0, rP, True, ctx)
             # P^T stores complete (tcgen05.wait::st) and dS^T visible to the tensor pipe
             cute.arch.fence_view_async_tmem_store()
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -434,6 +415,61 @@ class AttentionBwdSm100:
                         v = Float32(cutlass.select_(visited, v, Float32(0.0)))
                         out[batch, key, head, c * CHUNK + e] = v.to(out.element_type)
         hd.release()
+
+    def chunk(self, c, q0, rP, masked: bool, ctx):
+        """Scores of 32 queries (chunk c) of query tile q0 -> P^T (TMEM) and dS^T (SMEM) of this
+        thread's key. A plain Python helper (CuTe DSL stages no closures), unrolled where it is
+        traced (its loops and branches are Python's); ``ctx`` holds the compute loop's values."""
+        cfg = self.config
+        PT = self.p_dtype
+        (t, key, key_out, batch, head, mLSE2, mDsum, scale_log2, causal_offset, p_log2, d_mul, dp_scale,
+         thr_ld, tS_src, tdP_src, reg_shape, thr_r2t, tRT_tP, sdSt) = ctx
+        rS = cute.make_rmem_tensor(reg_shape, Float32)
+        rdP = cute.make_rmem_tensor(reg_shape, Float32)
+        cute.copy(thr_ld, tS_src[c], rS)
+        cute.copy(thr_ld, tdP_src[c], rdP)
+        cute.arch.fence_view_async_tmem_load()
+        # P^T and dS^T replace S^T and dP^T in place (registers are the limit here)
+        p32 = cute.make_tensor(rS.iterator, cute.make_layout(CHUNK))
+        ds32 = cute.make_tensor(rdP.iterator, cute.make_layout(CHUNK))
+        # LSE2 and D of these 32 queries as 16-byte loads: the offset divides by 32 because
+        # the host pads each (batch, head) row to whole query tiles (sqp = 128 k)
+        row0 = cute.assume(cute.crd2idx((batch, head, q0 + c * CHUNK), mLSE2.layout), 32)
+        lse_c = cute.make_rmem_tensor((CHUNK,), Float32)
+        dsum_c = cute.make_rmem_tensor((CHUNK,), Float32)
+        cute.autovec_copy(cute.make_tensor(mLSE2.iterator + row0, cute.make_layout(CHUNK)), lse_c)
+        cute.autovec_copy(cute.make_tensor(mDsum.iterator + row0, cute.make_layout(CHUNK)), dsum_c)
+        for e in range(0, CHUNK, 2):
+            # LSE2 is +inf past Sq and for rows that saw no key: x = -inf, P = 0 there
+            nl = cute.arch.fma_packed_f32x2((lse_c[e], lse_c[e + 1]), (Float32(-1.0), Float32(-1.0)),
+                                            (Float32(p_log2), Float32(p_log2)))
+            x = cute.arch.fma_packed_f32x2((p32[e], p32[e + 1]), (scale_log2, scale_log2), nl)
+            xs = [x[0], x[1]]
+            if masked:
+                for i in range(2):
+                    bad = key_out
+                    if cfg.causal:  # bottom-right aligned diagonal
+                        bad = bad | (key > q0 + c * CHUNK + e + i + causal_offset)
+                    xs[i] = Float32(cutlass.select_(bad, -Float32.inf, xs[i]))
+            p = [cute.math.exp2(xs[i], fastmath=True) for i in range(2)]
+            nd = cute.arch.mul_packed_f32x2((dsum_c[e], dsum_c[e + 1]), (d_mul, d_mul))
+            if cfg.do_fp8:
+                tt = cute.arch.fma_packed_f32x2((ds32[e], ds32[e + 1]), (dp_scale, dp_scale), nd)
+            else:
+                tt = cute.arch.add_packed_f32x2((ds32[e], ds32[e + 1]), nd)
+            ds32[e], ds32[e + 1] = cute.arch.mul_packed_f32x2((p[0], p[1]), tt)  # dS^T = P^T (dP^T - D)
+            p32[e], p32[e + 1] = p[0], p[1]
+        rPc = rP[None, None, None, c]
+        cute.make_tensor(rPc.iterator, cute.make_layout(CHUNK)).store(p32.load().to(PT))
+        cute.copy(thr_r2t, rPc, tRT_tP[None, None, None, c])
+        dsb = cute.make_rmem_tensor((CHUNK,), BF16)
+        dsb.store(ds32.load().to(BF16))
+        # dS^T row -> SMEM in the dK MMA's A layout ((key, query % 16), 0, query // 16):
+        # 16 queries are contiguous there (the 128-byte swizzle moves 16-byte units),
+        # so each half-chunk is two 16-byte stores
+        for kb in range(CHUNK // 16):
+            dst = sdSt[((t, None), 0, c * (CHUNK // 16) + kb, 0)]
+            cute.autovec_copy(cute.make_tensor(dsb.iterator + 16 * kb, cute.make_layout(16)), dst)
 
     @cute.jit
     def dq_reduce(self, t: Int32, tdQt, dq_cons, mdQacc, mdQturn, n_block: Int32, head: Int32,

@@ -51,20 +51,22 @@ def test_gradients_match_the_reference_backend(sq, sk, heads, batch):
     assert not res.notes
 
 
-def _scale_loads(ptx: str):
-    """The two ld.global.b32 of the (batch, head) scales: [base] (dP^T's) and [base+4] (dV's)."""
+def _scale_loads(ptx: str) -> dict:
+    """The two ld.global.b32 of the (batch, head) scales: offset "" (dP^T's) and "+4" (dV's) ->
+    (destination register, base register)."""
     hits = re.findall(r"ld\.global\.b32 \t(%r\d+), \[(%rd\d+)(\+4)?\];", ptx)
-    assert [h[2] for h in hits] == ["", "+4"] and hits[0][1] == hits[1][1], hits
-    return hits
+    by = {off: (reg, base) for reg, base, off in hits}
+    assert len(hits) == 2 and set(by) == {"", "+4"} and by[""][1] == by["+4"][1], hits
+    return by
 
 
 def _dv_reads_the_dp_scale(ptx: str) -> str:
-    (_, base, _), (reg, _, _) = _scale_loads(ptx)
+    reg, base = _scale_loads(ptx)["+4"]
     return ptx.replace(f"ld.global.b32 \t{reg}, [{base}+4];", f"ld.global.b32 \t{reg}, [{base}];")
 
 
 def _dp_reads_the_dv_scale(ptx: str) -> str:
-    (reg, base, _), _ = _scale_loads(ptx)
+    reg, base = _scale_loads(ptx)[""]
     return ptx.replace(f"ld.global.b32 \t{reg}, [{base}];", f"ld.global.b32 \t{reg}, [{base}+4];")
 
 
