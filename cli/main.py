@@ -10,7 +10,8 @@
     fp4gen verify SPEC... [--kernel K] [--json]  compile sm100a kernels on the CPU, check them against the plan
     fp4gen regenerate [--check] [--root DIR]   generated/ from examples/*.attn
     fp4gen selftest [--json]                   Blackwell smoke kit: unit kernels + sm100a examples (sm_100 only)
-    fp4gen perf SPEC... [--gpu G] [--json]     predicted TFLOP/s and ratio to FA4 BF16 from the SASS (a model)
+    fp4gen perf SPEC... [--gpu G] [--backward] [--json]
+                                               predicted TFLOP/s and ratio to FA4 BF16 from the SASS (a model)
     fp4gen tune SPEC [--kernel K] [--shapes B,S,H[,D] ...] [--budget-s N] [--limit N] [--write] [--dry-run] [--json]
                                                time the sm90a schedule choices on the GPU; --write keeps the fastest
     fp4gen demo                                compile + schedule + accuracy of the paper's recipe
