@@ -336,7 +336,10 @@ class AttentionBwdSm100:
         chunk_l = cute.composition(tStS.layout, cute.make_layout((BN, CHUNK)))
         s_chunks = [cute.make_tensor(tStS.iterator + CHUNK * c, chunk_l) for c in range(BM // CHUNK)]
         dp_chunks = [cute.make_tensor(tdPt.iterator + CHUNK * c, chunk_l) for c in range(BM // CHUNK)]
-        thr_ld = tcgen05.make_tmem_copy(ld, s_chunks[0]).get_slice(t)
+        # a warp's tcgen05.ld/st address depends only on its warp: sliced by the warp's first
+        # thread, marked uniform, the address stays in a uniform register (no R2UR per load)
+        t_warp = cute.arch.make_warp_uniform(t // 32) * 32
+        thr_ld = tcgen05.make_tmem_copy(ld, s_chunks[0]).get_slice(t_warp)
         tS_src = [thr_ld.partition_S(x) for x in s_chunks]
         tdP_src = [thr_ld.partition_S(x) for x in dp_chunks]
         reg_shape = thr_ld.partition_D(s_chunks[0]).shape
@@ -349,7 +352,7 @@ class AttentionBwdSm100:
         # S, the lowering checks it), already loaded.
         PT = self.p_dtype
         st = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(CHUNK * PT.width // 32)), PT)
-        thr_r2t = tcgen05.make_tmem_copy(st, tdVrP).get_slice(t)
+        thr_r2t = tcgen05.make_tmem_copy(st, tdVrP).get_slice(t_warp)
         tRT_tP = thr_r2t.partition_D(tdVrP)
         p_shape = thr_r2t.partition_S(mma_dv.get_slice(0).partition_A(cute.make_identity_tensor((BN, BM)))).shape
         assert cute.rank(p_shape) == 4 and cute.size(p_shape, mode=[3]) == BM // CHUNK, p_shape
@@ -480,7 +483,8 @@ class AttentionBwdSm100:
         ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(CHUNK)), Float32)
         chunk_l = cute.composition(tdQt.layout, cute.make_layout((BM, CHUNK)))
         chunks = [cute.make_tensor(tdQt.iterator + CHUNK * c, chunk_l) for c in range(D // CHUNK)]
-        thr_ld = tcgen05.make_tmem_copy(ld, chunks[0]).get_slice(t)
+        # sliced by the warp's first thread, marked uniform (see ``compute``)
+        thr_ld = tcgen05.make_tmem_copy(ld, chunks[0]).get_slice(cute.arch.make_warp_uniform(t // 32) * 32)
         src = [thr_ld.partition_S(x) for x in chunks]
         reg_shape = thr_ld.partition_D(chunks[0]).shape
         for it in cutlass.range(n_tiles, unroll=1):

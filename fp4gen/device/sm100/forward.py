@@ -561,7 +561,14 @@ class AttentionFwdSm100:
         chunk_l = cute.composition(tStS.layout, cute.make_layout((cfg.tile_m, 32)))
         tS_chunks = [cute.make_tensor(tStS.iterator + 32 * c, chunk_l) for c in range(cfg.tile_n // 32)]
         ld = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-        thr_ld = tcgen05.make_tmem_copy(ld, tS_chunks[0]).get_slice(t)
+        # a warp's tcgen05.ld/st address depends only on its warp (the 32 lanes it serves):
+        # slicing by the warp's first thread, marked uniform, lets ptxas keep the address in a
+        # uniform register instead of an R2UR before each of the tile's loads and stores
+        # (Direct-P only: the FP8 exp path then spilled 16 bytes)
+        t_warp = t
+        if const_expr(cfg.direct_p):
+            t_warp = cute.arch.make_warp_uniform(t // 32) * 32
+        thr_ld = tcgen05.make_tmem_copy(ld, tS_chunks[0]).get_slice(t_warp)
         tS_t = [thr_ld.partition_S(x) for x in tS_chunks]
         tS_rc = [cute.make_rmem_tensor(thr_ld.partition_D(x).shape, Float32) for x in tS_chunks]
         # P_j and the O rescale use fp32-typed views of their plan columns; one row of P is
@@ -580,7 +587,7 @@ class AttentionFwdSm100:
             tStP_parts = [cute.make_tensor(tStS.iterator + p_off + h * part_cols, part_l)
                           for h in range(self.p_parts)]
             st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(part_cols)), Float32)
-            thr_st = tcgen05.make_tmem_copy(st_atom, tStP_parts[0]).get_slice(t)
+            thr_st = tcgen05.make_tmem_copy(st_atom, tStP_parts[0]).get_slice(t_warp)
         # O_j's rescale: 32-column chunks on the exp and two-level paths; 16 for the rebase's
         # (its 32-column chunks spilled 176 B; see scale_o)
         o_view = self.o_chunks(tOtO, t, 16 if cfg.direct_p else 32)
