@@ -87,7 +87,10 @@ def _dp_column_off_by_one(ptx: str) -> str:
 
     dp0 = _load_module(_source()).BWD_CONFIG.first_col("dP")
     lines, defs = _ld_address_defs(ptx)
-    hits = [d for d in defs if d[3] == dp0]
+    # the compute warps' chunk addresses come first (S^T + 32 c, dP^T + 32 c from one base);
+    # the epilogue's dV/dK chunks add the same constants to other bases
+    table = min(d for d in defs if d[3] == 32)[2]
+    hits = [d for d in defs if d[3] == dp0 and d[2] == table]
     assert len(hits) == 1, hits
     i, reg, base, col = hits[0]
     lines[i] = lines[i].replace(f", {col};", f", {col + 1};")
