@@ -278,8 +278,9 @@ def _p_store_column_off_by_one(ptx: str) -> str:
     """Planted fault: the second P^T chunk (bf16 pairs, TMEM columns 16-31) stored from column 17."""
     st_addr = set(re.findall(r"tcgen05\.st\.[^\n]*\[(%r\d+)\]", ptx))
     lines = ptx.split("\n")
+    # (an add, or an or where the lane bits and the column cannot overlap: uniform slices)
     hits = [i for i, ln in enumerate(lines)
-            if (m := re.match(r"\s*add\.s32\s+(%r\d+), %r\d+, 16;", ln)) and m.group(1) in st_addr]
+            if (m := re.match(r"\s*(?:add\.s32|or\.b32)\s+(%r\d+), %r\d+, 16;", ln)) and m.group(1) in st_addr]
     assert len(hits) == 1, hits
     lines[hits[0]] = lines[hits[0]].replace(", 16;", ", 17;")
     return "\n".join(lines)
