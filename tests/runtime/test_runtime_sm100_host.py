@@ -82,7 +82,8 @@ def test_backward_prepares_padded_operands_and_sums_gqa(cpu_backward_checks, hea
     seen = {}
 
     def launch(args, scale, offset, gqa):
-        q, k, v, do, lse2, dsum, dq_acc, turn, dk_h, dv_h = args
+        q, k, v, do, lse2, dsum, dq_acc, turn, dk_h, dv_h, scales = args
+        assert scales.shape == (1, heads, 2) and (scales == 1).all()  # bf16 dO: no FP8 factors
         seen.update(scale=scale, offset=offset, gqa=gqa, lse2=lse2.clone(), dsum=dsum.clone(),
                     shapes=[tuple(t.shape) for t in args], dk_dtype=dk_h.dtype)
         dq_acc.fill_(1.0)
