@@ -679,11 +679,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_perf(args) -> int:
-    """The model's own command line (fp4gen/lowering/perf.py: ``main``)."""
-    from fp4gen.lowering import perf
+    """The model's own command line (fp4gen/lowering/perf.py: ``parse_args``, ``run``; the
+    backward's: perf_backward.py ``main``)."""
+    from fp4gen.lowering import perf, perf_backward
 
     try:
-        return perf.main(args.perf_args)
+        a = perf.parse_args(args.perf_args)
+        return perf_backward.main(a) if a.backward else perf.run(a)
     except SystemExit as e:  # its argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
 

@@ -928,9 +928,9 @@ def _spec_sources(path: str) -> list:
     return out
 
 
-def main(argv=None) -> int:
-    """``fp4gen perf SPEC... [--gpu h200|b200|gb200] [--json]``: predicted forward TFLOP/s of
-    each kernel and its ratio to FA4's BF16 forward of the same mask, by the same model."""
+def parse_args(argv=None):
+    """The arguments of ``fp4gen perf`` (forward, and ``--backward``, which the CLI hands to
+    ``perf_backward.main``: that module builds on this one, not the other way)."""
     ap = argparse.ArgumentParser(
         prog="fp4gen perf",
         description="Predicted forward TFLOP/s of each kernel and its ratio to FA4's BF16 forward of "
@@ -949,10 +949,24 @@ def main(argv=None) -> int:
                          "(fp4gen/lowering/perf_backward.py)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.backward:
-        return _main_backward(a)
     if not 0.0 <= a.rebase_rate <= 1.0:
         ap.error(f"--rebase-rate is rebases per KV tile, in [0, 1]: got {a.rebase_rate}")
+    return a
+
+
+def main(argv=None) -> int:
+    """``fp4gen perf SPEC... [--gpu h200|b200|gb200] [--json]``: predicted forward TFLOP/s of
+    each kernel and its ratio to FA4's BF16 forward of the same mask, by the same model."""
+    a = parse_args(argv)
+    if a.backward:
+        print("fp4gen perf: --backward runs through the CLI (`fp4gen perf --backward`, "
+              "fp4gen/lowering/perf_backward.py: main)", file=sys.stderr)
+        return 2
+    return run(a)
+
+
+def run(a) -> int:
+    """The forward predictions for parsed ``parse_args`` arguments."""
     try:
         rows = _rows(a)
     except (FileNotFoundError, _sass.NvdisasmUnavailable, RuntimeError) as e:
@@ -973,33 +987,6 @@ def main(argv=None) -> int:
                   f"{r['worst_case']['ratio_vs_fa4_bf16']:10.2f}  {r['bottleneck']}")
         print(f"steady state: {rows[0]['rebase_rate'] if rows else 0:g} rebases per KV tile (moderate logits never "
               f"rebase); causal: the diagonal tiles run the masked path")
-    return 0
-
-
-def _main_backward(a) -> int:
-    from . import perf_backward
-
-    seqlens = [int(x) for x in a.seqlens.split(",") if x]
-    try:
-        rows = perf_backward.rows(a.specs, a.gpu, seqlens, a.tokens, a.heads)
-    except (FileNotFoundError, _sass.NvdisasmUnavailable, RuntimeError) as e:
-        print(f"fp4gen perf: {e}", file=sys.stderr)
-        return 1
-    if not rows:
-        print("fp4gen perf: none of the specs has an sm100a backward", file=sys.stderr)
-        return 1
-    if a.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(f"{'kernel':40s} {'gpu':6s} {'S':>6s} {'TFLOP/s':>8s} {'xFA4':>6s} {'cyc/tile':>8s}  bottleneck"
-          "   (predicted backward; FA4 by the same model)")
-    for r in rows:
-        print(f"{r['kernel']:40s} {r['gpu']:6s} {r['shape']['S']:6d} {r['predicted_tflops']:8.1f} "
-              f"{r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  {r['bottleneck']}")
-    fa4 = rows[-1]
-    print(f"FA4's backward by this model: {fa4['fa4_bf16_predicted_tflops']:.0f} TFLOP/s (step "
-          f"{fa4['fa4_step']['cycles']:.0f} cycles, {fa4['fa4_step']['bottleneck']}-bound)"
-          + (f"; published on B200: ~{fa4['fa4_bf16_published_tflops']:.0f}" if fa4["fa4_bf16_published_tflops"] else ""))
     return 0
 
 

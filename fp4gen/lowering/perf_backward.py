@@ -248,3 +248,30 @@ def rows(specs, gpu: Optional[str], seqlens, tokens: int, heads: int) -> list:
                 p["fa4_step"] = {x: f["step"][x] for x in ("cycles", "bottleneck", "tensor_cycles")}
                 out.append(p)
     return out
+
+
+def main(a) -> int:
+    """``fp4gen perf --backward``: the rows of ``rows`` for parsed ``perf.parse_args`` arguments,
+    as a table or JSON."""
+    seqlens = [int(x) for x in a.seqlens.split(",") if x]
+    try:
+        found = rows(a.specs, a.gpu, seqlens, a.tokens, a.heads)
+    except (FileNotFoundError, perf._sass.NvdisasmUnavailable, RuntimeError) as e:
+        print(f"fp4gen perf: {e}", file=sys.stderr)
+        return 1
+    if not found:
+        print("fp4gen perf: none of the specs has an sm100a backward", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(found, indent=1))
+        return 0
+    print(f"{'kernel':40s} {'gpu':6s} {'S':>6s} {'TFLOP/s':>8s} {'xFA4':>6s} {'cyc/tile':>8s}  bottleneck"
+          "   (predicted backward; FA4 by the same model)")
+    for r in found:
+        print(f"{r['kernel']:40s} {r['gpu']:6s} {r['shape']['S']:6d} {r['predicted_tflops']:8.1f} "
+              f"{r['ratio_vs_fa4_bf16']:6.2f} {r['cycles_per_tile']:8.0f}  {r['bottleneck']}")
+    fa4 = found[-1]
+    print(f"FA4's backward by this model: {fa4['fa4_bf16_predicted_tflops']:.0f} TFLOP/s (step "
+          f"{fa4['fa4_step']['cycles']:.0f} cycles, {fa4['fa4_step']['bottleneck']}-bound)"
+          + (f"; published on B200: ~{fa4['fa4_bf16_published_tflops']:.0f}" if fa4["fa4_bf16_published_tflops"] else ""))
+    return 0

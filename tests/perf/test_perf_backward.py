@@ -56,3 +56,12 @@ def test_prediction_counts_the_causal_tiles(kernels):
     # half the FLOPs, and (one CTA row per SM) about half the tile steps: similar TFLOP/s
     assert causal["predicted_ms"] < 0.6 * full["predicted_ms"]
     assert 0.8 < causal["predicted_tflops"] / full["predicted_tflops"] < 1.1
+
+
+def test_cli_says_when_no_spec_has_an_sm100a_backward(capsys):
+    """``fp4gen perf --backward`` on an sm90a spec: no FA4 needed, a clear message, exit 1."""
+    from fp4gen.lowering import perf, perf_backward
+
+    a = perf.parse_args(["--backward", str(ROOT / "examples" / "sm90_bf16_d128.attn"), "--seqlens", "4096"])
+    assert perf_backward.main(a) == 1
+    assert "none of the specs has an sm100a backward" in capsys.readouterr().err
