@@ -187,7 +187,9 @@ _SM90_RUNNER = textwrap.dedent("""
 # flash_attn.cute.interface._flash_attn_fwd with FLASH_ATTENTION_ARCH / CUTE_DSL_ARCH set. Two
 # things need no driver to be stubbed: quack's autotuner imports triton at module load (the
 # forward never autotunes), and the sm100 persistent scheduler asks the device for its SM count.
-_FA4_RUNNER = textwrap.dedent("""
+# FA4 imported with stubs and a fixed SM count, cute.compile captured: the runners of its
+# forward (here) and backward (perf_backward) add only their calls
+_FA4_RUNNER_SETUP = textwrap.dedent("""
     import os, sys, types
     sys.path.insert(0, sys.argv[1])
     stub = types.ModuleType("quack.autotuner")
@@ -220,6 +222,8 @@ _FA4_RUNNER = textwrap.dedent("""
     cute.compile = capture
     causal = sys.argv[2] == "1"
     B, S, H, D = 2, 4096, 16, 128
+""")
+_FA4_RUNNER = _FA4_RUNNER_SETUP + textwrap.dedent("""
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = (torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         I._flash_attn_fwd(q, k, v, causal=causal)

@@ -61,39 +61,7 @@ class BackwardKernel:
     sass: str
 
 
-_FA4_BWD_RUNNER = textwrap.dedent("""
-    import os, sys, types
-    sys.path.insert(0, sys.argv[1])
-    stub = types.ModuleType("quack.autotuner")
-    class AutotuneConfig:
-        def __init__(self, *a, **k): pass
-    class Autotuner:
-        def __init__(self, *a, **k): pass
-    stub.AutotuneConfig, stub.Autotuner = AutotuneConfig, Autotuner
-    stub.autotune = lambda *a, **k: (lambda fn: fn)
-    sys.modules["quack.autotuner"] = stub
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    import cutlass.utils
-    import cutlass.cute as cute
-    from flash_attn.cute import interface as I
-    import flash_attn.cute.tile_scheduler as ts
-    class HW:
-        def __init__(self, *a, **k): pass
-        def get_device_multiprocessor_count(self): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
-    cutlass.utils.HardwareInfo = HW
-    ts.HardwareInfo = HW
-    import warnings
-    warnings.filterwarnings("ignore")
-    compiled = []
-    orig = cute.compile
-    def capture(*a, **k):
-        r = orig(*a, **k)
-        compiled.append(r)
-        return r
-    cute.compile = capture
-    causal = sys.argv[2] == "1"
-    B, S, H, D = 2, 4096, 16, 128
+_FA4_BWD_RUNNER = perf._FA4_RUNNER_SETUP + textwrap.dedent("""
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v, o, do = (torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(5))
         lse = torch.empty(B, H, S, dtype=torch.float32, device="cuda")
